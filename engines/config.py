@@ -1,0 +1,51 @@
+"""Plain configuration objects for the engine library.
+
+Engines never read the gateway's configuration: callers (the CLI, the gateway, tests) build
+these from whatever they hold and pass them in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only transformer of the Llama / Qwen2 family."""
+
+    architecture: str  # "llama" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has biases on q/k/v projections
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an engine instance runs: memory, batching, precision."""
+
+    model: str  # path to a GGUF file or an HF safetensors directory
+    dtype: str = "bfloat16"  # activation / KV-cache dtype: "float32" | "bfloat16"
+    quantization: str | None = None  # None | "int8" | "int4" (weight-only)
+    device: str = "cpu"
+    block_size: int = 16  # tokens per KV-cache block
+    num_kv_blocks: int | None = None  # None: derive from kv_cache_bytes
+    kv_cache_bytes: int = 1 << 30
+    max_num_seqs: int = 32  # running sequences per step
+    max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
+    max_model_len: int = 4096
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch intra-op threads; None: physical cores
+    seed: int = 0
+    served_model_name: str | None = None
+    extra: dict[str, str] = field(default_factory=dict)

@@ -1,0 +1,235 @@
+"""Sluice's one typed configuration: a TOML file plus `SLUICE_*` environment overrides.
+
+Nested keys are joined by a double underscore in the environment: `SLUICE_DATABASE__URL`,
+`SLUICE_TIERS__SMALL__URL`, `SLUICE_POLICIES__DEFAULT__RPM`. Values are parsed as TOML literals
+when they parse (numbers, booleans, arrays), else taken as strings. Unknown keys and wrong types
+fail at start with a message naming the key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import msgspec
+
+CONFIG_ENV = "SLUICE_CONFIG"
+ENV_PREFIX = "SLUICE_"
+DEFAULT_CONFIG_FILE = "sluice.toml"
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the offending key."""
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class ServerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Admin API key (`Authorization: Bearer <admin_key>`); empty disables the admin API.
+    admin_key: str = ""
+    # With no key store entry, requests are refused unless this is true (local development).
+    allow_anonymous: bool = False
+    anonymous_tenant: str = "local"
+    anonymous_feature: str = "default"
+    default_tier: str = "small"
+    # Where accounting rows wait while the database is unreachable.
+    spool_dir: str = "var/spool"
+
+
+class DatabaseConfig(_Section):
+    # Postgres in production (postgresql+asyncpg://...), an SQLite file as the embedded default.
+    url: str = "sqlite+aiosqlite:///var/sluice.db"
+    pool_size: int = 5
+    flush_interval_ms: int = 200
+    flush_batch_size: int = 500
+
+
+class RedisConfig(_Section):
+    # Empty: budgets, limits and cache live in this process (one replica only).
+    url: str = ""
+
+
+class ModelsConfig(_Section):
+    cache_dir: str = "~/.cache/sluice/models"
+
+
+class TierConfig(_Section):
+    # In-process engine: a demo model name (tiny|small|large) or a GGUF file / safetensors directory.
+    model: str = ""
+    # OpenAI-compatible upstream (our engine server, vLLM, ...); when set, `model` is not loaded.
+    url: str = ""
+    upstream_model: str = ""  # model name sent upstream; defaults to the tier's served name
+    api_key: str = ""
+    # Tokenizer for counting prompt tokens of an upstream tier: a demo model name or model path.
+    tokenizer: str = ""
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    quantization: Literal["none", "int8", "int4"] = "int8"
+    kv_cache_mb: int = 512
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 4096
+    price_input_per_mtok: float = 0.0
+    price_output_per_mtok: float = 0.0
+    price_cached_input_per_mtok: float = 0.0
+    slo_ttft_p99_ms: float = 1000.0
+    slo_itl_p99_ms: float = 200.0
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 120.0
+
+
+class PolicyConfig(_Section):
+    """Defaults for every key of a feature; a key may override each field."""
+
+    allowed_tiers: list[str] = msgspec.field(default_factory=lambda: ["small", "large"])
+    max_prompt_tokens: int = 8192
+    max_output_tokens: int = 1024
+    spend_per_day_usd: float | None = None
+    spend_per_month_usd: float | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+    cache: Literal["off", "exact", "semantic"] = "semantic"
+    fallback: bool = True  # may the other tier serve when this one is down
+
+
+def _default_tiers() -> dict[str, TierConfig]:
+    return {
+        "small": TierConfig(
+            model="small",
+            price_input_per_mtok=0.05,
+            price_output_per_mtok=0.20,
+            price_cached_input_per_mtok=0.025,
+            slo_ttft_p99_ms=1500.0,
+            slo_itl_p99_ms=150.0,
+        ),
+        "large": TierConfig(
+            model="large",
+            price_input_per_mtok=0.30,
+            price_output_per_mtok=1.20,
+            price_cached_input_per_mtok=0.15,
+            slo_ttft_p99_ms=3000.0,
+            slo_itl_p99_ms=300.0,
+        ),
+    }
+
+
+class Settings(_Section):
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    database: DatabaseConfig = msgspec.field(default_factory=DatabaseConfig)
+    redis: RedisConfig = msgspec.field(default_factory=RedisConfig)
+    models: ModelsConfig = msgspec.field(default_factory=ModelsConfig)
+    tiers: dict[str, TierConfig] = msgspec.field(default_factory=dict)
+    # Feature name → policy. "default" applies to features not listed.
+    policies: dict[str, PolicyConfig] = msgspec.field(default_factory=lambda: {"default": PolicyConfig()})
+
+    def __post_init__(self) -> None:
+        if not self.tiers:
+            raise ConfigError("tiers: at least one tier must be configured")
+        for name, tier in self.tiers.items():
+            if not tier.model and not tier.url:
+                raise ConfigError(f"tiers.{name}: set either `model` (in-process) or `url` (upstream)")
+        if self.server.default_tier not in self.tiers:
+            raise ConfigError(
+                f"server.default_tier: {self.server.default_tier!r} is not a configured tier "
+                f"({', '.join(sorted(self.tiers))})"
+            )
+        for feature, policy in self.policies.items():
+            unknown = [t for t in policy.allowed_tiers if t not in self.tiers]
+            if unknown:
+                raise ConfigError(f"policies.{feature}.allowed_tiers: unknown tier(s) {unknown}")
+        if "default" not in self.policies:
+            self.policies["default"] = PolicyConfig()
+
+    def policy_for(self, feature: str) -> PolicyConfig:
+        return self.policies.get(feature) or self.policies["default"]
+
+    @property
+    def models_cache_dir(self) -> Path:
+        return Path(self.models.cache_dir).expanduser()
+
+
+def _parse_env_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _apply_env(data: dict[str, Any], environ: dict[str, str]) -> None:
+    for name, raw in sorted(environ.items()):
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV:
+            continue
+        path = [part.lower() for part in name[len(ENV_PREFIX) :].split("__") if part]
+        if len(path) < 2:
+            raise ConfigError(
+                f"environment variable {name}: use SECTION__KEY, e.g. SLUICE_DATABASE__URL"
+            )
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"environment variable {name}: {part} is not a section")
+            node = child
+        node[path[-1]] = _parse_env_value(raw)
+
+
+def _with_tier_defaults(data: dict[str, Any]) -> dict[str, Any]:
+    """Without a `tiers` table both demo tiers exist; a table naming `small` or `large` starts from
+    that tier's defaults (prices, SLOs), so overriding one key keeps the rest."""
+    defaults = {k: msgspec.to_builtins(v) for k, v in _default_tiers().items()}
+    tiers = data.setdefault("tiers", defaults)
+    if tiers is not defaults and isinstance(tiers, dict):
+        for name, tier in tiers.items():
+            if name in defaults and isinstance(tier, dict):
+                tiers[name] = {**defaults[name], **tier}
+    return data
+
+
+_PATH_RE = re.compile(r"at `\$\.?(?P<path>[^`]*)`")
+_T = TypeVar("_T")
+_UNKNOWN_RE = re.compile(r"unknown field `(?P<field>[^`]*)`")
+
+
+def _convert(value: Any, kind: type[_T], key: str) -> _T:
+    """msgspec.convert with errors that name the full dotted key."""
+    try:
+        return msgspec.convert(value, kind, strict=False)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        match = _PATH_RE.search(message)
+        if not match:
+            raise ConfigError(message) from exc
+        parts = [key, match.group("path")]
+        if unknown := _UNKNOWN_RE.search(message):
+            parts.append(unknown.group("field"))
+        raise ConfigError(f"invalid config key {'.'.join(p for p in parts if p)}: {message}") from exc
+
+
+def load_settings(path: str | os.PathLike[str] | None = None, environ: dict[str, str] | None = None) -> Settings:
+    """Read the TOML file (explicit path, else $SLUICE_CONFIG, else ./sluice.toml when present),
+    apply `SLUICE_*` overrides and validate."""
+    environ = dict(os.environ) if environ is None else environ
+    file = path or environ.get(CONFIG_ENV) or (DEFAULT_CONFIG_FILE if Path(DEFAULT_CONFIG_FILE).exists() else None)
+    data: dict[str, Any] = {}
+    if file:
+        try:
+            data = tomllib.loads(Path(file).read_text())
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file {file} does not exist") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {file}: {exc}") from exc
+    _with_tier_defaults(data)
+    _apply_env(data, environ)
+    # Tables of named entries are checked one by one so that errors name the entry.
+    for section, kind in (("tiers", TierConfig), ("policies", PolicyConfig)):
+        entries = data.get(section)
+        if isinstance(entries, dict):
+            for name, entry in entries.items():
+                _convert(entry, kind, f"{section}.{name}")
+    return _convert(data, Settings, "")

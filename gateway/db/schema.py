@@ -1,0 +1,83 @@
+"""The relational schema (SQLAlchemy 2 Core tables). Changed only together with an Alembic revision
+in `migrations/`. Portable between Postgres (production) and SQLite (embedded default)."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+metadata = sa.MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+# Virtual API keys. Only a SHA-256 of the secret is stored; `prefix` (first characters) lets people
+# recognise a key in listings. `policy` holds per-key overrides of the feature's policy (JSON).
+api_keys = sa.Table(
+    "api_keys",
+    metadata,
+    sa.Column("id", sa.String(36), primary_key=True),
+    sa.Column("key_hash", sa.String(64), nullable=False, unique=True),
+    sa.Column("prefix", sa.String(16), nullable=False),
+    sa.Column("tenant", sa.String(128), nullable=False),
+    sa.Column("feature", sa.String(128), nullable=False),
+    sa.Column("name", sa.String(256), nullable=False, server_default=""),
+    sa.Column("policy", sa.JSON, nullable=False),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("revoked_at", sa.DateTime(timezone=True), nullable=True),
+)
+
+# One row per request, written in batches off the request path.
+requests = sa.Table(
+    "requests",
+    metadata,
+    sa.Column("request_id", sa.String(64), primary_key=True),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("tenant", sa.String(128), nullable=False),
+    sa.Column("feature", sa.String(128), nullable=False),
+    sa.Column("key_id", sa.String(36), nullable=True),
+    sa.Column("endpoint", sa.String(32), nullable=False),  # chat | completions
+    sa.Column("model_requested", sa.String(128), nullable=False, server_default=""),
+    sa.Column("route", sa.String(32), nullable=True),  # tier the router chose
+    sa.Column("route_score", sa.Float, nullable=True),  # classifier difficulty score
+    sa.Column("tier", sa.String(32), nullable=True),  # tier that served
+    sa.Column("escalated", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("fallback", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("confidence", sa.Float, nullable=True),
+    sa.Column("cache_status", sa.String(16), nullable=False, server_default="miss"),  # miss|exact|semantic|off
+    sa.Column("stream", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("prompt_tokens", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("completion_tokens", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("cached_tokens", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("cost_usd", sa.Float, nullable=False, server_default="0"),
+    sa.Column("ttft_ms", sa.Float, nullable=True),
+    sa.Column("latency_ms", sa.Float, nullable=False, server_default="0"),
+    sa.Column("itl_ms_mean", sa.Float, nullable=True),
+    sa.Column("status", sa.Integer, nullable=False),  # HTTP status returned
+    sa.Column("error_code", sa.String(64), nullable=True),
+    sa.Index(None, "created_at"),
+    sa.Index(None, "tenant", "feature", "created_at"),
+    sa.Index(None, "tier", "created_at"),
+)
+
+# Daily rollups per tenant and feature, maintained by the accounting writer.
+daily_usage = sa.Table(
+    "daily_usage",
+    metadata,
+    sa.Column("day", sa.Date, primary_key=True),
+    sa.Column("tenant", sa.String(128), primary_key=True),
+    sa.Column("feature", sa.String(128), primary_key=True),
+    sa.Column("tier", sa.String(32), primary_key=True),
+    sa.Column("requests", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("errors", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("escalations", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("cache_hits", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("prompt_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("completion_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("cached_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("cost_usd", sa.Float, nullable=False, server_default="0"),
+)
