@@ -59,9 +59,11 @@ requests = sa.Table(
     sa.Column("itl_ms_mean", sa.Float, nullable=True),
     sa.Column("status", sa.Integer, nullable=False),  # HTTP status returned
     sa.Column("error_code", sa.String(64), nullable=True),
+    # Indexes serve the dashboard and admin queries; see the first migration for which query uses which.
     sa.Index(None, "created_at"),
     sa.Index(None, "tenant", "feature", "created_at"),
     sa.Index(None, "tier", "created_at"),
+    sa.Index(None, "key_id", "created_at"),
 )
 
 # Daily rollups per tenant and feature, maintained by the accounting writer.
@@ -80,4 +82,8 @@ daily_usage = sa.Table(
     sa.Column("completion_tokens", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("cached_tokens", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("cost_usd", sa.Float, nullable=False, server_default="0"),
+    # The primary key (day first) serves "all tenants over a date range"; these serve one tenant or
+    # feature over a range, and one tier over a range.
+    sa.Index(None, "tenant", "feature", "day"),
+    sa.Index(None, "tier", "day"),
 )
