@@ -1,0 +1,125 @@
+"""Weight-only int8 / int4 linears stay close to the float layer they replace."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from engines.quantization import Int4Linear, Int8Linear, quantize_int4, quantize_int8, quantize_model
+from tests.tiny_models import write_tiny_checkpoint
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+@pytest.fixture
+def linear() -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(256, 96, bias=True)
+
+
+def test_int8_weights_reconstruct_within_half_a_step() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(32, 64)
+    weight_int8, scales = quantize_int8(weight)
+    assert weight_int8.dtype == torch.int8 and scales.shape == (32,)
+    assert weight_int8.abs().amax(dim=1).eq(127).all()  # each row's largest weight uses the full range
+    error = (weight_int8.float() * scales[:, None] - weight).abs()
+    assert (error <= scales[:, None] / 2 + 1e-6).all()
+
+
+def test_int8_linear_matches_float(linear: nn.Linear) -> None:
+    x = torch.randn(2, 5, 256)
+    quantized = Int8Linear.from_linear(linear, activation_dtype=torch.float32)
+    out = quantized(x)
+    assert out.shape == (2, 5, 96) and out.dtype == torch.float32
+    # bf16 activations + int8 weights: ~1% error; a wrong scale (even by 2x) would give >= 50 %
+    assert relative_error(out, linear(x).detach()) < 0.02
+
+
+def test_outputs_come_in_the_activation_dtype(linear: nn.Linear) -> None:
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    expected = linear(x.float()).detach()
+    for quantized in (Int8Linear.from_linear(linear), Int4Linear.from_linear(linear, group_size=64)):
+        out = quantized(x)
+        assert out.dtype == torch.bfloat16 and out.shape == (3, 96)
+        assert relative_error(out, expected) < 0.15
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_linear_matches_float(linear: nn.Linear, group_size: int) -> None:
+    x = torch.randn(4, 256)
+    quantized = Int4Linear.from_linear(linear, group_size=group_size, activation_dtype=torch.float32)
+    out = quantized(x)
+    assert out.shape == (4, 96) and out.dtype == torch.float32
+    # 16 levels per group: ~8-10 % error on uniform weights; a wrong zero point or scale gives >= 30 %
+    assert relative_error(out, linear(x).detach()) < 0.15
+
+
+def test_int4_smaller_groups_are_more_accurate(linear: nn.Linear) -> None:
+    x = torch.randn(8, 256)
+    expected = linear(x).detach()
+    errors = [relative_error(Int4Linear.from_linear(linear, size, torch.float32)(x), expected) for size in (32, 128)]
+    assert errors[0] < errors[1]
+
+
+def test_int4_rejects_unsupported_groups() -> None:
+    with pytest.raises(ValueError, match="group_size must be one of"):
+        quantize_int4(torch.randn(8, 256), group_size=48)
+    with pytest.raises(ValueError, match="in_features"):
+        quantize_int4(torch.randn(16, 96), group_size=64)
+    with pytest.raises(ValueError, match="out_features"):
+        quantize_int4(torch.randn(8, 128), group_size=64)
+
+
+def test_bias_is_kept_and_optional() -> None:
+    torch.manual_seed(0)
+    with_bias = nn.Linear(128, 16)
+    nn.init.constant_(with_bias.bias, 3.0)
+    x = torch.zeros(1, 128)
+    assert torch.allclose(Int8Linear.from_linear(with_bias, torch.float32)(x), torch.full((1, 16), 3.0))
+    assert torch.allclose(Int4Linear.from_linear(with_bias, 32, torch.float32)(x), torch.full((1, 16), 3.0))
+    without_bias = nn.Linear(128, 16, bias=False)
+    assert Int8Linear.from_linear(without_bias).bias is None
+    assert Int4Linear.from_linear(without_bias, 64, torch.float32)(x).abs().max() < 1e-2
+
+
+def test_quantize_model_replaces_linears_except_skipped() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.SiLU(), nn.Linear(128, 64), nn.Linear(64, 10))
+    x = torch.randn(4, 64)
+    expected = model(x).detach()
+    quantize_model(model, "int8", torch.float32, skip=lambda name: name == "3")
+    assert isinstance(model[0], Int8Linear) and isinstance(model[2], Int8Linear)
+    assert type(model[3]) is nn.Linear
+    assert relative_error(model(x), expected) < 0.03
+    with pytest.raises(ValueError, match="unknown quantization mode"):
+        quantize_model(model, "int3", torch.bfloat16)
+
+
+def test_int4_falls_back_to_what_the_kernel_accepts() -> None:
+    model = nn.Sequential(nn.Linear(96, 16), nn.Linear(16, 32), nn.Linear(32, 8))
+    quantize_model(model, "int4", torch.bfloat16, group_size=128)
+    assert isinstance(model[0], Int4Linear) and model[0].group_size == 32  # 96 columns: groups of 32
+    assert isinstance(model[1], Int8Linear)  # 16 columns: no int4 group fits
+    assert isinstance(model[2], Int8Linear)  # 8 output rows: the int4 packing needs multiples of 16
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_tiny_model_keeps_its_predictions(tmp_path: Path, mode: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    directory = write_tiny_checkpoint(tmp_path / "llama", "llama")
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    input_ids = torch.arange(1, 33).reshape(2, 16)
+    with torch.no_grad():
+        expected = model(input_ids).logits
+        quantize_model(model, mode, torch.float32, group_size=32)
+        actual = model(input_ids).logits
+    assert not any(type(module) is nn.Linear for module in model.modules())
+    # random tiny weights make logits nearly flat, so compare the logit vectors, not the argmax
+    assert relative_error(actual, expected) < (0.05 if mode == "int8" else 0.25)
