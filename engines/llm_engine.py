@@ -1,0 +1,364 @@
+"""The engine: requests in, incremental outputs out, one `step()` at a time.
+
+`LLMEngine` is synchronous and single-threaded (scheduler → model runner → sampler →
+detokenizer). `AsyncLLMEngine` runs it on one dedicated thread and streams per-request outputs
+to asyncio consumers; it is the API the engine HTTP server and in-process tiers build on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engines.block_manager import BlockManager
+from engines.config import EngineConfig, ModelConfig
+from engines.detokenizer import IncrementalDetokenizer
+from engines.loader import Checkpoint, load_checkpoint
+from engines.model_runner import ModelRunner, kv_block_bytes
+from engines.models import model_class
+from engines.outputs import RequestOutput
+from engines.sampler import sample
+from engines.sampling_params import SamplingParams
+from engines.scheduler import Scheduler
+from engines.sequence import Sequence
+from engines.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    num_preempted_total: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int  # includes cached blocks that no request holds (evictable)
+    prefix_cache_queries_tokens: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hit_tokens: int
+    num_generated_tokens_total: int
+
+
+def physical_core_count() -> int:
+    """Physical cores this process may run on (SMT siblings counted once): the right intra-op thread count."""
+    allowed = os.sched_getaffinity(0)
+    cores = set()
+    for cpu in allowed:
+        siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        cores.add(siblings.read_text().strip() if siblings.exists() else str(cpu))
+    return max(1, len(cores))
+
+
+def build_model(model_config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                max_positions: int) -> torch.nn.Module:
+    """Instantiate the architecture without random init, in `dtype`, and load `tensors` into it."""
+    with torch.device("meta"):
+        model = model_class(model_config)(model_config, max_positions=max_positions)
+    model = model.to(dtype).to_empty(device="cpu")
+    model.load_weights(tensors)
+    return model.eval()
+
+
+class LLMEngine:
+    """Continuous-batching inference over a paged KV cache with prefix caching.
+
+    Not thread-safe: one thread calls `add_request`, `abort_request` and `step` (AsyncLLMEngine
+    does exactly that).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._setup(load_checkpoint(config.model), config)
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: Checkpoint, config: EngineConfig) -> LLMEngine:
+        """An engine over an already loaded checkpoint (`config.model` is then only a label)."""
+        engine = cls.__new__(cls)
+        engine._setup(checkpoint, config)
+        return engine
+
+    def _setup(self, checkpoint: Checkpoint, config: EngineConfig) -> None:
+        if config.dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {config.dtype!r}; expected one of {sorted(DTYPES)}")
+        if config.device != "cpu":
+            raise ValueError(f"unsupported device {config.device!r}; this engine runs on 'cpu'")
+        torch.set_num_threads(config.num_threads or physical_core_count())
+        self.config = config
+        self.model_config = checkpoint.config
+        self.tokenizer: Tokenizer = checkpoint.tokenizer
+        self.dtype = DTYPES[config.dtype]
+        self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
+        self.model = build_model(self.model_config, checkpoint.tensors, self.dtype, self.max_model_len)
+        if config.quantization is not None:
+            from engines.quantization import quantize_model
+
+            quantize_model(self.model, config.quantization, activation_dtype=self.dtype)
+        num_kv_blocks = config.num_kv_blocks or config.kv_cache_bytes // kv_block_bytes(
+            self.model_config, config.block_size, self.dtype)
+        if num_kv_blocks < 1:
+            raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds no KV block; raise it")
+        self.block_manager = BlockManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.model_config, config.block_size, num_kv_blocks, self.dtype)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+        self._rng = random.Random(config.seed)
+        self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer]] = {}
+        self._num_generated_tokens_total = 0
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError, with a message fit for the caller, if the request can never be served."""
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty; at least one token is required")
+        vocab_size = self.model_config.vocab_size
+        if any(not 0 <= token_id < vocab_size for token_id in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        if num_prompt + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but {num_prompt} prompt "
+                f"tokens + {params.max_tokens} max_tokens were requested; shorten the prompt or lower max_tokens")
+        num_blocks = self.block_manager.num_blocks_for(num_prompt + params.max_tokens)
+        if num_blocks > self.block_manager.num_blocks:
+            raise ValueError(
+                f"{num_prompt} prompt tokens + {params.max_tokens} max_tokens need {num_blocks} KV-cache blocks but "
+                f"the engine has {self.block_manager.num_blocks}; shorten the request")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; its outputs come from later `step()` calls. Raises ValueError on bad input."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_request(prompt_token_ids, params)
+        generator = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+            generator = torch.Generator().manual_seed(seed)
+        seq = Sequence(request_id, prompt_token_ids, params, generator)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
+        self._requests[request_id] = (seq, detokenizer)
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request and free its KV blocks; unknown or finished ids are ignored."""
+        entry = self._requests.pop(request_id, None)
+        if entry is not None:
+            self.scheduler.finish(entry[0], "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return one delta per request that produced a token."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        logits, seqs = self.runner.execute(batch)
+        self.scheduler.advance(batch)
+        if not seqs:
+            return []
+        token_ids, logprobs = sample(logits, [seq.params for seq in seqs], [seq.generator for seq in seqs])
+        outputs = []
+        for seq, token_id, logprob in zip(seqs, token_ids, logprobs, strict=True):
+            outputs.append(self._append_token(seq, token_id, logprob))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token_id: int, logprob: object) -> RequestOutput:
+        _, detokenizer = self._requests[seq.request_id]
+        params = seq.params
+        seq.append_token(token_id)
+        self._num_generated_tokens_total += 1
+        finish_reason = None
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            finish_reason = "stop"
+            new_text = detokenizer.flush()  # a stop token is never part of the text
+        else:
+            new_text = detokenizer.add_token(token_id)
+            if detokenizer.stopped:
+                finish_reason = "stop"
+            elif seq.num_output_tokens >= params.max_tokens:
+                finish_reason = "length"
+                new_text += detokenizer.flush()
+        if finish_reason is not None:
+            self.scheduler.finish(seq, finish_reason)
+            del self._requests[seq.request_id]
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token_id],
+            new_text=new_text,
+            logprobs=[logprob] if logprob is not None else [],  # type: ignore[list-item]
+            finished=finish_reason is not None,
+            finish_reason=finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=seq.num_output_tokens,
+        )
+
+    def stats(self) -> EngineStats:
+        free = self.block_manager.num_free_blocks
+        total = self.block_manager.num_blocks
+        return EngineStats(
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            num_preempted_total=self.scheduler.num_preempted_total,
+            kv_blocks_total=total,
+            kv_blocks_used=total - free,
+            kv_blocks_free=free,
+            prefix_cache_queries_tokens=self.scheduler.prefix_cache_queries_tokens,
+            prefix_cache_hit_tokens=self.scheduler.prefix_cache_hit_tokens,
+            num_generated_tokens_total=self._num_generated_tokens_total,
+        )
+
+
+class AsyncLLMEngine:
+    """Runs an LLMEngine's step loop on one dedicated thread and streams outputs to asyncio consumers.
+
+    Usage:
+        engine = AsyncLLMEngine(LLMEngine(config))
+        async for output in engine.generate("req-1", prompt_ids, SamplingParams(max_tokens=32)):
+            ...  # output is a delta (RequestOutput); the last one has finished=True
+        await engine.shutdown()
+
+    All engine state is touched only by the step thread; callers hand it commands. Consumers may
+    live on any event loop.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._condition = threading.Condition()
+        self._commands: list[Callable[[], None]] = []
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | BaseException]]] = {}
+        self._stopped = False
+        self._stats = engine.stats()
+        self._thread = threading.Thread(target=self._run, name="sluice-engine-step", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.engine.model_config
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Stream a request's deltas; the last one has `finished=True` and a `finish_reason`.
+
+        Raises ValueError (on the first iteration) if the request is invalid or the id is in use.
+        If the consumer stops iterating or is cancelled before the end (a client disconnect), the
+        request is aborted and its KV blocks freed.
+        """
+        self.engine.check_request(prompt_token_ids, params)  # reads only immutable configuration
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        with self._condition:
+            if self._stopped:
+                raise RuntimeError("the engine is shut down")
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = (loop, queue)
+            self._submit(lambda: self._add(request_id, list(prompt_token_ids), params))
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._condition:
+                self._streams.pop(request_id, None)
+                if not finished:
+                    self._submit(lambda: self.engine.abort_request(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with a `finish_reason="abort"` delta."""
+        with self._condition:
+            self._submit(lambda: self._abort(request_id))
+
+    def stats(self) -> EngineStats:
+        """Statistics as of the end of the latest step."""
+        return self._stats
+
+    async def shutdown(self) -> None:
+        """Stop the step thread; streams still open end with an abort delta."""
+        with self._condition:
+            self._stopped = True
+            self._condition.notify()
+        await asyncio.to_thread(self._thread.join)
+        for request_id in list(self._streams):
+            self._abort(request_id)
+
+    # -- the step thread ---------------------------------------------------------------------------
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        """Queue `command` for the step thread (caller holds the condition)."""
+        self._commands.append(command)
+        self._condition.notify()
+
+    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        try:
+            self.engine.add_request(request_id, prompt_token_ids, params)
+        except ValueError as exc:
+            self._deliver(request_id, exc)
+
+    def _abort(self, request_id: str) -> None:
+        entry = self.engine._requests.get(request_id)
+        self.engine.abort_request(request_id)
+        seq = entry[0] if entry else None
+        self._deliver(request_id, RequestOutput(
+            request_id=request_id, new_token_ids=[], new_text="", logprobs=[], finished=True, finish_reason="abort",
+            num_prompt_tokens=seq.num_prompt_tokens if seq else 0,
+            num_cached_tokens=seq.num_cached_tokens if seq else 0,
+            num_output_tokens=seq.num_output_tokens if seq else 0))
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._condition:
+            stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        loop, queue = stream
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+            with self._condition:
+                self._streams.pop(request_id, None)
+            self.engine.abort_request(request_id)
+
+    def _run(self) -> None:
+        while True:
+            with self._condition:
+                while not (self._commands or self._stopped or self.engine.has_unfinished_requests()):
+                    self._condition.wait()
+                if self._stopped:
+                    return
+                commands, self._commands = self._commands, []
+            for command in commands:
+                command()
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # keep serving others: fail every in-flight request, free its blocks
+                logger.exception("engine step failed")
+                for request_id in list(self.engine._requests):
+                    self.engine.abort_request(request_id)
+                    self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"))
+                outputs = []
+            for output in outputs:
+                self._deliver(output.request_id, output)
+            self._stats = self.engine.stats()

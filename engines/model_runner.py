@@ -1,0 +1,98 @@
+"""Runs one scheduled step through the model: builds the flat inputs and attention metadata, owns the KV cache."""
+
+from __future__ import annotations
+
+import torch
+
+from engines.attention import AttentionMetadata, PrefillChunk, context_slots
+from engines.config import ModelConfig
+from engines.scheduler import ScheduledBatch
+from engines.sequence import Sequence
+
+
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes across all layers (K and V)."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element_size
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, block_size: int, num_kv_blocks: int,
+                 dtype: torch.dtype) -> None:
+        self.model = model
+        self.config = config
+        self.block_size = block_size
+        shape = (num_kv_blocks * block_size, config.num_key_value_heads, config.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+                          for _ in range(config.num_hidden_layers)]
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+        """Compute the batch; return float32 logits [S, V] for the S sequences whose step completes their tokens.
+
+        Only those sequences get logits (a prefill chunk that stops mid-prompt needs none), and
+        only their last row goes through the LM head.
+        """
+        order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)  # decode rows first
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        decode_seqs: list[Sequence] = []
+        prefills: list[PrefillChunk] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        size = self.block_size
+        for i in order:
+            seq, num_new = batch.seqs[i], batch.num_new_tokens[i]
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            row = len(input_ids)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slot_mapping.extend(table[p // size] * size + p % size for p in range(start, end))
+            if num_new == 1:
+                decode_seqs.append(seq)
+            else:
+                prefills.append(self._prefill_chunk(seq, row, row + num_new))
+            if end == seq.num_tokens:
+                sample_rows.append(row + num_new - 1)
+                sample_seqs.append(seq)
+
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
+            num_decode_tokens=len(decode_seqs),
+            decode_slots=None,
+            decode_mask=None,
+            prefills=prefills,
+        )
+        if decode_seqs:
+            metadata.decode_slots, metadata.decode_mask = self._decode_context(decode_seqs)
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+                            self.kv_caches, metadata)
+        if not sample_rows:
+            return torch.empty(0, self.config.vocab_size), []
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows)])
+        return logits.float(), sample_seqs
+
+    def _decode_context(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        context_lens = torch.tensor([seq.num_computed_tokens + 1 for seq in seqs])
+        max_len = int(context_lens.max())
+        max_blocks = -(-max_len // self.block_size)
+        tables = torch.tensor([seq.block_table[:max_blocks] + [0] * (max_blocks - len(seq.block_table[:max_blocks]))
+                               for seq in seqs], dtype=torch.long)
+        positions = torch.arange(max_len).expand(len(seqs), max_len)
+        slots = context_slots(tables, positions, self.block_size)
+        mask = positions < context_lens.unsqueeze(1)
+        return slots.masked_fill(~mask, 0), mask[:, None, None, :]
+
+    def _prefill_chunk(self, seq: Sequence, start_row: int, end_row: int) -> PrefillChunk:
+        num_computed = seq.num_computed_tokens
+        if num_computed == 0:
+            return PrefillChunk(start_row, end_row, 0, context_slots=None, mask=None)
+        num_new = end_row - start_row
+        context_len = num_computed + num_new
+        table = torch.tensor(seq.block_table, dtype=torch.long)
+        slots = context_slots(table, torch.arange(context_len), self.block_size)
+        # Query i sits at position num_computed + i and sees every key up to that position.
+        mask = torch.arange(context_len).unsqueeze(0) <= (num_computed + torch.arange(num_new)).unsqueeze(1)
+        return PrefillChunk(start_row, end_row, num_computed, context_slots=slots, mask=mask)

@@ -1,0 +1,136 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each computes.
+
+Every step has a token budget (`max_num_batched_tokens`). Running sequences are served first,
+decodes before prefill chunks, so that admitting new work never stalls inter-token latency; the
+rest of the budget admits waiting sequences (FCFS), whose prompts are prefilled in chunks across
+steps when they do not fit. When the KV cache runs out, the most recently admitted running
+sequence is preempted: its blocks are freed and it is recomputed later (its prefix may still be
+in the prefix cache), so memory pressure slows the engine down but never crashes it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engines.block_manager import BlockManager
+from engines.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """The work of one step: `num_new_tokens[i]` tokens of `seqs[i]`, starting at its `num_computed_tokens`."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last one is preempted first
+        self.num_preempted_total = 0
+        self.prefix_cache_queries_tokens = 0
+        self.prefix_cache_hit_tokens = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()  # ids of scheduled sequences
+        num_preempted_before = self.num_preempted_total
+
+        decoding = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens == 1]
+        prefilling = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens > 1]
+        for seq in decoding + prefilling:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._make_room(seq, num_new, scheduled):
+                continue
+            self.block_manager.may_append(seq, num_new)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            scheduled.add(id(seq))
+            budget -= num_new
+        preempted = self.num_preempted_total > num_preempted_before
+
+        # New work only when nothing had to give way this step: otherwise admissions would thrash.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            computed_blocks = self.block_manager.get_computed_blocks(seq)
+            num_computed = len(computed_blocks) * self.block_manager.block_size
+            num_new = min(seq.num_tokens - num_computed, budget)
+            if not self.block_manager.can_allocate(seq, computed_blocks, num_new):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, computed_blocks, num_new)
+            if not seq.was_admitted:
+                seq.was_admitted = True
+                seq.num_cached_tokens = min(num_computed, seq.num_prompt_tokens)
+                self.prefix_cache_queries_tokens += seq.num_prompt_tokens
+                self.prefix_cache_hit_tokens += seq.num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+        return batch
+
+    def advance(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Record that the batch was computed; return the sequences that now need a sampled token."""
+        need_token = []
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_computed_tokens += num_new
+            self.block_manager.cache_computed_blocks(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                need_token.append(seq)
+        return need_token
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire `seq` (running or waiting) and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _make_room(self, seq: Sequence, num_new: int, scheduled: set[int]) -> bool:
+        """Preempt running sequences, latest admitted first, until `seq` can grow; False if `seq` itself went."""
+        while not self.block_manager.can_append(seq, num_new):
+            victim = next((s for s in reversed(self.running) if s is not seq and id(s) not in scheduled), None)
+            if victim is None:
+                self._preempt(seq)
+                return False
+            self._preempt(victim)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.deallocate(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preempted_total += 1

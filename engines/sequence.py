@@ -1,0 +1,67 @@
+"""One request's state inside the engine: its tokens, where their KV lives, and how far it got."""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+import torch
+
+from engines.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """A request's tokens (prompt then output) and its KV-cache bookkeeping.
+
+    `num_computed_tokens` counts tokens whose K/V are in the cache (the scheduler's progress
+    marker; reset to 0 on preemption). `num_cached_tokens` counts prompt tokens that were served
+    from the prefix cache when the request was first admitted (reported to the caller).
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 generator: torch.Generator | None = None) -> None:
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_table: list[int] = []
+        # Chained hashes of this sequence's full blocks, extended lazily by the block manager.
+        self.block_hashes: list[int] = []
+        self.num_registered_blocks = 0  # leading blocks of block_table already offered to the prefix cache
+        self.status = SequenceStatus.WAITING
+        self.params = params
+        self.generator = generator  # per-request RNG: same seed, same samples, whatever the batch
+        self.finish_reason: str | None = None
+        self.was_admitted = False  # prefix-cache statistics are counted on the first admission only
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, tokens={len(self.token_ids)}, computed={self.num_computed_tokens}, "
+                f"blocks={self.block_table}, {self.status.name})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

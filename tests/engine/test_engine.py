@@ -1,0 +1,199 @@
+"""LLMEngine behaviour: batching and caching never change results, requests end cleanly, nothing leaks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.llm_engine import LLMEngine
+from engines.sampling_params import SamplingParams
+from tests.engine.conftest import TinyModel, generated_ids, make_engine, run_to_completion
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+PROMPT = [5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11]
+
+
+def assert_no_blocks_held(engine: LLMEngine) -> None:
+    manager = engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks
+    assert all(block.ref_count == 0 for block in manager.blocks)
+    assert not engine.has_unfinished_requests()
+
+
+def greedy_alone(model: TinyModel, prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
+    engine = make_engine(model, enable_prefix_caching=False)
+    engine.add_request("alone", prompt, params)
+    return generated_ids(run_to_completion(engine)["alone"])
+
+
+def test_greedy_output_does_not_depend_on_the_rest_of_the_batch(tiny_llama: TinyModel) -> None:
+    alone = greedy_alone(tiny_llama, PROMPT)
+    engine = make_engine(tiny_llama, max_num_batched_tokens=16, enable_prefix_caching=False)
+    engine.add_request("early", list(range(30, 60)), GREEDY)
+    engine.step()  # "early" is mid-prefill when ours arrives
+    engine.add_request("ours", PROMPT, GREEDY)
+    engine.add_request("late", [1, 2, 3], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    outputs = run_to_completion(engine)
+    assert generated_ids(outputs["ours"]) == alone
+
+
+def test_greedy_output_does_not_depend_on_the_prefix_coming_from_the_cache(tiny_qwen2: TinyModel) -> None:
+    shared = list(range(100, 123))  # 5 full blocks of 4, then 3 more tokens
+    prompt = [*shared, 7, 8, 9]
+    engine = make_engine(tiny_qwen2)
+    engine.add_request("warm", [*shared, 1], GREEDY)
+    run_to_completion(engine)
+    engine.add_request("ours", prompt, GREEDY)
+    outputs = run_to_completion(engine)["ours"]
+    assert outputs[0].num_cached_tokens == 20
+    assert generated_ids(outputs) == greedy_alone(tiny_qwen2, prompt)
+    stats = engine.stats()
+    assert stats.prefix_cache_hit_tokens == 20
+    assert stats.prefix_cache_queries_tokens == len(shared) + 1 + len(prompt)
+
+
+def test_an_identical_prompt_hits_all_but_its_last_block(tiny_qwen2: TinyModel) -> None:
+    engine = make_engine(tiny_qwen2)
+    prompt = list(range(200, 216))  # 4 full blocks
+    engine.add_request("first", prompt, GREEDY)
+    first = run_to_completion(engine)["first"]
+    engine.add_request("second", prompt, GREEDY)
+    second = run_to_completion(engine)["second"]
+    assert first[0].num_cached_tokens == 0
+    assert second[0].num_cached_tokens == 12
+    assert generated_ids(second) == generated_ids(first)
+
+
+def test_preemption_under_memory_pressure_changes_no_output_and_leaks_no_block(tiny_llama: TinyModel) -> None:
+    prompts = {f"r{i}": [10 * i + j for j in range(6 + i)] for i in range(4)}
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = {name: greedy_alone(tiny_llama, prompt, params) for name, prompt in prompts.items()}
+    engine = make_engine(tiny_llama, num_kv_blocks=12, enable_prefix_caching=False)  # 4 x 8 blocks wanted
+    for name, prompt in prompts.items():
+        engine.add_request(name, prompt, params)
+    outputs = run_to_completion(engine)
+    assert engine.stats().num_preempted_total > 0
+    assert {name: generated_ids(out) for name, out in outputs.items()} == expected
+    assert_no_blocks_held(engine)
+
+
+def test_incremental_text_adds_up_to_the_decoded_output(tiny_llama: TinyModel) -> None:
+    engine = make_engine(tiny_llama)
+    prompt = engine.tokenizer.encode("The quick brown fox")
+    engine.add_request("r", prompt, GREEDY)
+    outputs = run_to_completion(engine)["r"]
+    assert "".join(o.new_text for o in outputs) == engine.tokenizer.decode(generated_ids(outputs))
+    assert [o.num_output_tokens for o in outputs] == list(range(1, 21))
+    assert outputs[-1].finished and outputs[-1].finish_reason == "length"
+    assert not any(o.finished for o in outputs[:-1])
+
+
+def test_a_stop_string_ends_the_request_and_is_not_part_of_the_text(tiny_llama: TinyModel) -> None:
+    engine = make_engine(tiny_llama)
+    prompt = engine.tokenizer.encode("Hello, world!")
+    engine.add_request("free", prompt, GREEDY)
+    full_text = "".join(o.new_text for o in run_to_completion(engine)["free"])
+    stop = full_text[len(full_text) // 2:len(full_text) // 2 + 3]
+    assert len(stop) == 3
+    engine.add_request("stopped", prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]))
+    outputs = run_to_completion(engine)["stopped"]
+    assert "".join(o.new_text for o in outputs) == full_text[:full_text.index(stop)]
+    assert outputs[-1].finish_reason == "stop"
+    assert_no_blocks_held(engine)
+
+
+def test_stop_token_ids_and_eos_end_the_request(tiny_llama: TinyModel) -> None:
+    free = greedy_alone(tiny_llama, PROMPT)
+    stop_token = free[4]
+    engine = make_engine(tiny_llama)
+    engine.add_request("stop-id", PROMPT, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_token]))
+    outputs = run_to_completion(engine)["stop-id"]
+    assert generated_ids(outputs) == free[:free.index(stop_token) + 1]
+    assert outputs[-1].finish_reason == "stop"
+
+    engine.eos_token_ids = frozenset({stop_token})
+    engine.add_request("eos", PROMPT, SamplingParams(temperature=0, max_tokens=20))
+    assert generated_ids(run_to_completion(engine)["eos"]) == free[:free.index(stop_token) + 1]
+    engine.add_request("ignore-eos", PROMPT, GREEDY)
+    assert generated_ids(run_to_completion(engine)["ignore-eos"]) == free
+    assert_no_blocks_held(engine)
+
+
+def test_aborted_requests_free_their_blocks_and_others_finish(tiny_qwen2: TinyModel) -> None:
+    engine = make_engine(tiny_qwen2)
+    for i in range(5):
+        engine.add_request(f"r{i}", [3 * i + j for j in range(9)], GREEDY)
+    engine.step()
+    engine.step()
+    engine.abort_request("r1")
+    engine.abort_request("r4")
+    engine.abort_request("unknown")  # ignored
+    outputs = run_to_completion(engine)
+    assert sorted(name for name, out in outputs.items() if out[-1].finished) == ["r0", "r2", "r3"]
+    assert_no_blocks_held(engine)
+
+
+def test_a_seeded_request_samples_the_same_tokens_whatever_the_batch(tiny_llama: TinyModel) -> None:
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = greedy_alone(tiny_llama, PROMPT, params)
+    engine = make_engine(tiny_llama)
+    engine.add_request("other", [1, 2, 3, 4], SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True))
+    engine.add_request("ours", PROMPT, params)
+    outputs = run_to_completion(engine)
+    assert generated_ids(outputs["ours"]) == alone
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=16, seed=99, ignore_eos=True)
+    assert greedy_alone(tiny_llama, PROMPT, other_seed) != alone
+
+
+def test_logprobs_come_from_the_model_distribution(tiny_llama: TinyModel) -> None:
+    engine = make_engine(tiny_llama)
+    params = SamplingParams(temperature=0.7, seed=1, max_tokens=3, logprobs=True, top_logprobs=5, ignore_eos=True)
+    engine.add_request("r", PROMPT, params)
+    first = run_to_completion(engine)["r"][0]
+    with torch.no_grad():
+        expected = torch.log_softmax(tiny_llama.hf_model(torch.tensor([PROMPT])).logits[0, -1], dim=-1)
+    (logprob,) = first.logprobs
+    assert logprob.token_id == first.new_token_ids[0]
+    assert logprob.logprob == pytest.approx(expected[logprob.token_id].item(), abs=1e-4)
+    top_values, top_ids = expected.topk(5)
+    assert [token_id for token_id, _ in logprob.top] == top_ids.tolist()
+    assert [value for _, value in logprob.top] == pytest.approx(top_values.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ([], SamplingParams(), "prompt is empty"),
+        ([1, 2, 100_000], SamplingParams(), "token ids must be in"),
+        (list(range(500)), SamplingParams(max_tokens=20), "maximum context length is 512"),
+        (list(range(200)), SamplingParams(max_tokens=100), "KV-cache blocks"),
+    ],
+)
+def test_requests_that_can_never_be_served_are_refused_clearly(
+        tiny_llama: TinyModel, prompt: list[int], params: SamplingParams, message: str) -> None:
+    engine = make_engine(tiny_llama, num_kv_blocks=64)  # 64 blocks of 4 tokens: 256 tokens at most
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad", prompt, params)
+    assert not engine.has_unfinished_requests()
+
+
+def test_a_request_id_cannot_be_used_twice_at_once(tiny_llama: TinyModel) -> None:
+    engine = make_engine(tiny_llama)
+    engine.add_request("same", PROMPT, GREEDY)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("same", PROMPT, GREEDY)
+
+
+def test_stats_report_the_cache_and_the_queues(tiny_llama: TinyModel) -> None:
+    engine = make_engine(tiny_llama, num_kv_blocks=32, max_num_seqs=1)
+    engine.add_request("a", PROMPT, GREEDY)
+    engine.add_request("b", PROMPT, GREEDY)
+    engine.step()
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting) == (1, 1)
+    assert stats.kv_blocks_total == 32
+    assert stats.kv_blocks_used == 3  # 11 prompt tokens in blocks of 4
+    assert stats.kv_blocks_used + stats.kv_blocks_free == 32
+    assert stats.num_generated_tokens_total == 1
+    run_to_completion(engine)
+    assert engine.stats().num_generated_tokens_total == 40

@@ -1,0 +1,68 @@
+"""Sampler: greedy, temperature, top-k, top-p, per-request generators, logprobs of the unmodified distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.sampler import sample
+from engines.sampling_params import SamplingParams
+
+LOGITS = torch.tensor([[1.0, 3.0, 2.0, 0.5, -1.0], [0.0, 0.1, 0.2, 5.0, 0.3]])
+
+
+def generators(*seeds: int) -> list[torch.Generator | None]:
+    return [torch.Generator().manual_seed(seed) for seed in seeds]
+
+
+def draw_many(params: SamplingParams, row: int = 0, n: int = 300) -> set[int]:
+    generator = torch.Generator().manual_seed(0)
+    return {sample(LOGITS[row:row + 1], [params], [generator])[0][0] for _ in range(n)}
+
+
+def test_greedy_takes_the_argmax_of_each_row() -> None:
+    tokens, logprobs = sample(LOGITS, [SamplingParams(temperature=0)] * 2, [None, None])
+    assert tokens == [1, 3]
+    assert logprobs == [None, None]
+
+
+def test_top_k_keeps_only_the_k_most_likely_tokens() -> None:
+    assert draw_many(SamplingParams(temperature=5.0, top_k=2)) == {1, 2}
+    assert draw_many(SamplingParams(temperature=5.0, top_k=1)) == {1}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_the_mass() -> None:
+    # Row 0's probabilities: 0.63, 0.23, 0.09, ... — 0.63 alone does not reach 0.7, the top two do.
+    assert draw_many(SamplingParams(temperature=1.0, top_p=0.7)) == {1, 2}
+    assert draw_many(SamplingParams(temperature=1.0, top_p=0.5)) == {1}
+
+
+def test_without_filters_every_token_can_be_drawn() -> None:
+    assert draw_many(SamplingParams(temperature=3.0), n=1000) == {0, 1, 2, 3, 4}
+
+
+def test_the_same_seed_draws_the_same_tokens() -> None:
+    def draws(seed: int) -> list[int]:
+        generator = torch.Generator().manual_seed(seed)
+        return [sample(LOGITS[:1], [SamplingParams(temperature=2.0)], [generator])[0][0] for _ in range(20)]
+
+    assert draws(7) == draws(7)
+    assert draws(7) != draws(8)
+
+
+def test_logprobs_ignore_temperature_and_filters() -> None:
+    params = SamplingParams(temperature=0.3, top_k=1, logprobs=True, top_logprobs=3)
+    tokens, logprobs = sample(LOGITS[:1], [params], generators(0))
+    expected = torch.log_softmax(LOGITS[0], dim=-1)
+    (logprob,) = logprobs
+    assert logprob is not None and logprob.token_id == tokens[0] == 1
+    assert logprob.logprob == pytest.approx(expected[1].item())
+    assert [token for token, _ in logprob.top] == [1, 2, 0]
+    assert [value for _, value in logprob.top] == pytest.approx(expected[[1, 2, 0]].tolist())
+
+
+def test_logprobs_are_given_only_to_the_rows_that_asked() -> None:
+    params = [SamplingParams(temperature=0, logprobs=True), SamplingParams(temperature=0)]
+    _, logprobs = sample(LOGITS, params, [None, None])
+    assert logprobs[0] is not None and logprobs[0].top == []
+    assert logprobs[1] is None
