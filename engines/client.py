@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Protocol
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import httpx
+import msgspec
 
 from engines.protocol import (
     ChatCompletion,
@@ -11,7 +14,15 @@ from engines.protocol import (
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
+    ErrorResponse,
+    StreamOptions,
+    encode,
 )
+from engines.serving import OpenAIError, OpenAIServing, chat_prompt_token_ids, completion_prompts
+
+if TYPE_CHECKING:
+    from engines.tiers import TierSpec
+    from engines.tokenizer import Tokenizer
 
 
 class EngineUnavailable(Exception):
@@ -19,7 +30,11 @@ class EngineUnavailable(Exception):
 
 
 class EngineClient(Protocol):
-    """An OpenAI-compatible tier. Streams yield chunks; the last chunk carries `usage`."""
+    """An OpenAI-compatible tier. Streams yield chunks; the last chunk carries `usage`.
+
+    Refused requests raise `engines.serving.OpenAIError` (carrying the OpenAI error body and status);
+    a tier that cannot serve raises `EngineUnavailable`.
+    """
 
     model_name: str
 
@@ -38,3 +53,211 @@ class EngineClient(Protocol):
     async def ready(self) -> bool: ...
 
     async def close(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process
+# ---------------------------------------------------------------------------------------------
+
+
+class InProcessEngineClient:
+    """A tier whose engine runs in this process. The client owns the engine: `close()` shuts it down.
+
+    Streams end with a usage-only chunk (`choices: []`) whatever `stream_options` says."""
+
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+        self.model_name = serving.model_name
+
+    def count_prompt_tokens(self, request: ChatCompletionRequest | CompletionRequest) -> int:
+        return self.serving.count_prompt_tokens(request)
+
+    async def chat(self, request: ChatCompletionRequest) -> ChatCompletion:
+        return await self.serving.chat(request)
+
+    def chat_stream(self, request: ChatCompletionRequest) -> AsyncGenerator[ChatCompletionChunk, None]:
+        return self.serving.chat_stream(request)
+
+    async def complete(self, request: CompletionRequest) -> Completion:
+        return await self.serving.complete(request)
+
+    def complete_stream(self, request: CompletionRequest) -> AsyncGenerator[Completion, None]:
+        return self.serving.complete_stream(request)
+
+    async def ready(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        await self.serving.engine.shutdown()
+
+
+def build_in_process_client(spec: TierSpec, cache_dir: str | None = None) -> InProcessEngineClient:
+    """Load the tier's model (slow: seconds to a minute; run it in a thread from async code) and wrap
+    it as a client. The engine steps on its own thread; any event loop may consume its streams."""
+    from engines.llm_engine import AsyncLLMEngine, LLMEngine
+    from engines.metrics import EngineMetrics
+
+    async_engine = AsyncLLMEngine(LLMEngine(spec.engine_config(cache_dir)))
+    metrics = EngineMetrics(spec.served_name, async_engine.stats)
+    return InProcessEngineClient(OpenAIServing(async_engine, spec.served_name, metrics=metrics))
+
+
+# ---------------------------------------------------------------------------------------------
+# Over HTTP
+# ---------------------------------------------------------------------------------------------
+
+ChunkT = TypeVar("ChunkT", ChatCompletionChunk, Completion)
+
+# Without the tier's tokenizer, prompts are estimated: ~4 characters per token for English and
+# code, plus the tokens a ChatML-style template adds around each message and the reply header.
+CHARS_PER_TOKEN = 4
+TEMPLATE_TOKENS_PER_MESSAGE = 4
+TEMPLATE_TOKENS_PER_REPLY = 3
+
+_error_decoder = msgspec.json.Decoder(ErrorResponse)
+
+
+def _payload(request: ChatCompletionRequest | CompletionRequest, **changes: Any) -> bytes:
+    """The request as JSON with the upstream model name, leaving out unset fields."""
+    fields = msgspec.to_builtins(msgspec.structs.replace(request, **changes))
+    return encode({k: v for k, v in fields.items() if v is not None})
+
+
+def _estimate_tokens(text: str) -> int:
+    return (len(text) + CHARS_PER_TOKEN - 1) // CHARS_PER_TOKEN
+
+
+def _raise_for_status(status_code: int, body: bytes, base_url: str) -> None:
+    """4xx → the upstream's own OpenAI error; 429 and 5xx → EngineUnavailable (the gateway may fall back)."""
+    if status_code < 400:
+        return
+    if status_code == 429 or status_code >= 500:
+        raise EngineUnavailable(f"{base_url} answered {status_code}: {body[:200].decode(errors='replace')}")
+    try:
+        detail = _error_decoder.decode(body).error
+    except msgspec.MsgspecError:
+        raise OpenAIError(
+            f"upstream {status_code}: {body[:500].decode(errors='replace')}", status_code=status_code
+        ) from None
+    raise OpenAIError.from_detail(detail, status_code)
+
+
+class HttpEngineClient:
+    """A tier behind an OpenAI-compatible HTTP server (ours, or vLLM and the like).
+
+    Requests go out under `model` (the upstream's model name). Streams always ask the upstream for
+    `include_usage`, so they end with the usage chunk the gateway charges from. One pooled
+    keep-alive connection per concurrent request, up to `max_connections`.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str = "",
+        tokenizer: Tokenizer | None = None,
+        connect_timeout: float = 2.0,
+        read_timeout: float = 120.0,
+        *,
+        max_connections: int = 256,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        root = base_url.rstrip("/")
+        self.base_url = root if root.endswith("/v1") else f"{root}/v1"
+        self.model_name = model
+        self.tokenizer = tokenizer
+        headers = {"Content-Type": "application/json"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(read_timeout, connect=connect_timeout),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            transport=transport,
+        )
+
+    def count_prompt_tokens(self, request: ChatCompletionRequest | CompletionRequest) -> int:
+        """Exact with the tier's tokenizer; otherwise an estimate (see CHARS_PER_TOKEN)."""
+        if self.tokenizer is not None:
+            if isinstance(request, ChatCompletionRequest):
+                return len(chat_prompt_token_ids(self.tokenizer, request))
+            return sum(len(ids) for ids in completion_prompts(self.tokenizer, request))
+        if isinstance(request, ChatCompletionRequest):
+            return TEMPLATE_TOKENS_PER_REPLY + sum(
+                TEMPLATE_TOKENS_PER_MESSAGE + _estimate_tokens(m.text()) for m in request.messages
+            )
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            return _estimate_tokens(prompt)
+        return sum(_estimate_tokens(p) if isinstance(p, str) else len(p) if isinstance(p, list) else 1 for p in prompt)
+
+    async def _post(self, path: str, body: bytes) -> bytes:
+        try:
+            response = await self._client.post(path, content=body)
+        except httpx.TransportError as exc:
+            raise EngineUnavailable(f"{self.base_url}{path}: {type(exc).__name__}: {exc}") from exc
+        _raise_for_status(response.status_code, response.content, self.base_url)
+        return response.content
+
+    async def _stream(self, path: str, body: bytes, chunk_type: type[ChunkT]) -> AsyncGenerator[ChunkT, None]:
+        """Chunks as each SSE line arrives. Closing this generator closes the upstream response,
+        and the upstream aborts the request."""
+        decoder = msgspec.json.Decoder(chunk_type)
+        try:
+            response = await self._client.send(self._client.build_request("POST", path, content=body), stream=True)
+        except httpx.TransportError as exc:
+            raise EngineUnavailable(f"{self.base_url}{path}: {type(exc).__name__}: {exc}") from exc
+        try:
+            if response.status_code >= 400:
+                _raise_for_status(response.status_code, await response.aread(), self.base_url)
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue  # blank separators, comments, keep-alives
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return
+                yield _decode_event(decoder, data)
+        except httpx.TransportError as exc:
+            raise EngineUnavailable(f"{self.base_url}{path}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            await response.aclose()
+
+    async def chat(self, request: ChatCompletionRequest) -> ChatCompletion:
+        body = _payload(request, model=self.model_name, stream=False, stream_options=None)
+        return msgspec.json.decode(await self._post("/chat/completions", body), type=ChatCompletion)
+
+    def chat_stream(self, request: ChatCompletionRequest) -> AsyncGenerator[ChatCompletionChunk, None]:
+        body = _payload(request, model=self.model_name, stream=True, stream_options=StreamOptions(include_usage=True))
+        return self._stream("/chat/completions", body, ChatCompletionChunk)
+
+    async def complete(self, request: CompletionRequest) -> Completion:
+        body = _payload(request, model=self.model_name, stream=False, stream_options=None)
+        return msgspec.json.decode(await self._post("/completions", body), type=Completion)
+
+    def complete_stream(self, request: CompletionRequest) -> AsyncGenerator[Completion, None]:
+        body = _payload(request, model=self.model_name, stream=True, stream_options=StreamOptions(include_usage=True))
+        return self._stream("/completions", body, Completion)
+
+    async def ready(self) -> bool:
+        """The upstream answers `GET /v1/models` (every OpenAI-compatible server has it)."""
+        try:
+            response = await self._client.get("/models")
+        except httpx.TransportError:
+            return False
+        return response.status_code == 200
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def _decode_event(decoder: msgspec.json.Decoder[ChunkT], data: str) -> ChunkT:
+    try:
+        return decoder.decode(data)
+    except msgspec.ValidationError:
+        pass  # not a chunk: an in-band error sent after the stream had started
+    try:
+        detail = _error_decoder.decode(data).error
+    except msgspec.MsgspecError as exc:
+        raise EngineUnavailable(f"upstream sent an unreadable event: {data[:200]}") from exc
+    raise OpenAIError.from_detail(detail, 500 if detail.type == "server_error" else 400)

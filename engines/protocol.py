@@ -67,7 +67,9 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
 
 class CompletionRequest(msgspec.Struct, kw_only=True):
     model: str
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # A string, strings, token ids, or lists of token ids. msgspec allows one array type per union, so the
+    # element types are one union; mixed lists are refused where prompts are read (`completion_prompts`).
+    prompt: str | list[str | int | list[int]]
     max_tokens: int | None = 16
     temperature: float | None = None
     top_p: float | None = None

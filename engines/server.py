@@ -1,0 +1,253 @@
+"""The HTTP server of one engine: OpenAI chat and text completions, models, health and metrics.
+
+Controllers only parse, delegate to `OpenAIServing` and encode; streams are server-sent events
+ending in `data: [DONE]`. A client that goes away mid-stream closes the stream, which aborts its
+engine requests and frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+import uvicorn
+from litestar import Litestar, Request, get, post
+from litestar.background_tasks import BackgroundTask
+from litestar.di import NamedDependency, Provide
+from litestar.exceptions import HTTPException
+from litestar.response import Response, Stream
+
+from engines.metrics import EngineMetrics
+from engines.protocol import (
+    SSE_DONE,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ErrorDetail,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    encode,
+    sse_event,
+)
+from engines.serving import OpenAIError, OpenAIServing, decode_request, is_usage_chunk
+from engines.tiers import TierSpec
+
+logger = logging.getLogger(__name__)
+
+JSON = "application/json"
+
+
+def _error_response(status_code: int, detail: ErrorDetail) -> Response[bytes]:
+    return Response(encode(ErrorResponse(error=detail)), status_code=status_code, media_type=JSON)
+
+
+def _openai_error_handler(_: Request, exc: OpenAIError) -> Response[bytes]:
+    return _error_response(exc.status_code, exc.detail)
+
+
+def _http_error_handler(_: Request, exc: HTTPException) -> Response[bytes]:
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return _error_response(exc.status_code, ErrorDetail(message=exc.detail, type=kind))
+
+
+def _internal_error_handler(_: Request, exc: Exception) -> Response[bytes]:
+    logger.exception("unhandled error", exc_info=exc)
+    return _error_response(500, ErrorDetail(message=f"internal error: {type(exc).__name__}", type="server_error"))
+
+
+async def _sse(
+    stream: AsyncGenerator[ChatCompletionChunk | Completion, None], include_usage: bool
+) -> Stream:
+    """Server-sent events of a stream. Its first chunk is awaited before the response starts, so a
+    request the engine refuses still gets a plain JSON error with its status code."""
+    try:
+        first = await anext(stream)
+    except BaseException:
+        await stream.aclose()
+        raise
+
+    async def events() -> AsyncGenerator[bytes, None]:
+        try:
+            chunk: ChatCompletionChunk | Completion | None = first
+            while chunk is not None:
+                if include_usage or not is_usage_chunk(chunk):
+                    yield sse_event(chunk)
+                chunk = await anext(stream, None)
+        except OpenAIError as exc:  # the status line is already sent; report in-band, as OpenAI does
+            yield sse_event(exc.response())
+        except Exception as exc:
+            logger.exception("stream failed", exc_info=exc)
+            yield sse_event(ErrorResponse(error=ErrorDetail(message=f"internal error: {exc}", type="server_error")))
+        finally:
+            await stream.aclose()
+        yield SSE_DONE
+
+    body = events()
+    # Litestar stops iterating on disconnect but leaves the generator suspended; closing it right
+    # after the response ends is what aborts the engine requests deterministically.
+    return Stream(
+        body,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+        background=BackgroundTask(body.aclose),
+    )
+
+
+def _check_model(requested: str, serving: OpenAIServing) -> None:
+    if requested != serving.model_name:
+        raise OpenAIError(
+            f"The model {requested!r} does not exist on this server; it serves {serving.model_name!r}",
+            status_code=404,
+            param="model",
+            code="model_not_found",
+        )
+
+
+@post("/v1/chat/completions", status_code=200)
+async def chat_completions(
+    request: Request[Any, Any, Any], serving: NamedDependency[OpenAIServing]
+) -> Response[Any]:
+    body = decode_request(await request.body(), ChatCompletionRequest)
+    _check_model(body.model, serving)
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return await _sse(serving.chat_stream(body), include_usage)
+    completion: ChatCompletion = await serving.chat(body)
+    return Response(encode(completion), media_type=JSON)
+
+
+@post("/v1/completions", status_code=200)
+async def completions(request: Request[Any, Any, Any], serving: NamedDependency[OpenAIServing]) -> Response[Any]:
+    body = decode_request(await request.body(), CompletionRequest)
+    _check_model(body.model, serving)
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return await _sse(serving.complete_stream(body), include_usage)
+    completion: Completion = await serving.complete(body)
+    return Response(encode(completion), media_type=JSON)
+
+
+@get("/v1/models")
+async def list_models(serving: NamedDependency[OpenAIServing]) -> ModelList:
+    return ModelList(data=[ModelCard(id=serving.model_name)])
+
+
+@get("/healthz")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@get("/metrics")
+async def metrics_endpoint(metrics: NamedDependency[EngineMetrics]) -> Response[bytes]:
+    text, content_type = metrics.render()
+    return Response(text, media_type=content_type)
+
+
+def _api_key_guard(api_key: str) -> Any:
+    expected = f"Bearer {api_key}".encode()
+
+    async def before_request(request: Request[Any, Any, Any]) -> None:
+        if request.url.path in ("/healthz", "/metrics"):
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            raise OpenAIError(
+                "Incorrect API key provided.", status_code=401, param=None, code="invalid_api_key"
+            )
+
+    return before_request
+
+
+def create_engine_app(
+    serving: OpenAIServing,
+    metrics: EngineMetrics,
+    *,
+    api_key: str | None = None,
+    on_shutdown: Sequence[Any] = (),
+) -> Litestar:
+    """The Litestar app of one engine. With `api_key`, the OpenAI routes require `Bearer <api_key>`."""
+    return Litestar(
+        route_handlers=[chat_completions, completions, list_models, healthz, metrics_endpoint],
+        dependencies={
+            "serving": Provide(lambda: serving, sync_to_thread=False),
+            "metrics": Provide(lambda: metrics, sync_to_thread=False),
+        },
+        exception_handlers={
+            OpenAIError: _openai_error_handler,
+            HTTPException: _http_error_handler,
+            Exception: _internal_error_handler,
+        },
+        before_request=_api_key_guard(api_key) if api_key else None,
+        on_shutdown=list(on_shutdown),
+        openapi_config=None,
+    )
+
+
+def build_serving(async_engine: Any, spec: TierSpec) -> tuple[OpenAIServing, EngineMetrics]:
+    """The OpenAI layer and metrics over a started `AsyncLLMEngine`, for the tier `spec`."""
+    metrics = EngineMetrics(spec.served_name, async_engine.stats)
+    return OpenAIServing(async_engine, spec.served_name, metrics=metrics), metrics
+
+
+def run_engine_server(
+    spec: TierSpec, host: str = "127.0.0.1", port: int = 8100, *, api_key: str | None = None
+) -> None:
+    """Load the tier's model (slow) and serve it until interrupted."""
+    from engines.llm_engine import AsyncLLMEngine, LLMEngine
+
+    logger.info("loading %s (%s)", spec.name, spec.model)
+    engine = LLMEngine(spec.engine_config())
+
+    async def serve() -> None:
+        async_engine = AsyncLLMEngine(engine)
+        serving, metrics = build_serving(async_engine, spec)
+        app = create_engine_app(serving, metrics, api_key=api_key)
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
+        try:
+            await server.serve()
+        finally:
+            await async_engine.shutdown()
+
+    asyncio.run(serve())
+
+
+def launch(spec: TierSpec, argv: Sequence[str] | None = None) -> None:
+    """`python -m engines.small|large`: serve the tier, flags overriding its spec."""
+    parser = argparse.ArgumentParser(prog=f"python -m engines.{spec.name}", description=f"Serve the {spec.name} tier.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--model", help=f"demo model name or model path (default {spec.model})")
+    parser.add_argument("--served-model-name", help=f"model name clients send (default {spec.served_name})")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"])
+    parser.add_argument("--quantization", choices=["none", "int8", "int4"])
+    parser.add_argument("--kv-cache-mb", type=int)
+    parser.add_argument("--max-num-seqs", type=int)
+    parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--num-threads", type=int)
+    parser.add_argument("--api-key", help="require `Authorization: Bearer <key>` on the OpenAI routes")
+    args = parser.parse_args(argv)
+    overridden = spec.replace(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        dtype=args.dtype,
+        kv_cache_mb=args.kv_cache_mb,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        num_threads=args.num_threads,
+    )
+    if args.quantization is not None:
+        overridden = overridden.replace(quantization=None if args.quantization == "none" else args.quantization)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        run_engine_server(overridden, args.host, args.port, api_key=args.api_key)
+    except FileNotFoundError as exc:
+        parser.exit(2, f"error: {exc}\n")

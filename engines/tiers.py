@@ -1,0 +1,51 @@
+"""What one tier serves and how: a model plus the engine settings that fit it.
+
+A `TierSpec` is the launcher's view (demo model names, megabytes of KV cache); `engine_config()`
+turns it into the engine library's plain `EngineConfig`, resolving demo names to files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from engines.config import EngineConfig
+from engines.registry import resolve_model
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    name: str  # the tier, and the model name the tier serves unless `served_model_name` says otherwise
+    model: str  # a demo model name (tiny|small|large) or a GGUF file / safetensors directory
+    dtype: str = "bfloat16"
+    quantization: str | None = "int8"  # weight-only: None | "int8" | "int4"
+    kv_cache_mb: int = 512
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 4096
+    speculative_drafter: str | None = None  # a demo model name; reserved for speculative decoding
+    served_model_name: str | None = None
+    num_threads: int | None = None
+
+    @property
+    def served_name(self) -> str:
+        return self.served_model_name or self.name
+
+    def replace(self, **overrides: object) -> TierSpec:
+        """This spec with the given fields changed; `None` values are ignored (unset CLI flags)."""
+        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+    def engine_config(self, cache_dir: str | os.PathLike[str] | None = None) -> EngineConfig:
+        """The engine's configuration; raises FileNotFoundError when a demo model is not fetched."""
+        return EngineConfig(
+            model=str(resolve_model(self.model, cache_dir)),
+            dtype=self.dtype,
+            quantization=self.quantization,
+            kv_cache_bytes=self.kv_cache_mb << 20,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            num_threads=self.num_threads,
+            served_model_name=self.served_name,
+        )

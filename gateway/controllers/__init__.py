@@ -1,0 +1,1 @@
+"""Thin Litestar controllers: HTTP in, `gateway.pipeline` / `gateway.keys` calls, HTTP out."""

@@ -1,0 +1,49 @@
+"""The OpenAI-compatible API."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Controller, Request, Response, get, post
+from litestar.connection import ASGIConnection
+from litestar.di import NamedDependency
+from litestar.handlers import BaseRouteHandler
+from litestar.params import JSONBody
+
+from engines.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from gateway.controllers.http import cancel_on_disconnect, reply_response
+from gateway.pipeline import Gateway, RequestState, request_ids
+from router.decision import model_ids
+
+
+async def authenticated(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
+    """Start the request's record and authenticate it, before the body is read: a request without
+    a valid key gets 401 whatever its body."""
+    gateway: Gateway = connection.app.state.gateway
+    request_id, response_id = request_ids(connection.headers.get("x-request-id"))
+    state = RequestState(request_id=request_id, endpoint=handler.opt.get("endpoint", ""), response_id=response_id)
+    connection.state.sluice = state
+    state.principal = await gateway.authenticate(connection.headers.get("authorization"))
+
+
+class OpenAIController(Controller):
+    path = "/v1"
+    guards = [authenticated]  # noqa: RUF012 - Litestar's declaration style
+
+    @post("/chat/completions", opt={"endpoint": "chat"}, status_code=200, summary="Create a chat completion")
+    async def chat_completions(
+        self, request: Request[Any, Any, Any], data: JSONBody[ChatCompletionRequest], gateway: NamedDependency[Gateway]
+    ) -> Response[Any]:
+        return reply_response(await cancel_on_disconnect(request, gateway.chat(request.state.sluice, data)))
+
+    @post("/completions", opt={"endpoint": "completions"}, status_code=200, summary="Create a text completion")
+    async def completions(
+        self, request: Request[Any, Any, Any], data: JSONBody[CompletionRequest], gateway: NamedDependency[Gateway]
+    ) -> Response[Any]:
+        return reply_response(await cancel_on_disconnect(request, gateway.complete(request.state.sluice, data)))
+
+    @get("/models", opt={"endpoint": "models"}, summary="List the models")
+    async def models(self, request: Request[Any, Any, Any], gateway: NamedDependency[Gateway]) -> ModelList:
+        # Listing is not a served request: it leaves no accounting row.
+        request.state.sluice.finished = True
+        return ModelList(data=[ModelCard(id=model) for model in model_ids(gateway.clients)])

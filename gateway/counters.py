@@ -1,0 +1,407 @@
+"""Shared counters behind rate limits and spend budgets.
+
+One subject (a virtual key) has four counters: requests and tokens in the current minute, and
+USD spent in the current UTC day and month. `admit` checks every limit and, only if all pass,
+counts the request and its prompt tokens, atomically, in one round trip (a Lua script in Redis, so
+several gateway replicas share one limit). `charge` adds what the request actually produced
+(completion tokens, cost) once it is known; it runs after the response, off the request path, and
+`charge_many` applies the charges of many requests in one round trip.
+
+Windows are fixed (the minute, the UTC day, the UTC month), so `Retry-After` is exact: the
+seconds until the window that refused the request ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import calendar
+import functools
+import math
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import hiredis
+from redis.asyncio import Redis
+from redis.asyncio.connection import Connection, UnixDomainSocketConnection
+from redis.commands.core import AsyncScript
+from redis.exceptions import RedisError, ResponseError
+
+LimitName = Literal["rpm", "tpm", "spend_per_day", "spend_per_month"]
+_REASONS: tuple[LimitName, ...] = ("rpm", "tpm", "spend_per_day", "spend_per_month")
+_WINDOW_TTL_S = 120  # a minute window outlives its minute a little, then expires
+
+
+class CountersUnavailable(Exception):
+    """The shared counters cannot be read or written (Redis is down or unreachable)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Charge:
+    """What requests of one subject produced, to add to its counters."""
+
+    completion_tokens: int = 0
+    cost_usd: float = 0.0
+
+    def __add__(self, other: Charge) -> Charge:
+        return Charge(self.completion_tokens + other.completion_tokens, self.cost_usd + other.cost_usd)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """None: unlimited."""
+
+    rpm: int | None = None
+    tpm: int | None = None
+    spend_per_day_usd: float | None = None
+    spend_per_month_usd: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    refused_by: LimitName | None  # None: admitted
+    retry_after_s: int = 0
+
+    @property
+    def admitted(self) -> bool:
+        return self.refused_by is None
+
+
+@dataclass(frozen=True, slots=True)
+class Windows:
+    """The current window of each counter, and how long until each ends."""
+
+    minute: int
+    day: str
+    month: str
+    minute_left_s: float
+    day_left_s: float
+    month_left_s: float
+
+    @classmethod
+    def at(cls, now: float) -> Windows:
+        day, month, day_start, month_end = _utc_day(int(now // 86400))
+        return cls(
+            minute=int(now // 60),
+            day=day,
+            month=month,
+            minute_left_s=60 - now % 60,
+            day_left_s=day_start + 86400 - now,
+            month_left_s=month_end - now,
+        )
+
+    def retry_after(self, refused_by: LimitName) -> int:
+        left = {
+            "rpm": self.minute_left_s,
+            "tpm": self.minute_left_s,
+            "spend_per_day": self.day_left_s,
+            "spend_per_month": self.month_left_s,
+        }[refused_by]
+        return max(1, math.ceil(left))
+
+
+@functools.lru_cache(maxsize=4)
+def _utc_day(day_number: int) -> tuple[str, str, int, int]:
+    """The day's and month's counter names, the day's start and the month's end (epoch seconds)."""
+    t = time.gmtime(day_number * 86400)
+    next_month = (t.tm_year + t.tm_mon // 12, t.tm_mon % 12 + 1)
+    month_end = calendar.timegm((*next_month, 1, 0, 0, 0))
+    return (
+        f"{t.tm_year:04d}{t.tm_mon:02d}{t.tm_mday:02d}",
+        f"{t.tm_year:04d}{t.tm_mon:02d}",
+        day_number * 86400,
+        month_end,
+    )
+
+
+class CounterStore(Protocol):
+    async def admit(self, subject: str, limits: Limits, prompt_tokens: int, now: float) -> Admission: ...
+
+    async def charge_many(self, charges: Mapping[str, Charge], now: float) -> None: ...
+
+    async def spent(self, subject: str, now: float) -> tuple[float, float]:
+        """USD spent in the current day and month."""
+        ...
+
+
+def _limit_arg(value: float | None) -> str:
+    return "-1" if value is None else repr(value)
+
+
+# KEYS: requests-this-minute, tokens-this-minute, spend-today, spend-this-month.
+# ARGV: rpm, tpm, prompt tokens, day budget, month budget, minute TTL (limits < 0: unlimited).
+# Returns 0 when admitted, else the 1-based index of the refusing limit in _REASONS.
+_ADMIT_LUA = """
+local rpm, tpm, prompt = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local day_budget, month_budget = tonumber(ARGV[4]), tonumber(ARGV[5])
+if rpm >= 0 and tonumber(redis.call('GET', KEYS[1]) or '0') >= rpm then return 1 end
+if tpm >= 0 and tonumber(redis.call('GET', KEYS[2]) or '0') + prompt > tpm then return 2 end
+if day_budget >= 0 and tonumber(redis.call('GET', KEYS[3]) or '0') >= day_budget then return 3 end
+if month_budget >= 0 and tonumber(redis.call('GET', KEYS[4]) or '0') >= month_budget then return 4 end
+redis.call('INCR', KEYS[1])
+redis.call('EXPIRE', KEYS[1], ARGV[6])
+if prompt > 0 then
+  redis.call('INCRBY', KEYS[2], prompt)
+  redis.call('EXPIRE', KEYS[2], ARGV[6])
+end
+return 0
+"""
+
+# KEYS: tokens-this-minute, spend-today, spend-this-month. ARGV: tokens, cost, minute/day/month TTLs.
+_CHARGE_LUA = """
+if tonumber(ARGV[1]) > 0 then
+  redis.call('INCRBY', KEYS[1], ARGV[1])
+  redis.call('EXPIRE', KEYS[1], ARGV[3])
+end
+if tonumber(ARGV[2]) > 0 then
+  redis.call('INCRBYFLOAT', KEYS[2], ARGV[2])
+  redis.call('EXPIRE', KEYS[2], ARGV[4])
+  redis.call('INCRBYFLOAT', KEYS[3], ARGV[2])
+  redis.call('EXPIRE', KEYS[3], ARGV[5])
+end
+return 0
+"""
+
+
+def _settled(timer: asyncio.TimerHandle, reply: asyncio.Future[Any]) -> None:
+    timer.cancel()
+    if not reply.cancelled():
+        reply.exception()  # retrieved: a batch that failed early leaves later replies unread
+
+
+class _MultiplexedConnection(asyncio.Protocol):
+    """One Redis connection shared by every request: each command is written as it comes and its
+    reply matched to it in order (Redis answers in order). No connection checkout, no lock, and
+    commands of concurrent requests share packets."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._parser = hiredis.Reader()
+        self._waiters: deque[asyncio.Future[Any]] = deque()
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self._parser.feed(data)
+        while (reply := self._parser.gets()) is not False:
+            waiter = self._waiters.popleft()
+            if waiter.done():
+                continue  # its caller timed out or was cancelled
+            if isinstance(reply, hiredis.ReplyError):
+                waiter.set_exception(ResponseError(str(reply)))
+            else:
+                waiter.set_result(reply)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(ConnectionError(f"Redis connection lost: {exc or 'closed by the server'}"))
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def send(self, *args: str | int | float | bytes, timeout: float) -> asyncio.Future[Any]:
+        """Write one command now; the future gets its reply. Commands sent before awaiting any of
+        them go out together. A timeout closes the connection: its replies no longer line up."""
+        if self.closed or self.transport is None:
+            raise ConnectionError("Redis connection is closed")
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        self._waiters.append(waiter)
+        self.transport.write(hiredis.pack_command(args))
+        timer = loop.call_later(timeout, self._time_out, waiter)
+        waiter.add_done_callback(functools.partial(_settled, timer))
+        return waiter
+
+    async def call(self, *args: str | int | float | bytes, timeout: float) -> Any:
+        return await self.send(*args, timeout=timeout)
+
+    def _time_out(self, waiter: asyncio.Future[Any]) -> None:
+        if not waiter.done():
+            waiter.set_exception(TimeoutError("Redis did not answer in time"))
+            self.close()
+
+
+class RedisCounterStore:
+    """Counters in Redis, shared by every replica using the same `prefix`.
+
+    Admission and charges go over one multiplexed connection opened with the settings of `redis`
+    (host or unix socket, database, credentials; a TLS client goes through redis-py instead): an
+    admission is one write and one read, a batch of charges one write. Reads go through `redis`."""
+
+    def __init__(self, redis: Redis, prefix: str = "sluice") -> None:
+        self._redis = redis
+        self._prefix = prefix
+        self._admit = redis.register_script(_ADMIT_LUA)
+        self._charge = redis.register_script(_CHARGE_LUA)
+        pool = redis.connection_pool
+        self._settings = pool.connection_kwargs
+        self._multiplexed = pool.connection_class in (Connection, UnixDomainSocketConnection)
+        self._connection: _MultiplexedConnection | None = None
+        self._connecting = asyncio.Lock()
+
+    def _keys(self, subject: str, w: Windows) -> tuple[str, str, str, str]:
+        # The hash tag keeps one subject's counters in one slot, so the script also runs on Redis Cluster.
+        base = f"{self._prefix}:{{{subject}}}"
+        return f"{base}:req:{w.minute}", f"{base}:tok:{w.minute}", f"{base}:usd:{w.day}", f"{base}:usd:{w.month}"
+
+    async def _connect(self) -> _MultiplexedConnection:
+        connection = self._connection
+        if connection is not None and not connection.closed:
+            return connection
+        async with self._connecting:
+            if self._connection is not None and not self._connection.closed:
+                return self._connection
+            settings = self._settings
+            loop = asyncio.get_running_loop()
+            async with asyncio.timeout(settings.get("socket_connect_timeout") or 5.0):
+                if settings.get("path"):
+                    _, connection = await loop.create_unix_connection(_MultiplexedConnection, settings["path"])
+                else:
+                    host, port = settings.get("host", "localhost"), settings.get("port", 6379)
+                    _, connection = await loop.create_connection(_MultiplexedConnection, host, port)
+                try:
+                    await self._handshake(connection)
+                except BaseException:
+                    connection.close()
+                    raise
+            self._connection = connection
+            return connection
+
+    async def _handshake(self, connection: _MultiplexedConnection) -> None:
+        settings, timeout = self._settings, self._timeout()
+        if settings.get("password"):
+            username = [settings["username"]] if settings.get("username") else []
+            await connection.call("AUTH", *username, settings["password"], timeout=timeout)
+        if settings.get("db"):
+            await connection.call("SELECT", settings["db"], timeout=timeout)
+
+    def _timeout(self) -> float:
+        return self._settings.get("socket_timeout") or 5.0
+
+    async def _run_scripts(self, script: AsyncScript, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        """Run `script` once per (keys, args), all sent before the first reply is awaited."""
+        if not self._multiplexed:
+            return [await script(keys=keys, args=args) for keys, args in calls]
+        connection = await self._connect()
+        timeout = self._timeout()
+        sent = [
+            connection.send("EVALSHA", script.sha, len(keys), *keys, *args, timeout=timeout) for keys, args in calls
+        ]
+        replies: list[Any] = []
+        for (keys, args), reply in zip(calls, sent, strict=True):
+            try:
+                replies.append(await reply)
+            except ResponseError as exc:
+                if not str(exc).startswith("NOSCRIPT"):
+                    raise
+                # Redis restarted or its scripts were flushed: send the script itself (cached again).
+                source = script.script
+                replies.append(await connection.call("EVAL", source, len(keys), *keys, *args, timeout=timeout))
+        return replies
+
+    async def admit(self, subject: str, limits: Limits, prompt_tokens: int, now: float) -> Admission:
+        w = Windows.at(now)
+        args = [
+            _limit_arg(limits.rpm),
+            _limit_arg(limits.tpm),
+            prompt_tokens,
+            _limit_arg(limits.spend_per_day_usd),
+            _limit_arg(limits.spend_per_month_usd),
+            _WINDOW_TTL_S,
+        ]
+        try:
+            (reply,) = await self._run_scripts(self._admit, [(list(self._keys(subject, w)), args)])
+            result = int(reply)
+        except (RedisError, OSError) as exc:  # OSError: ConnectionError and TimeoutError too
+            raise CountersUnavailable(str(exc) or type(exc).__name__) from exc
+        if result == 0:
+            return Admission(None)
+        refused_by = _REASONS[result - 1]
+        return Admission(refused_by, w.retry_after(refused_by))
+
+    async def aclose(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+    async def charge_many(self, charges: Mapping[str, Charge], now: float) -> None:
+        w = Windows.at(now)
+        ttls = [_WINDOW_TTL_S, math.ceil(w.day_left_s) + 3600, math.ceil(w.month_left_s) + 3600]
+        calls: list[tuple[list[str], list[Any]]] = []
+        for subject, charge in charges.items():
+            _, tokens, day, month = self._keys(subject, w)
+            calls.append(([tokens, day, month], [charge.completion_tokens, repr(charge.cost_usd), *ttls]))
+        try:
+            await self._run_scripts(self._charge, calls)
+        except (RedisError, OSError) as exc:
+            raise CountersUnavailable(str(exc) or type(exc).__name__) from exc
+
+    async def spent(self, subject: str, now: float) -> tuple[float, float]:
+        _, _, day, month = self._keys(subject, Windows.at(now))
+        values = await self._redis.mget([day, month])
+        return float(values[0] or 0), float(values[1] or 0)
+
+
+class InProcessCounterStore:
+    """The same semantics in this process's memory (one replica, no Redis). Atomic because the
+    event loop runs one coroutine at a time and nothing here awaits."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, float] = {}
+
+    def _keys(self, subject: str, w: Windows) -> tuple[str, str, str, str]:
+        return (
+            f"{subject}:req:{w.minute}",
+            f"{subject}:tok:{w.minute}",
+            f"{subject}:usd:{w.day}",
+            f"{subject}:usd:{w.month}",
+        )
+
+    def _expire(self, w: Windows) -> None:
+        # Drop counters of windows that have ended, so memory stays bounded by the number of keys.
+        if len(self._counts) > 4096:
+            current = {str(w.minute), w.day, w.month}
+            self._counts = {k: v for k, v in self._counts.items() if k.rsplit(":", 1)[1] in current}
+
+    async def admit(self, subject: str, limits: Limits, prompt_tokens: int, now: float) -> Admission:
+        w = Windows.at(now)
+        requests, tokens, day, month = self._keys(subject, w)
+        get = self._counts.get
+        checks: tuple[tuple[LimitName, bool], ...] = (
+            ("rpm", limits.rpm is not None and get(requests, 0) >= limits.rpm),
+            ("tpm", limits.tpm is not None and get(tokens, 0) + prompt_tokens > limits.tpm),
+            ("spend_per_day", limits.spend_per_day_usd is not None and get(day, 0.0) >= limits.spend_per_day_usd),
+            (
+                "spend_per_month",
+                limits.spend_per_month_usd is not None and get(month, 0.0) >= limits.spend_per_month_usd,
+            ),
+        )
+        for name, refused in checks:
+            if refused:
+                return Admission(name, w.retry_after(name))
+        self._expire(w)
+        self._counts[requests] = get(requests, 0) + 1
+        self._counts[tokens] = get(tokens, 0) + prompt_tokens
+        return Admission(None)
+
+    async def charge_many(self, charges: Mapping[str, Charge], now: float) -> None:
+        w = Windows.at(now)
+        get = self._counts.get
+        for subject, charge in charges.items():
+            _, tokens, day, month = self._keys(subject, w)
+            self._counts[tokens] = get(tokens, 0) + charge.completion_tokens
+            self._counts[day] = get(day, 0.0) + charge.cost_usd
+            self._counts[month] = get(month, 0.0) + charge.cost_usd
+
+    async def spent(self, subject: str, now: float) -> tuple[float, float]:
+        _, _, day, month = self._keys(subject, Windows.at(now))
+        return self._counts.get(day, 0.0), self._counts.get(month, 0.0)

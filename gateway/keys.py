@@ -1,0 +1,200 @@
+"""Virtual API keys: `sk-sluice-<random>` secrets bound to a tenant, a feature and policy overrides.
+
+Only the SHA-256 of a secret is stored. `create_key`, `list_keys` and `revoke_key` are what the
+admin API and the `sluice keys` CLI call. The request path authenticates through `KeyCache`, which
+remembers each lookup (found or not) for `ttl_s` seconds, so the database is read at most once
+per secret per TTL: a revocation made elsewhere takes effect within `DEFAULT_KEY_CACHE_TTL_S`
+seconds (at once on the replica that revoked it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gateway.config import PolicyConfig, Settings
+from gateway.db.schema import api_keys
+
+SECRET_PREFIX = "sk-sluice-"
+DISPLAY_PREFIX_LEN = 14  # "sk-sluice-" plus four random characters: enough to recognise a key
+DEFAULT_KEY_CACHE_TTL_S = 2.0
+_MAX_CACHED_SECRETS = 100_000
+
+
+class KeyStoreUnavailable(Exception):
+    """The key store (the database) cannot be read, and this secret is not cached."""
+
+
+class InvalidPolicy(ValueError):
+    """Policy overrides name an unknown field or hold a wrong type."""
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    id: str
+    prefix: str
+    tenant: str
+    feature: str
+    name: str
+    policy: dict[str, Any]  # overrides of the feature's policy
+    created_at: datetime
+    revoked_at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CreatedKey:
+    key: ApiKey
+    secret: str  # shown once; only its hash is stored
+
+
+def _check_text(value: str, name: str, max_len: int) -> str:
+    """Names go into indexed columns and listings: non-empty, bounded, no control characters."""
+    if not value or len(value) > max_len or not value.isprintable():
+        raise ValueError(f"{name} must be 1 to {max_len} printable characters")
+    return value
+
+
+def new_secret() -> str:
+    return SECRET_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def validate_policy_overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The overrides, checked field by field against `PolicyConfig`; raises `InvalidPolicy`."""
+    try:
+        merged = msgspec.convert({**msgspec.to_builtins(PolicyConfig()), **overrides}, PolicyConfig)
+    except msgspec.ValidationError as exc:
+        raise InvalidPolicy(f"policy: {exc}") from exc
+    return {name: msgspec.to_builtins(getattr(merged, name)) for name in overrides}
+
+
+def effective_policy(settings: Settings, feature: str, overrides: Mapping[str, Any]) -> PolicyConfig:
+    """The feature's policy from config with the key's stored overrides on top."""
+    base = settings.policy_for(feature)
+    if not overrides:
+        return base
+    return msgspec.convert({**msgspec.to_builtins(base), **overrides}, PolicyConfig)
+
+
+def _row_to_key(row: sa.Row[Any]) -> ApiKey:
+    return ApiKey(
+        id=row.id,
+        prefix=row.prefix,
+        tenant=row.tenant,
+        feature=row.feature,
+        name=row.name,
+        policy=dict(row.policy or {}),
+        created_at=row.created_at,
+        revoked_at=row.revoked_at,
+    )
+
+
+async def create_key(
+    engine: AsyncEngine, *, tenant: str, feature: str, name: str = "", policy: Mapping[str, Any] | None = None
+) -> CreatedKey:
+    _check_text(tenant, "tenant", 128)
+    _check_text(feature, "feature", 128)
+    if name:
+        _check_text(name, "name", 256)
+    overrides = validate_policy_overrides(policy or {})
+    secret = new_secret()
+    key = ApiKey(
+        id=str(uuid.uuid4()),
+        prefix=secret[:DISPLAY_PREFIX_LEN],
+        tenant=tenant,
+        feature=feature,
+        name=name,
+        policy=overrides,
+        created_at=datetime.now(UTC),
+    )
+    async with engine.begin() as connection:
+        await connection.execute(
+            api_keys.insert().values(
+                id=key.id,
+                key_hash=hash_secret(secret),
+                prefix=key.prefix,
+                tenant=tenant,
+                feature=feature,
+                name=name,
+                policy=overrides,
+                created_at=key.created_at,
+            )
+        )
+    return CreatedKey(key=key, secret=secret)
+
+
+async def list_keys(engine: AsyncEngine, *, tenant: str | None = None, include_revoked: bool = True) -> list[ApiKey]:
+    query = sa.select(api_keys).order_by(api_keys.c.created_at, api_keys.c.id)
+    if tenant is not None:
+        _check_text(tenant, "tenant", 128)
+        query = query.where(api_keys.c.tenant == tenant)
+    if not include_revoked:
+        query = query.where(api_keys.c.revoked_at.is_(None))
+    async with engine.connect() as connection:
+        rows = (await connection.execute(query)).all()
+    return [_row_to_key(row) for row in rows]
+
+
+async def revoke_key(engine: AsyncEngine, key_id: str) -> bool:
+    """Revoke an active key; False when no active key has this id."""
+    if not key_id.isprintable() or len(key_id) > 36:
+        return False
+    async with engine.begin() as connection:
+        result = await connection.execute(
+            api_keys.update()
+            .where(api_keys.c.id == key_id, api_keys.c.revoked_at.is_(None))
+            .values(revoked_at=datetime.now(UTC))
+        )
+    return result.rowcount == 1
+
+
+async def find_active_key(engine: AsyncEngine, secret: str) -> ApiKey | None:
+    query = sa.select(api_keys).where(api_keys.c.key_hash == hash_secret(secret), api_keys.c.revoked_at.is_(None))
+    async with engine.connect() as connection:
+        row = (await connection.execute(query)).first()
+    return _row_to_key(row) if row is not None else None
+
+
+@dataclass(slots=True)
+class KeyCache:
+    """Secret → active key (or None), each remembered for `ttl_s` seconds, and for as long as the
+    database is unreachable."""
+
+    engine: AsyncEngine
+    ttl_s: float = DEFAULT_KEY_CACHE_TTL_S
+    clock: Callable[[], float] = time.monotonic
+    _entries: dict[str, tuple[float, ApiKey | None]] = field(default_factory=dict)
+
+    async def lookup(self, secret: str) -> ApiKey | None:
+        digest = hash_secret(secret)  # the cache, too, holds no plain secrets
+        now = self.clock()
+        entry = self._entries.get(digest)
+        if entry is not None and entry[0] > now:
+            return entry[1]
+        try:
+            key = await find_active_key(self.engine, secret)
+        except (sa.exc.SQLAlchemyError, OSError) as exc:
+            if entry is not None:
+                return entry[1]  # the database is down: keep answering as we last knew
+            raise KeyStoreUnavailable(str(exc)) from exc
+        if len(self._entries) >= _MAX_CACHED_SECRETS:
+            self._entries = {d: e for d, e in self._entries.items() if e[0] > now}
+        self._entries[digest] = (now + self.ttl_s, key)
+        return key
+
+    def forget(self, key_id: str) -> None:
+        """Drop a key at once (it was revoked through this replica)."""
+        self._entries = {d: e for d, e in self._entries.items() if e[1] is None or e[1].id != key_id}

@@ -1,0 +1,75 @@
+"""Prometheus metrics, one registry per app (so several apps in one process stay apart)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from gateway.accounting import RequestRecord
+
+__all__ = ["CONTENT_TYPE", "Metrics"]
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "sluice_requests", "Requests by tier served and HTTP status", ["tier", "status"], registry=r
+        )
+        self.errors = Counter("sluice_errors", "Failed requests by error code", ["code"], registry=r)
+        self.latency = Histogram(
+            "sluice_request_latency_seconds", "Total request latency", ["tier"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.ttft = Histogram(
+            "sluice_ttft_seconds", "Time to first token (streams)", ["tier"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.tokens = Counter(
+            "sluice_tokens", "Tokens by tier and direction (prompt|completion)", ["tier", "direction"], registry=r
+        )
+        self.cost = Counter("sluice_cost_usd", "Spend in USD by tier", ["tier"], registry=r)
+        self.cache = Counter("sluice_cache_lookups", "Response cache lookups by result", ["result"], registry=r)
+        self.escalations = Counter("sluice_escalations", "Requests escalated from small to large", registry=r)
+        self.fallbacks = Counter(
+            "sluice_fallbacks", "Requests served by another tier because theirs was down", ["tier"], registry=r
+        )
+        self.in_flight = Gauge("sluice_in_flight_requests", "Requests being served, by tier", ["tier"], registry=r)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, remembered: `labels()` validates and locks on every call."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def in_flight_of(self, tier: str) -> Any:
+        return self._child(self.in_flight, tier)
+
+    def observe(self, record: RequestRecord) -> None:
+        """Count one finished request."""
+        tier = record.tier or "none"
+        child = self._child
+        child(self.requests, tier, str(record.status)).inc()
+        if record.error_code:
+            child(self.errors, record.error_code).inc()
+        child(self.latency, tier).observe(record.latency_ms / 1000)
+        if record.ttft_ms is not None:
+            child(self.ttft, tier).observe(record.ttft_ms / 1000)
+        if record.tier is not None:
+            child(self.tokens, tier, "prompt").inc(record.prompt_tokens)
+            child(self.tokens, tier, "completion").inc(record.completion_tokens)
+            child(self.cost, tier).inc(record.cost_usd)
+            child(self.cache, record.cache_status).inc()
+        if record.escalated:
+            self.escalations.inc()
+        if record.fallback:
+            child(self.fallbacks, tier).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

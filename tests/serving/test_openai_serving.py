@@ -1,0 +1,260 @@
+"""The OpenAI layer over a real (tiny, random-weight) engine: parameter mapping, stop strings, `n`,
+logprobs, usage with prefix-cache hits, and OpenAI-style errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from engines.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ContentPart,
+)
+from engines.serving import OpenAIError, OpenAIServing, decode_request, is_usage_chunk
+from tests.serving.conftest import (
+    BLOCK_SIZE,
+    MAX_MODEL_LEN,
+    MODEL_NAME,
+    eventually_running,
+    idle_kv_blocks_used,
+    wait_until_idle,
+)
+
+LONG_TEXT = (
+    "The scheduler decides which sequences run in the next step and how many tokens each of them may take. "
+    "Attention is computed over keys and values that are stored in blocks of a paged cache on the device. "
+)
+
+
+def chat(content: str, **fields: object) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model=MODEL_NAME, messages=[ChatMessage(role="user", content=content)], **fields)
+
+
+def completion(prompt: object, **fields: object) -> CompletionRequest:
+    return CompletionRequest(model=MODEL_NAME, prompt=prompt, **fields)  # type: ignore[arg-type]
+
+
+# -- mapping requests to engine calls --------------------------------------------------------------
+
+
+def test_defaults_sample_at_temperature_one_up_to_the_remaining_context(serving: OpenAIServing) -> None:
+    (call,) = serving.prepare_chat(chat("Hello"))
+    prompt_tokens = serving.count_prompt_tokens(chat("Hello"))
+    assert call.prompt_token_ids == serving.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}])
+    assert len(call.prompt_token_ids) == prompt_tokens
+    assert call.params.temperature == 1.0
+    assert call.params.top_p == 1.0
+    assert call.params.top_k == 0
+    assert call.params.max_tokens == MAX_MODEL_LEN - prompt_tokens
+    assert call.params.logprobs is False
+
+
+def test_request_fields_map_onto_sampling_params(serving: OpenAIServing) -> None:
+    request = chat(
+        "Hello", temperature=0.0, top_p=0.5, top_k=7, seed=11, stop=["x", "", "yz"], max_tokens=3,
+        max_completion_tokens=9, logprobs=True, top_logprobs=4,
+    )  # fmt: skip
+    (call,) = serving.prepare_chat(request)
+    assert call.params.greedy
+    assert (call.params.top_p, call.params.top_k, call.params.seed) == (0.5, 7, 11)
+    assert call.params.stop == ["x", "yz"]  # empty stop strings mean nothing
+    assert call.params.max_tokens == 9  # max_completion_tokens supersedes max_tokens
+    assert (call.params.logprobs, call.params.top_logprobs) == (True, 4)
+
+
+def test_n_becomes_n_engine_requests_with_suffixed_ids_and_distinct_seeds(serving: OpenAIServing) -> None:
+    calls = serving.prepare_chat(chat("Hello", n=3, seed=5))
+    base = calls[0].request_id.rsplit("-", 1)[0]
+    assert [c.request_id for c in calls] == [f"{base}-0", f"{base}-1", f"{base}-2"]
+    assert [c.index for c in calls] == [0, 1, 2]
+    assert [c.params.seed for c in calls] == [5, 6, 7]
+
+
+def test_completion_prompt_forms_and_integer_logprobs(serving: OpenAIServing) -> None:
+    ids = serving.tokenizer.encode("Hello world")
+    assert [c.prompt_token_ids for c in serving.prepare_completion(completion("Hello world"))] == [ids]
+    assert [c.prompt_token_ids for c in serving.prepare_completion(completion(ids))] == [ids]
+    batch = serving.prepare_completion(completion(["Hello world", "Paris"], n=2))
+    assert [(c.index, c.prompt_index) for c in batch] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+    (call,) = serving.prepare_completion(completion("Hello", logprobs=3))
+    assert (call.params.logprobs, call.params.top_logprobs, call.params.max_tokens) == (True, 3, 16)
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("request_", "param"),
+    [
+        (chat("Hi", temperature=2.5), "temperature"),
+        (chat("Hi", top_p=0.0), "top_p"),
+        (chat("Hi", n=0), "n"),
+        (chat("Hi", max_tokens=0), "max_tokens"),
+        (chat("Hi", max_completion_tokens=-1), "max_completion_tokens"),
+        (chat("Hi", stop=["a", "b", "c", "d", "e"]), "stop"),
+        (chat("Hi", top_logprobs=2), "top_logprobs"),
+        (chat("Hi", logprobs=True, top_logprobs=21), "top_logprobs"),
+        (chat("Hi", presence_penalty=0.5), "presence_penalty"),
+        (ChatCompletionRequest(model=MODEL_NAME, messages=[]), "messages"),
+        (
+            ChatCompletionRequest(model=MODEL_NAME, messages=[ChatMessage(role="robot", content="x")]),
+            "messages[0].role",
+        ),
+        (
+            ChatCompletionRequest(
+                model=MODEL_NAME, messages=[ChatMessage(role="user", content=[ContentPart(type="image_url")])]
+            ),
+            "messages[0].content[0].type",
+        ),
+        (completion("Hi", logprobs=6), "logprobs"),
+        (completion([1, 2, 10**6]), "prompt"),
+        (completion(""), "prompt"),
+    ],
+)
+def test_invalid_parameters_raise_an_openai_invalid_request_error(
+    serving: OpenAIServing, request_: ChatCompletionRequest | CompletionRequest, param: str
+) -> None:
+    with pytest.raises(OpenAIError) as raised:
+        if isinstance(request_, ChatCompletionRequest):
+            serving.prepare_chat(request_)
+        else:
+            serving.prepare_completion(request_)
+    assert raised.value.status_code == 400
+    assert raised.value.detail.type == "invalid_request_error"
+    assert raised.value.detail.param == param
+
+
+def test_a_request_beyond_the_context_length_is_refused_with_context_length_exceeded(serving: OpenAIServing) -> None:
+    prompt_tokens = serving.count_prompt_tokens(chat("Hello"))
+    with pytest.raises(OpenAIError) as raised:
+        serving.prepare_chat(chat("Hello", max_tokens=MAX_MODEL_LEN - prompt_tokens + 1))
+    assert raised.value.detail.code == "context_length_exceeded"
+    assert raised.value.detail.param == "max_tokens"
+    serving.prepare_chat(chat("Hello", max_tokens=MAX_MODEL_LEN - prompt_tokens))  # exactly fits
+
+
+def test_streams_validate_when_called_before_anything_is_sent(serving: OpenAIServing) -> None:
+    with pytest.raises(OpenAIError):
+        serving.chat_stream(chat("Hi", temperature=-1.0))
+
+
+def test_decoding_a_body_names_the_offending_field() -> None:
+    with pytest.raises(OpenAIError) as malformed:
+        decode_request(b'{"model": "m", "messages": [', ChatCompletionRequest)
+    assert (malformed.value.status_code, malformed.value.detail.code) == (400, "invalid_json")
+    with pytest.raises(OpenAIError) as mistyped:
+        decode_request(b'{"model": "m", "messages": [], "max_tokens": "ten"}', ChatCompletionRequest)
+    assert mistyped.value.detail.param == "max_tokens"
+    with pytest.raises(OpenAIError) as missing:
+        decode_request(b'{"model": "m"}', ChatCompletionRequest)
+    assert "messages" in missing.value.detail.message
+
+
+# -- generation ----------------------------------------------------------------------------------
+
+
+async def test_greedy_chat_is_deterministic_and_reports_usage(serving: OpenAIServing) -> None:
+    request = chat("What is the capital of France?", temperature=0, max_tokens=12)
+    first = await serving.chat(request)
+    second = await serving.chat(request)
+    assert first.choices[0].message.content == second.choices[0].message.content
+    assert first.choices[0].message.role == "assistant"
+    assert first.choices[0].finish_reason in ("stop", "length")
+    assert first.usage.prompt_tokens == serving.count_prompt_tokens(request)
+    assert 1 <= first.usage.completion_tokens <= 12
+    assert first.usage.total_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
+    assert first.model == MODEL_NAME and first.id.startswith("chatcmpl-")
+
+
+async def test_generation_stops_before_the_first_stop_string(serving: OpenAIServing) -> None:
+    base = chat("Once upon a time", temperature=0, max_tokens=40)
+    text = (await serving.chat(base)).choices[0].message.content or ""
+    assert len(text) > 8, f"the tiny model produced too little text to cut: {text!r}"
+    stop = text[5:8]
+    expected = text[: text.index(stop)]
+    stopped = await serving.chat(chat("Once upon a time", temperature=0, max_tokens=40, stop=stop))
+    assert stopped.choices[0].message.content == expected
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+async def test_n_choices_share_one_prompt_in_usage(serving: OpenAIServing) -> None:
+    request = chat("Tell me a story", n=3, seed=1, max_tokens=6)
+    response = await serving.chat(request)
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    assert response.usage.prompt_tokens == serving.count_prompt_tokens(request)
+    produced = response.usage.completion_tokens
+    assert 3 <= produced <= 18
+
+
+async def test_chat_logprobs_have_one_entry_per_token_with_sorted_alternatives(serving: OpenAIServing) -> None:
+    response = await serving.chat(chat("Hello", temperature=0, max_tokens=5, logprobs=True, top_logprobs=3))
+    choice = response.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    entries = choice.logprobs.content
+    assert len(entries) == response.usage.completion_tokens
+    for entry in entries:
+        assert entry.logprob <= 0.0
+        assert len(entry.top_logprobs) == 3
+        values = [top.logprob for top in entry.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert entry.token == entry.top_logprobs[0].token  # greedy picks the most likely token
+        assert entry.bytes is not None
+    assert "".join(e.token for e in entries).startswith(choice.message.content or "")
+
+
+async def test_completion_logprobs_follow_the_legacy_shape(serving: OpenAIServing) -> None:
+    response = await serving.complete(completion("The weather is", temperature=0, max_tokens=4, logprobs=2))
+    logprobs = response.choices[0].logprobs
+    assert logprobs is not None
+    n = response.usage.completion_tokens if response.usage else 0
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == n
+    assert all(top is not None and len(top) <= 2 for top in logprobs.top_logprobs)
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+
+
+async def test_a_repeated_long_prompt_reports_cached_prompt_tokens(serving: OpenAIServing) -> None:
+    request = chat("Remember this. " + LONG_TEXT * 3, temperature=0, max_tokens=2)
+    first = await serving.chat(request)
+    second = await serving.chat(request)
+    assert first.usage.cached_tokens == 0
+    assert first.usage.prompt_tokens > 4 * BLOCK_SIZE
+    assert 0 < second.usage.cached_tokens < second.usage.prompt_tokens
+    assert second.usage.cached_tokens % BLOCK_SIZE == 0  # whole blocks are shared
+
+
+async def test_chat_stream_announces_the_role_then_deltas_then_finish_then_usage(serving: OpenAIServing) -> None:
+    # The usage-only chunk comes even though the request did not ask for it: in-process callers charge from it.
+    request = chat("Hello there", temperature=0, max_tokens=10)
+    expected = await serving.chat(request)
+    chunks = [chunk async for chunk in serving.chat_stream(request)]
+    content_chunks, usage_chunk = chunks[:-1], chunks[-1]
+    assert content_chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in content_chunks[1:])
+    assert "".join(c.choices[0].delta.content or "" for c in content_chunks) == expected.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in content_chunks][-1] == expected.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in content_chunks[:-1])
+    assert is_usage_chunk(usage_chunk) and usage_chunk.usage is not None
+    assert usage_chunk.usage.prompt_tokens == expected.usage.prompt_tokens
+    assert usage_chunk.usage.completion_tokens == expected.usage.completion_tokens
+    assert usage_chunk.usage.cached_tokens > 0  # the same prompt, just served
+    assert len({c.id for c in chunks}) == 1
+
+
+async def test_completion_stream_with_echo_starts_with_the_prompt(serving: OpenAIServing) -> None:
+    request = completion("Numbers like", temperature=0, max_tokens=6, echo=True, stream=True)
+    chunks = [chunk async for chunk in serving.complete_stream(request)]
+    text = "".join(choice.text for chunk in chunks for choice in chunk.choices)
+    assert text.startswith("Numbers like")
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+
+
+async def test_leaving_a_stream_early_aborts_its_engine_requests(serving: OpenAIServing) -> None:
+    baseline = await idle_kv_blocks_used(serving.engine)
+    probe = chat("Write a long story about a robot", temperature=0, max_tokens=300, n=2)
+    stream = serving.chat_stream(probe)
+    await anext(stream)
+    await eventually_running(serving.engine, 2)
+    await stream.aclose()
+    await wait_until_idle(serving.engine, baseline)
+
