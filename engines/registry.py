@@ -88,7 +88,8 @@ def resolve_model(name_or_path: str, cache_dir_override: str | os.PathLike[str] 
         path = cache_dir(cache_dir_override) / DEMO_MODELS[name_or_path].filename
         if not path.exists():
             raise FileNotFoundError(
-                f"demo model {name_or_path!r} is not fetched yet ({path} missing): run `sluice models fetch {name_or_path}`"
+                f"demo model {name_or_path!r} is not fetched yet ({path} missing): "
+                f"run `sluice models fetch {name_or_path}`"
             )
         return path
     path = Path(name_or_path).expanduser()

@@ -9,12 +9,11 @@ import json
 import runpy
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 Handler = Callable[[argparse.Namespace], int]
 
 
-def _settings(args: argparse.Namespace):  # noqa: ANN202 - Settings, imported lazily
+def _settings(args: argparse.Namespace):
     from gateway.config import load_settings
 
     return load_settings(getattr(args, "config", None))
@@ -172,7 +171,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sluice", description="Sluice: an OpenAI-compatible LLM gateway with a model cascade.")
+    parser = argparse.ArgumentParser(
+        prog="sluice", description="Sluice: an OpenAI-compatible LLM gateway with a model cascade."
+    )
     parser.add_argument("--config", help="TOML config file (default: $SLUICE_CONFIG, else ./sluice.toml if present)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

@@ -66,7 +66,7 @@ def test_invalid_config_fails_with_a_message_naming_the_key(environ: dict[str, s
 
 
 def test_a_tier_needs_a_model_or_an_upstream() -> None:
-    with pytest.raises(ConfigError, match="tiers.large"):
+    with pytest.raises(ConfigError, match=r"tiers\.large"):
         load_settings(environ={"SLUICE_TIERS__LARGE__MODEL": '""'})
 
 
@@ -75,5 +75,5 @@ def test_missing_or_broken_file_is_named(tmp_path: Path) -> None:
         load_settings(tmp_path / "absent.toml", environ={})
     broken = tmp_path / "broken.toml"
     broken.write_text("[server\n")
-    with pytest.raises(ConfigError, match="broken.toml"):
+    with pytest.raises(ConfigError, match=r"broken\.toml"):
         load_settings(broken, environ={})

@@ -18,7 +18,8 @@ def build_wheel(folder: Path, project: str, version: str, member: str, payload: 
     with zipfile.ZipFile(folder / f"{module}-{version}-py3-none-any.whl", "w") as wheel:
         wheel.writestr(member, payload)
         wheel.writestr(f"{dist_info}/METADATA", f"Metadata-Version: 2.1\nName: {project}\nVersion: {version}\n")
-        wheel.writestr(f"{dist_info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        wheel_info = "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        wheel.writestr(f"{dist_info}/WHEEL", wheel_info)
         wheel.writestr(f"{dist_info}/RECORD", "")
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from engines.protocol import ChatCompletionRequest
 from engines.serving import OpenAIServing
-from tests.serving.conftest import MODEL_NAME, eventually_running, idle_kv_blocks_used, wait_until_idle
+from tests.serving.conftest import MODEL_NAME, idle_kv_blocks_used, wait_until_idle
 
 
 @pytest.fixture
