@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import httpx
 import msgspec
 
+from engines.http1 import HttpClientError, HttpPool
 from engines.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -114,6 +117,8 @@ CHARS_PER_TOKEN = 4
 TEMPLATE_TOKENS_PER_MESSAGE = 4
 TEMPLATE_TOKENS_PER_REPLY = 3
 
+END_OF_STREAM_WAIT_S = 1.0  # after `data: [DONE]`, for the end of the body
+
 _error_decoder = msgspec.json.Decoder(ErrorResponse)
 
 
@@ -147,7 +152,9 @@ class HttpEngineClient:
 
     Requests go out under `model` (the upstream's model name). Streams always ask the upstream for
     `include_usage`, so they end with the usage chunk the gateway charges from. One pooled
-    keep-alive connection per concurrent request, up to `max_connections`.
+    keep-alive connection per concurrent request, up to `max_connections`, on the lean client of
+    `engines.http1` (httpx cost ~3 ms of CPU per call here); an injected httpx `transport` (in-memory
+    ASGI apps, mocks) goes through httpx instead.
     """
 
     def __init__(
@@ -169,13 +176,24 @@ class HttpEngineClient:
         headers = {"Content-Type": "application/json"}
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
-        self._client = httpx.AsyncClient(
-            base_url=self.base_url,
-            headers=headers,
-            timeout=httpx.Timeout(read_timeout, connect=connect_timeout),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-            transport=transport,
-        )
+        self._pool: HttpPool | None = None
+        self._client: httpx.AsyncClient | None = None
+        if transport is None:
+            self._pool = HttpPool(
+                self.base_url,
+                headers=headers,
+                connect_timeout=connect_timeout,
+                read_timeout=read_timeout,
+                max_connections=max_connections,
+            )
+        else:
+            self._client = httpx.AsyncClient(
+                base_url=self.base_url,
+                headers=headers,
+                timeout=httpx.Timeout(read_timeout, connect=connect_timeout),
+                limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+                transport=transport,
+            )
 
     def count_prompt_tokens(self, request: ChatCompletionRequest | CompletionRequest) -> int:
         """Exact with the tier's tokenizer; otherwise an estimate (see CHARS_PER_TOKEN)."""
@@ -194,16 +212,26 @@ class HttpEngineClient:
 
     async def _post(self, path: str, body: bytes) -> bytes:
         try:
-            response = await self._client.post(path, content=body)
-        except httpx.TransportError as exc:
+            if self._pool is not None:
+                status, content = await self._pool.request("POST", path, body)
+            else:
+                assert self._client is not None
+                response = await self._client.post(path, content=body)
+                status, content = response.status_code, response.content
+        except (HttpClientError, httpx.TransportError) as exc:
             raise EngineUnavailable(f"{self.base_url}{path}: {type(exc).__name__}: {exc}") from exc
-        _raise_for_status(response.status_code, response.content, self.base_url)
-        return response.content
+        _raise_for_status(status, content, self.base_url)
+        return content
 
     async def _stream(self, path: str, body: bytes, chunk_type: type[ChunkT]) -> AsyncGenerator[ChunkT, None]:
         """Chunks as each SSE line arrives. Closing this generator closes the upstream response,
         and the upstream aborts the request."""
         decoder = msgspec.json.Decoder(chunk_type)
+        if self._pool is not None:
+            async for chunk in self._stream_http1(self._pool, path, body, decoder):
+                yield chunk
+            return
+        assert self._client is not None
         try:
             response = await self._client.send(self._client.build_request("POST", path, content=body), stream=True)
         except httpx.TransportError as exc:
@@ -222,6 +250,35 @@ class HttpEngineClient:
             raise EngineUnavailable(f"{self.base_url}{path}: {type(exc).__name__}: {exc}") from exc
         finally:
             await response.aclose()
+
+    async def _stream_http1(
+        self, pool: HttpPool, path: str, body: bytes, decoder: msgspec.json.Decoder[ChunkT]
+    ) -> AsyncGenerator[ChunkT, None]:
+        try:
+            response = await pool.open("POST", path, body)
+        except HttpClientError as exc:
+            raise EngineUnavailable(f"{self.base_url}{path}: {type(exc).__name__}: {exc}") from exc
+        try:
+            if response.status >= 400:
+                _raise_for_status(response.status, await response.read(), self.base_url)
+            lines = response.iter_lines()
+            async for line in lines:
+                if not line.startswith(b"data:"):
+                    continue  # blank separators, comments, keep-alives
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    # Read the end of the body so that the connection is reused; an upstream that
+                    # does not end it soon loses the connection instead of holding up the stream.
+                    with contextlib.suppress(TimeoutError, HttpClientError):
+                        async with asyncio.timeout(END_OF_STREAM_WAIT_S):
+                            async for _ in lines:
+                                pass
+                    return
+                yield _decode_event(decoder, data)
+        except HttpClientError as exc:
+            raise EngineUnavailable(f"{self.base_url}{path}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            response.close()  # before the end: closes the connection, and the upstream aborts
 
     async def chat(self, request: ChatCompletionRequest) -> ChatCompletion:
         body = _payload(request, model=self.model_name, stream=False, stream_options=None)
@@ -242,16 +299,23 @@ class HttpEngineClient:
     async def ready(self) -> bool:
         """The upstream answers `GET /v1/models` (every OpenAI-compatible server has it)."""
         try:
+            if self._pool is not None:
+                status, _ = await self._pool.request("GET", "/models")
+                return status == 200
+            assert self._client is not None
             response = await self._client.get("/models")
-        except httpx.TransportError:
+        except (HttpClientError, httpx.TransportError):
             return False
         return response.status_code == 200
 
     async def close(self) -> None:
-        await self._client.aclose()
+        if self._pool is not None:
+            await self._pool.close()
+        if self._client is not None:
+            await self._client.aclose()
 
 
-def _decode_event(decoder: msgspec.json.Decoder[ChunkT], data: str) -> ChunkT:
+def _decode_event(decoder: msgspec.json.Decoder[ChunkT], data: str | bytes) -> ChunkT:
     try:
         return decoder.decode(data)
     except msgspec.ValidationError:
@@ -259,5 +323,5 @@ def _decode_event(decoder: msgspec.json.Decoder[ChunkT], data: str) -> ChunkT:
     try:
         detail = _error_decoder.decode(data).error
     except msgspec.MsgspecError as exc:
-        raise EngineUnavailable(f"upstream sent an unreadable event: {data[:200]}") from exc
+        raise EngineUnavailable(f"upstream sent an unreadable event: {data[:200]!r}") from exc
     raise OpenAIError.from_detail(detail, 500 if detail.type == "server_error" else 400)

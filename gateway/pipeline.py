@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import suppress
@@ -33,7 +34,6 @@ from engines.protocol import (
     ErrorResponse,
     StreamOptions,
     Usage,
-    new_id,
     sse_event,
 )
 from engines.serving import OpenAIError, _chat_decoding, _completion_decoding
@@ -143,7 +143,9 @@ def request_ids(incoming: str | None) -> tuple[str, str]:
     A client's `x-request-id` is honoured: echoed, and the prefix of the request's own id, so that
     its accounting rows are found by it. The own id stays unique even when a client repeats an id
     (retries do): accounting keys rows by it and ignores a row whose id it has already written."""
-    own = new_id("req")
+    # Not uuid4: it reads os.urandom, a system call per request. The random module's generator is
+    # seeded from it once per process (again in a forked child); 128 bits make collisions as unlikely.
+    own = f"req-{random.getrandbits(128):032x}"
     if incoming and len(incoming) <= MAX_CLIENT_REQUEST_ID_LEN and incoming.isprintable():
         return f"{incoming}.{own.removeprefix('req-')[:UNIQUE_SUFFIX_LEN]}", incoming
     return own, own

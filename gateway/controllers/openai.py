@@ -5,9 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from litestar import Controller, Request, Response, get, post
-from litestar.connection import ASGIConnection
 from litestar.di import NamedDependency
-from litestar.handlers import BaseRouteHandler
 from litestar.params import JSONBody
 
 from engines.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -16,19 +14,22 @@ from gateway.pipeline import Gateway, RequestState, request_ids
 from router.decision import model_ids
 
 
-async def authenticated(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
+async def authenticated(request: Request[Any, Any, Any]) -> None:
     """Start the request's record and authenticate it, before the body is read: a request without
-    a valid key gets 401 whatever its body."""
-    gateway: Gateway = connection.app.state.gateway
-    request_id, response_id = request_ids(connection.headers.get("x-request-id"))
-    state = RequestState(request_id=request_id, endpoint=handler.opt.get("endpoint", ""), response_id=response_id)
-    connection.state.sluice = state
-    state.principal = await gateway.authenticate(connection.headers.get("authorization"))
+    a valid key gets 401 whatever its body. A `before_request` hook rather than a guard: Litestar
+    copies the route handler for every guard call, on every request."""
+    gateway: Gateway = request.app.state.gateway
+    headers = request.headers
+    request_id, response_id = request_ids(headers.get("x-request-id"))
+    endpoint = request.route_handler.opt.get("endpoint", "")
+    state = RequestState(request_id=request_id, endpoint=endpoint, response_id=response_id)
+    request.state.sluice = state
+    state.principal = await gateway.authenticate(headers.get("authorization"))
 
 
 class OpenAIController(Controller):
     path = "/v1"
-    guards = [authenticated]  # noqa: RUF012 - Litestar's declaration style
+    before_request = authenticated
 
     @post("/chat/completions", opt={"endpoint": "chat"}, status_code=200, summary="Create a chat completion")
     async def chat_completions(

@@ -121,6 +121,15 @@ async def test_requests_count_towards_their_utc_day(engine: AsyncEngine, tenant:
     assert set(await rollups(engine, tenant)) == {(date(2026, 3, 2), "chat", "small")}
 
 
+async def test_a_time_without_offset_is_taken_as_utc(engine: AsyncEngine, tenant: str) -> None:
+    await write_batch(engine, [record(tenant, 1, created_at=datetime(2026, 3, 1, 23, 30))])
+    assert set(await rollups(engine, tenant)) == {(date(2026, 3, 1), "chat", "small")}
+    async with engine.connect() as connection:
+        query = sa.select(requests.c.created_at).where(requests.c.tenant == tenant)
+        stored = (await connection.execute(query)).scalar_one()
+    assert stored.replace(tzinfo=stored.tzinfo or UTC) == datetime(2026, 3, 1, 23, 30, tzinfo=UTC)
+
+
 async def test_writing_a_batch_again_adds_no_rows_and_counts_nothing_twice(engine: AsyncEngine, tenant: str) -> None:
     first_half = [record(tenant, n) for n in range(5)]
     everything = [record(tenant, n) for n in range(10)]

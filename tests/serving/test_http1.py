@@ -11,7 +11,9 @@ import msgspec
 import pytest
 
 from bench.fake_upstream import ANSWER, serving_in_thread
+from engines.client import HttpEngineClient
 from engines.http1 import ConnectError, HttpPool, ReadTimeout, RemoteProtocolError
+from engines.protocol import ChatCompletionRequest, ChatMessage
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 CHAT = msgspec.json.encode({"model": "small", "messages": [{"role": "user", "content": "hi"}]})
@@ -261,3 +263,46 @@ async def test_cancelling_a_request_closes_its_connection_so_the_upstream_sees_i
 async def test_a_url_that_is_not_http_is_refused() -> None:
     with pytest.raises(ValueError, match="http"):
         HttpPool("ftp://example.com")
+
+
+async def test_concurrent_requests_beyond_max_connections_wait_for_a_free_connection() -> None:
+    open_now = 0
+    most_open = 0
+
+    async def counting(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal open_now, most_open
+        open_now += 1
+        most_open = max(most_open, open_now)
+        try:
+            while True:
+                try:
+                    await read_request(reader)
+                except asyncio.IncompleteReadError:
+                    return
+                await asyncio.sleep(0.01)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                await writer.drain()
+        finally:
+            open_now -= 1
+
+    async with RawServer(counting) as url:
+        pool = HttpPool(url, max_connections=2)
+        answers = await asyncio.gather(*(pool.request("POST", "/", b"{}") for _ in range(6)))
+        assert answers == [(200, b"ok")] * 6
+        assert most_open == 2
+        await pool.close()
+
+
+async def test_an_engine_client_stream_read_to_its_end_leaves_its_connection_for_the_next_request(
+    fake_upstream_url: str,
+) -> None:
+    client = HttpEngineClient(fake_upstream_url, "small")
+    request = ChatCompletionRequest(model="small", messages=[ChatMessage(role="user", content="hi")], stream=True)
+    try:
+        for _ in range(3):
+            chunks = [chunk async for chunk in client.chat_stream(request)]
+            assert chunks[-1].usage is not None
+        assert client._pool is not None
+        assert len(client._pool._idle) == 1
+    finally:
+        await client.close()
