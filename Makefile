@@ -32,7 +32,7 @@ models: venv
 	$(BIN)/sluice models fetch tiny small large
 
 models-test: venv
-	$(BIN)/sluice models fetch tiny
+	$(BIN)/sluice models fetch tiny small large
 
 services:
 	bash .ci/services.sh

@@ -1,6 +1,7 @@
 """The whole product once, as a user runs it: `sluice keys create`, `sluice serve` as its own process
-on Postgres and Redis with a real model (SmolLM2-135M, the `tiny` demo model) in both tiers, the
-official `openai` SDK as the client, and the accounting rows read back from Postgres."""
+on Postgres and Redis with real models in both tiers (SmolLM2-135M, the `tiny` demo model, as the
+small tier; Qwen2.5-Coder-0.5B, the `small` demo model, as the large tier), the official `openai` SDK
+as the client, and the accounting rows read back from Postgres."""
 
 from __future__ import annotations
 
@@ -32,9 +33,9 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def tiny_model() -> Path:
+def demo_models() -> list[Path]:
     try:
-        return resolve_model("tiny")
+        return [resolve_model("tiny"), resolve_model("small")]
     except FileNotFoundError as exc:
         pytest.skip(f"{exc} (make test fetches it)")
 
@@ -50,10 +51,9 @@ def gateway_env(postgres_url: str, redis_url: str, tmp_path_factory: pytest.Temp
             "SLUICE_SERVER__PORT": str(free_port()),
             "SLUICE_SERVER__SPOOL_DIR": str(spool),
             "SLUICE_TIERS__SMALL__MODEL": "tiny",
-            "SLUICE_TIERS__LARGE__MODEL": "tiny",
+            "SLUICE_TIERS__LARGE__MODEL": "small",
             "SLUICE_TIERS__SMALL__KV_CACHE_MB": "64",
             "SLUICE_TIERS__LARGE__KV_CACHE_MB": "64",
-            "SLUICE_TIERS__LARGE__QUANTIZATION": "none",
             "PYTHONUNBUFFERED": "1",
         }
     )
@@ -69,7 +69,7 @@ def sluice(env: dict[str, str], *args: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def gateway(tiny_model: Path, gateway_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def gateway(demo_models: list[Path], gateway_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = (tmp_path_factory.mktemp("log") / "gateway.log").open("w+")
     process = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "serve", "--log-level", "warning"],
@@ -150,7 +150,7 @@ def test_openai_sdk_gets_real_answers_and_every_request_is_accounted(
 
     with client.chat.completions.with_streaming_response.create(
         model="sluice-large",
-        messages=[{"role": "user", "content": "Name three colours."}],
+        messages=[{"role": "user", "content": "Write a Python function that adds two numbers."}],
         max_tokens=24,
         temperature=0,
         stream=True,
