@@ -8,9 +8,13 @@ with the same 500-token system prompt; every request generates exactly `--output
 (greedy, EOS ignored). Both systems load the same weights from the same checkpoint and see the same
 prompts and arrival times:
 
-  (i)  our AsyncLLMEngine (continuous batching, paged KV cache, prefix caching; bf16 + int8 weights);
-  (ii) HF transformers `generate` in static batches of 8 in arrival order (bf16, SDPA attention,
-       left padding, `torch.inference_mode`), each batch starting once its last request has arrived.
+  (i)  our AsyncLLMEngine (continuous batching, paged KV cache, prefix caching; float32 activations,
+       int8 weights for few-row decode steps and float32 ones for prefill chunks);
+  (ii) HF transformers `generate` in static batches of 8 in arrival order (SDPA attention, left
+       padding, `torch.inference_mode`), each batch starting once its last request has arrived. With
+       `--hf-setting auto` (the default) a short probe in the same run times each candidate setting
+       (float32 or bfloat16 weights, dynamic or static KV cache) and the fastest one runs the workload.
+Both run with the same torch intra-op thread count (`--threads`).
 
 Reported: output tokens/s, TTFT and ITL p50/p99, KV waste (token slots allocated in held blocks
 but not holding a token, averaged over the run), prefix-cache hit rate, and separately the TTFT of
@@ -230,6 +234,7 @@ def engine_config(model_path: Path, args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=4096,
+        num_threads=args.threads,
     )
 
 
@@ -326,6 +331,33 @@ class _StepClock:
         pass
 
 
+HF_SETTINGS = {"float32-dynamic": (torch.float32, "dynamic"), "float32-static": (torch.float32, "static"),
+               "bfloat16-dynamic": (torch.bfloat16, "dynamic")}
+HF_PROBE_PROMPT_TOKENS = 64
+HF_PROBE_NEW_TOKENS = 8
+
+
+def probe_hf_settings(checkpoint: Checkpoint, workload: Workload, pad_token_id: int) -> dict[str, float]:
+    """Seconds one batch of 8 short prompts takes through `generate` in each candidate setting."""
+    prompts = torch.tensor([p[:HF_PROBE_PROMPT_TOKENS] for p in workload.prompts[:HF_BATCH_SIZE]
+                            if len(p) >= HF_PROBE_PROMPT_TOKENS])
+    seconds = {}
+    for name, (dtype, cache) in HF_SETTINGS.items():
+        model = hf_model(checkpoint, dtype)
+        with torch.inference_mode():
+            kwargs: dict[str, Any] = dict(do_sample=False, pad_token_id=pad_token_id,
+                                          cache_implementation="static" if cache == "static" else None)
+            model.generate(prompts[:1, :16], max_new_tokens=2, **kwargs)  # warm-up
+            started = time.perf_counter()
+            model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=HF_PROBE_NEW_TOKENS,
+                           min_new_tokens=HF_PROBE_NEW_TOKENS, **kwargs)
+            seconds[name] = time.perf_counter() - started
+        print(f"  HF probe {name}: {seconds[name]:.2f} s")
+        del model
+        gc.collect()
+    return seconds
+
+
 def bench_hf(model: Any, workload: Workload, pad_token_id: int, cache: str) -> dict[str, float]:
     n = workload.output_tokens
     timings: list[RequestTiming] = []
@@ -352,6 +384,7 @@ def bench_hf(model: Any, workload: Workload, pad_token_id: int, cache: str) -> d
             )  # fmt: skip
             for i in indices:
                 timings.append(RequestTiming(arrival=started + workload.arrivals[i], token_times=list(clock.times)))
+            print(f"  HF batch {first // HF_BATCH_SIZE + 1} done at {time.perf_counter() - started:.0f} s", flush=True)
     return summarise(timings, started)
 
 
@@ -365,13 +398,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--rate", type=float, default=1.0, help="Poisson arrival rate, requests/s (overloads a CPU)")
     parser.add_argument("--quick", action="store_true", help="16 requests, 32 output tokens, prompts up to 400")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="our engine's dtype")
-    parser.add_argument("--hf-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"], help="our engine's dtype")
+    parser.add_argument("--hf-setting", default="auto", choices=["auto", *HF_SETTINGS],
+                        help="HF weights dtype and KV cache; auto: the fastest in a short probe")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads for both systems (default: physical cores)")
     parser.add_argument("--quantization", default="int8", choices=["none", "int8", "int4"])
     parser.add_argument("--kv-cache-mb", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--hf-cache", default="dynamic", choices=["dynamic", "static"])
     parser.add_argument("--skip-hf", action="store_true", help="measure only our engine")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -390,26 +425,40 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"{max(map(len, workload.prompts))} tokens from {source}, {sum(workload.shares_system_prompt)} sharing a "
         f"{SYSTEM_PROMPT_TOKENS}-token system prompt, {args.output_tokens} output tokens each"
     )
-    hf_dtype = torch.bfloat16 if args.hf_dtype == "bfloat16" else torch.float32
-    hf = None if args.skip_hf else hf_model(checkpoint, hf_dtype)  # before the engine may cast or quantise tensors
+    from engines.llm_engine import physical_core_count
+
+    args.threads = args.threads or physical_core_count()
+    torch.set_num_threads(args.threads)
+    hf, hf_probe = None, {}
+    if not args.skip_hf:  # before the engine may cast or quantise tensors
+        eos = checkpoint.config.eos_token_ids
+        pad_token_id = eos[0] if eos else 0
+        if args.hf_setting == "auto":
+            print("probing HF generate settings ...")
+            hf_probe = probe_hf_settings(checkpoint, workload, pad_token_id)
+            args.hf_setting = min(hf_probe, key=hf_probe.__getitem__)
+        hf_dtype, hf_cache = HF_SETTINGS[args.hf_setting]
+        hf = hf_model(checkpoint, hf_dtype)
 
     print("running our engine ...")
     ours = asyncio.run(bench_engine(checkpoint, args, model_path, workload, fresh_tokens))
     engine_figures, prefix = ours["figures"], ours["cached_prefix_ttft"]
+    print(f"  sluice engine: {engine_figures['output_tokens_per_s']:.2f} out tok/s, TTFT p99 "
+          f"{engine_figures['ttft_p99_s']:.1f} s", flush=True)
     del checkpoint
     gc.collect()
 
     hf_figures: dict[str, float] | None = None
     if hf is not None:
         print(f"running HF transformers generate, static batches of {HF_BATCH_SIZE} ...")
-        pad = hf.config.eos_token_id[0] if isinstance(hf.config.eos_token_id, list) else hf.config.eos_token_id
-        hf_figures = bench_hf(hf, workload, pad or 0, args.hf_cache)
+        hf_figures = bench_hf(hf, workload, pad_token_id, hf_cache)
 
     rows = [["sluice engine", *_row(engine_figures)]]
     if hf_figures:
         rows.append([f"HF generate (batch {HF_BATCH_SIZE})", *_row(hf_figures)])
     print_table(
-        f"engine benchmark: {args.model}; ours {args.dtype}, weights {args.quantization}; HF {args.hf_dtype}",
+        f"engine benchmark: {args.model}; ours {args.dtype}, weights {args.quantization}; HF {args.hf_setting}; "
+        f"{args.threads} threads",
         ["system", "out tok/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 s", "ITL p99 s"],
         rows,
     )
@@ -440,7 +489,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             "settings": {
                 "dtype": args.dtype, "quantization": args.quantization, "kv_cache_mb": args.kv_cache_mb,
                 "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                "hf_batch_size": HF_BATCH_SIZE, "hf_dtype": args.hf_dtype, "hf_cache": args.hf_cache,
+                "hf_batch_size": HF_BATCH_SIZE, "hf_setting": args.hf_setting, "hf_probe_s": hf_probe,
+                "threads": args.threads,
                 "hf_attention": "sdpa",
             },
             "workload": {

@@ -46,6 +46,14 @@ def context_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size
     return block_table.gather(-1, positions // block_size) * block_size + positions % block_size
 
 
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] for a [num_slots, KVH, D] cache and a long index of any shape.
+
+    `index_select` on the flattened index: advanced indexing with a 2-D index is 2-5x slower on CPU.
+    """
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+
+
 def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
     k_cache.index_copy_(0, slot_mapping, key)
@@ -59,19 +67,22 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     output = torch.empty_like(query)
     num_decode = metadata.num_decode_tokens
     if num_decode:
-        q = query[:num_decode].unsqueeze(2)  # [B, H, 1, D]
-        k = k_cache[metadata.decode_slots].transpose(1, 2)  # [B, KVH, L, D]
-        v = v_cache[metadata.decode_slots].transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=metadata.decode_mask, scale=scale, enable_gqa=True)
-        output[:num_decode] = out.squeeze(2)
+        batch, num_heads, head_dim = query[:num_decode].shape
+        num_kv_heads = k_cache.shape[1]
+        # Query heads sharing a KV head become that head's query rows: no K/V copy per query head.
+        q = query[:num_decode].view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        k = gather_slots(k_cache, metadata.decode_slots).transpose(1, 2)  # [B, KVH, L, D]
+        v = gather_slots(v_cache, metadata.decode_slots).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=metadata.decode_mask, scale=scale)
+        output[:num_decode] = out.reshape(batch, num_heads, head_dim)
     for chunk in metadata.prefills:
         q = query[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if chunk.context_slots is None:
             k = key[chunk.start:chunk.end]
             v = value[chunk.start:chunk.end]
         else:
-            k = k_cache[chunk.context_slots]
-            v = v_cache[chunk.context_slots]
+            k = gather_slots(k_cache, chunk.context_slots)
+            v = gather_slots(v_cache, chunk.context_slots)
         k = k.transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
         v = v.transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None,

@@ -35,7 +35,7 @@ class EngineConfig:
     """How an engine instance runs: memory, batching, precision."""
 
     model: str  # path to a GGUF file or an HF safetensors directory
-    dtype: str = "bfloat16"  # activation / KV-cache dtype: "float32" | "bfloat16"
+    dtype: str = "float32"  # activation / KV-cache dtype: "float32" | "bfloat16" (emulated without AVX-512 bf16)
     quantization: str | None = None  # None | "int8" | "int4" (weight-only)
     device: str = "cpu"
     block_size: int = 16  # tokens per KV-cache block

@@ -60,12 +60,12 @@ def physical_core_count() -> int:
 
 
 def build_model(model_config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                max_positions: int) -> torch.nn.Module:
+                max_positions: int, *, consume: bool = False) -> torch.nn.Module:
     """Instantiate the architecture without random init, in `dtype`, and load `tensors` into it."""
     with torch.device("meta"):
         model = model_class(model_config)(model_config, max_positions=max_positions)
     model = model.to(dtype).to_empty(device="cpu")
-    model.load_weights(tensors)
+    model.load_weights(tensors, consume=consume)
     return model.eval()
 
 
@@ -77,7 +77,8 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        self._setup(load_checkpoint(config.model), config)
+        # The checkpoint is ours alone: its tensors are freed as they are copied into the model.
+        self._setup(load_checkpoint(config.model), config, consume_checkpoint=True)
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, config: EngineConfig) -> LLMEngine:
@@ -86,7 +87,7 @@ class LLMEngine:
         engine._setup(checkpoint, config)
         return engine
 
-    def _setup(self, checkpoint: Checkpoint, config: EngineConfig) -> None:
+    def _setup(self, checkpoint: Checkpoint, config: EngineConfig, consume_checkpoint: bool = False) -> None:
         if config.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {config.dtype!r}; expected one of {sorted(DTYPES)}")
         if config.device != "cpu":
@@ -97,11 +98,15 @@ class LLMEngine:
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.dtype = DTYPES[config.dtype]
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
-        self.model = build_model(self.model_config, checkpoint.tensors, self.dtype, self.max_model_len)
+        self.model = build_model(self.model_config, checkpoint.tensors, self.dtype, self.max_model_len,
+                                 consume=consume_checkpoint)
         if config.quantization is not None:
             from engines.quantization import quantize_model
 
-            quantize_model(self.model, config.quantization, activation_dtype=self.dtype)
+            self.model.untie_lm_head()
+            # float32 activations: keep the float weights for prefill chunks, where sgemm beats the packed kernels.
+            quantize_model(self.model, config.quantization, activation_dtype=self.dtype,
+                           keep_dense=self.dtype == torch.float32)
         num_kv_blocks = config.num_kv_blocks or config.kv_cache_bytes // kv_block_bytes(
             self.model_config, config.block_size, self.dtype)
         if num_kv_blocks < 1:

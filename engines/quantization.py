@@ -8,7 +8,13 @@ The packed matmuls always run on bfloat16 activations (`COMPUTE_DTYPE`): with fl
 kernel is unvectorised (1 row × 4096²: 48 ms vs 11 ms here). `activation_dtype` is the model's
 activation dtype: the layer returns it, and adds its bias in it. A dequantise-then-matmul path for
 many rows (prefill) was measured and lost at every row count (converting a 4096² int8 weight to
-bf16 alone costs more than the packed matmul), so both modules always use the packed kernels.
+bf16 alone costs more than the packed matmul).
+
+On an AVX2-only CPU (no native bf16) the packed kernels win only for few rows: decode steps are
+memory-bound and read 4x fewer weight bytes, while prefill chunks are compute-bound and float32
+sgemm is 2-3x faster there (9728×896, 512 rows: fp32 307 ms, int8 750 ms; 16 rows: fp32 98 ms, int8
+29 ms). `RowDispatchLinear` keeps both copies and picks by row count; `quantize_model(keep_dense=True)`
+builds it.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ QUANTIZATION_MODES = ("int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
 INT4_OUT_FEATURES_MULTIPLE = 16  # the CPU packing kernel's requirement
 COMPUTE_DTYPE = torch.bfloat16
+PACKED_MAX_ROWS = 48  # measured crossover: up to here the packed kernels beat float32 sgemm, above it they lose
 _INT4_INNER_K_TILES = 2  # packing parameter of tinygemm's layout; the CPU kernel accepts 2, 4 or 8
 
 
@@ -127,18 +134,46 @@ class Int4Linear(nn.Module):
         )
 
 
+class RowDispatchLinear(nn.Module):
+    """A linear layer with two copies of its weight: packed for few rows (decode), dense for many (prefill).
+
+    Both paths compute the same function up to the quantisation error; which one runs depends only
+    on the number of rows, so a request's results do not depend on what it is batched with beyond that.
+    """
+
+    def __init__(
+        self, dense: nn.Linear, packed: Int8Linear | Int4Linear, max_packed_rows: int = PACKED_MAX_ROWS
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = dense.in_features, dense.out_features
+        self.dense = dense
+        self.packed = packed
+        self.max_packed_rows = max_packed_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() // self.in_features <= self.max_packed_rows:
+            return self.packed(x)
+        return self.dense(x)
+
+    def extra_repr(self) -> str:
+        return f"max_packed_rows={self.max_packed_rows}"
+
+
 def quantize_model(
     model: nn.Module,
     mode: str,
     activation_dtype: torch.dtype = torch.bfloat16,
     skip: Callable[[str], bool] | None = None,
     group_size: int = 128,
+    keep_dense: bool = False,
 ) -> None:
     """Replace every nn.Linear (by qualified name, unless `skip(name)`) with its quantised version, in place.
 
     `mode` is "int8" or "int4". An int4 layer whose in_features is not a multiple of `group_size`
     falls back to the largest supported group size dividing it; a layer the int4 kernel cannot take
-    (no group size fits, or out_features not a multiple of 16) becomes int8.
+    (no group size fits, or out_features not a multiple of 16) becomes int8. With `keep_dense`, each
+    layer becomes a `RowDispatchLinear` that keeps the original layer for many-row inputs (worth it
+    with float32 activations on CPUs without native bf16).
     """
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"unknown quantization mode {mode!r}; expected one of {QUANTIZATION_MODES}")
@@ -150,7 +185,8 @@ def quantize_model(
     for name, linear in targets:
         parent_name, _, child_name = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child_name, _quantized(linear, mode, activation_dtype, group_size))
+        packed = _quantized(linear, mode, activation_dtype, group_size)
+        setattr(parent, child_name, RowDispatchLinear(linear, packed) if keep_dense else packed)
 
 
 def _quantized(linear: nn.Linear, mode: str, activation_dtype: torch.dtype, group_size: int) -> nn.Module:

@@ -18,7 +18,7 @@ from engines.registry import resolve_model
 class TierSpec:
     name: str  # the tier, and the model name the tier serves unless `served_model_name` says otherwise
     model: str  # a demo model name (tiny|small|large) or a GGUF file / safetensors directory
-    dtype: str = "bfloat16"
+    dtype: str = "float32"
     quantization: str | None = "int8"  # weight-only: None | "int8" | "int4"
     kv_cache_mb: int = 512
     max_num_seqs: int = 16

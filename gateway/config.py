@@ -69,7 +69,7 @@ class TierConfig(_Section):
     api_key: str = ""
     # Tokenizer for counting prompt tokens of an upstream tier: a demo model name or model path.
     tokenizer: str = ""
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    dtype: Literal["float32", "bfloat16"] = "float32"  # bf16 is emulated on CPUs without AVX-512 BF16
     quantization: Literal["none", "int8", "int4"] = "int8"
     kv_cache_mb: int = 512
     max_num_seqs: int = 16

@@ -5,7 +5,7 @@ from engines.tiers import TierSpec
 SPEC = TierSpec(
     name="large",
     model="large",
-    dtype="bfloat16",
+    dtype="float32",
     quantization="int8",
     kv_cache_mb=1024,
     max_num_seqs=16,

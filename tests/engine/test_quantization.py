@@ -8,7 +8,22 @@ import pytest
 import torch
 from torch import nn
 
-from engines.quantization import Int4Linear, Int8Linear, quantize_int4, quantize_int8, quantize_model
+from engines.block_manager import BlockManager
+from engines.llm_engine import build_model
+from engines.model_runner import ModelRunner
+from engines.quantization import (
+    PACKED_MAX_ROWS,
+    Int4Linear,
+    Int8Linear,
+    RowDispatchLinear,
+    quantize_int4,
+    quantize_int8,
+    quantize_model,
+)
+from engines.sampling_params import SamplingParams
+from engines.scheduler import ScheduledBatch
+from engines.sequence import Sequence
+from tests.engine.conftest import TinyModel
 from tests.tiny_models import write_tiny_checkpoint
 
 
@@ -123,3 +138,61 @@ def test_quantized_tiny_model_keeps_its_predictions(tmp_path: Path, mode: str) -
     assert not any(type(module) is nn.Linear for module in model.modules())
     # random tiny weights make logits nearly flat, so compare the logit vectors, not the argmax
     assert relative_error(actual, expected) < (0.05 if mode == "int8" else 0.25)
+
+
+@pytest.mark.parametrize("packed_class", [Int8Linear, Int4Linear])
+def test_row_dispatch_runs_many_rows_on_the_float_weights_and_few_on_the_packed_ones(
+    linear: nn.Linear, packed_class: type[Int8Linear] | type[Int4Linear]
+) -> None:
+    packed = packed_class.from_linear(linear, activation_dtype=torch.float32)
+    dispatch = RowDispatchLinear(linear, packed)
+    many = torch.randn(2, PACKED_MAX_ROWS, 256)  # 2 * PACKED_MAX_ROWS rows: a prefill chunk
+    assert torch.equal(dispatch(many), linear(many))
+    few = torch.randn(PACKED_MAX_ROWS, 256)  # a decode step
+    out = dispatch(few)
+    assert torch.equal(out, packed(few)) and out.dtype == torch.float32
+    assert relative_error(out, linear(few).detach()) < (0.02 if packed_class is Int8Linear else 0.15)
+
+
+def test_quantize_model_keeping_dense_weights_wraps_every_linear() -> None:
+    model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 64))
+    quantize_model(model, "int4", torch.float32, group_size=64, keep_dense=True)
+    assert all(isinstance(layer, RowDispatchLinear) for layer in model)
+    assert isinstance(model[0].packed, Int4Linear) and type(model[0].dense) is nn.Linear
+
+
+def test_untied_head_shares_the_embedding_and_keeps_the_logits(tiny_qwen2: TinyModel) -> None:
+    checkpoint = tiny_qwen2.checkpoint
+    model = build_model(checkpoint.config, checkpoint.tensors, torch.float32, max_positions=128)
+    hidden = torch.randn(3, checkpoint.config.hidden_size)
+    tied_logits = model.compute_logits(hidden)
+    model.untie_lm_head()
+    assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+    assert torch.equal(model.compute_logits(hidden), tied_logits)
+
+
+def test_float32_model_with_row_dispatch_stays_close_to_hf_in_prefill_and_decode(tiny_model: TinyModel) -> None:
+    checkpoint = tiny_model.checkpoint
+    block_size = 4
+    model = build_model(checkpoint.config, checkpoint.tensors, torch.float32, max_positions=128)
+    model.untie_lm_head()
+    quantize_model(model, "int8", torch.float32, keep_dense=True)
+    dispatching = [module for module in model.modules() if isinstance(module, RowDispatchLinear)]
+    assert len(dispatching) == 4 * checkpoint.config.num_hidden_layers + 1  # qkv, o, gate_up, down; the head
+    runner = ModelRunner(model, checkpoint.config, block_size, num_kv_blocks=32, dtype=torch.float32)
+    manager = BlockManager(32, block_size, enable_prefix_caching=False)
+    prompt = [(7 * i + 3) % 500 for i in range(PACKED_MAX_ROWS + 12)]  # one chunk: the dense path
+    seq = Sequence("s", prompt, SamplingParams(temperature=0))
+    expected_steps = 3
+    for step in range(expected_steps):
+        num_new = len(prompt) if step == 0 else 1  # then decode steps: the packed path
+        if step == 0:
+            manager.allocate(seq, [], num_new)
+        else:
+            manager.may_append(seq, num_new)
+        logits, _ = runner.execute(ScheduledBatch([seq], [num_new]))
+        seq.num_computed_tokens += num_new
+        with torch.no_grad():
+            expected = tiny_model.hf_model(torch.tensor([seq.token_ids])).logits[0, -1]
+        assert relative_error(logits[0], expected) < 0.05
+        seq.append_token(int(expected.argmax()))
