@@ -69,7 +69,9 @@ def sluice(env: dict[str, str], *args: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def gateway(demo_models: list[Path], gateway_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def gateway(
+    demo_models: list[Path], gateway_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
     log = (tmp_path_factory.mktemp("log") / "gateway.log").open("w+")
     process = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "serve", "--log-level", "warning"],
