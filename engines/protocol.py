@@ -22,6 +22,11 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
+def wants_stream_usage(stream_options: StreamOptions | None) -> bool:
+    """Did the client ask for the final usage-only chunk of a stream?"""
+    return stream_options is not None and stream_options.include_usage
+
+
 class ContentPart(msgspec.Struct, kw_only=True):
     type: str
     text: str | None = None

@@ -35,6 +35,7 @@ from engines.protocol import (
     ModelList,
     encode,
     sse_event,
+    wants_stream_usage,
 )
 from engines.serving import OpenAIError, OpenAIServing, decode_request, is_usage_chunk
 from engines.tiers import TierSpec
@@ -117,8 +118,7 @@ async def chat_completions(
     body = decode_request(await request.body(), ChatCompletionRequest)
     _check_model(body.model, serving)
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return await _sse(serving.chat_stream(body), include_usage)
+        return await _sse(serving.chat_stream(body), wants_stream_usage(body.stream_options))
     completion: ChatCompletion = await serving.chat(body)
     return Response(encode(completion), media_type=JSON)
 
@@ -128,8 +128,7 @@ async def completions(request: Request[Any, Any, Any], serving: NamedDependency[
     body = decode_request(await request.body(), CompletionRequest)
     _check_model(body.model, serving)
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return await _sse(serving.complete_stream(body), include_usage)
+        return await _sse(serving.complete_stream(body), wants_stream_usage(body.stream_options))
     completion: Completion = await serving.complete(body)
     return Response(encode(completion), media_type=JSON)
 

@@ -56,6 +56,15 @@ class GatewayError(Exception):
         )
 
 
+# Seconds a client is told to wait when a tier, the key store or the shared counters are unreachable.
+RETRY_AFTER_UNAVAILABLE_S = 5
+
+
+def service_unavailable(message: str, code: str) -> GatewayError:
+    """503 with Retry-After: a dependency is down, the request may succeed later."""
+    return GatewayError(503, message, code=code, headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)})
+
+
 def invalid_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> GatewayError:
     return GatewayError(400, message, code=code, param=param)
 

@@ -35,6 +35,7 @@ from engines.protocol import (
     StreamOptions,
     Usage,
     sse_event,
+    wants_stream_usage,
 )
 from engines.serving import OpenAIError, _chat_decoding, _completion_decoding
 from gateway.accounting import RequestRecord
@@ -42,10 +43,10 @@ from gateway.budgets import check_prompt_length, clamp_output, count_prompt_toke
 from gateway.config import PolicyConfig, Settings
 from gateway.cost import request_cost
 from gateway.counters import Charge, CounterStore, CountersUnavailable
-from gateway.errors import GatewayError, invalid_request
+from gateway.errors import GatewayError, invalid_request, service_unavailable
 from gateway.keys import SECRET_PREFIX, KeyCache, KeyStoreUnavailable, effective_policy
 from gateway.metrics import Metrics
-from gateway.tiers import RETRY_AFTER_UNAVAILABLE_S, call_with_fallback, candidate_tiers, open_stream_with_fallback
+from gateway.tiers import call_with_fallback, candidate_tiers, open_stream_with_fallback
 from router.decision import ModelNotAllowed, ModelNotFound, RouteDecision, decide
 
 Request = ChatCompletionRequest | CompletionRequest
@@ -211,11 +212,8 @@ class Gateway:
             try:
                 key = await self.keys.lookup(secret)
             except KeyStoreUnavailable as exc:
-                raise GatewayError(
-                    503,
-                    "API keys cannot be checked right now. Retry later.",
-                    code="auth_unavailable",
-                    headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)},
+                raise service_unavailable(
+                    "API keys cannot be checked right now. Retry later.", "auth_unavailable"
                 ) from exc
         if key is None:
             if server.allow_anonymous and scheme.lower() == "bearer" and not secret.startswith(SECRET_PREFIX):
@@ -292,11 +290,8 @@ class Gateway:
             admission = await self.counters.admit(principal.subject, limits, prompt_tokens, self.clock())
         except CountersUnavailable as exc:
             # Fail closed: without the shared counters no limit or budget could hold.
-            raise GatewayError(
-                503,
-                "Rate limits and budgets cannot be checked right now. Retry later.",
-                code="limits_unavailable",
-                headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)},
+            raise service_unavailable(
+                "Rate limits and budgets cannot be checked right now. Retry later.", "limits_unavailable"
             ) from exc
         if not admission.admitted:
             raise refusal(admission, limits)
@@ -334,7 +329,7 @@ class Gateway:
     async def _stream(
         self, state: RequestState, request: Request, candidates: list[str], headers: dict[str, str]
     ) -> Reply:
-        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        include_usage = wants_stream_usage(request.stream_options)
         # Upstream always reports usage: spend is charged from it whether or not the client wants it.
         upstream_request = msgspec.structs.replace(request, stream_options=StreamOptions(include_usage=True))
 

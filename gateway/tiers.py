@@ -13,9 +13,7 @@ from typing import Generic, TypeVar
 
 from engines.client import EngineClient, EngineUnavailable
 from gateway.config import PolicyConfig, Settings, TierConfig
-from gateway.errors import GatewayError
-
-RETRY_AFTER_UNAVAILABLE_S = 5
+from gateway.errors import GatewayError, service_unavailable
 
 _T = TypeVar("_T")
 
@@ -28,11 +26,8 @@ def candidate_tiers(primary: str, policy: PolicyConfig, tiers: Mapping[str, obje
 
 
 def unavailable(tried: list[str]) -> GatewayError:
-    return GatewayError(
-        503,
-        f"No tier could serve the request (tried {', '.join(tried)}). Retry later.",
-        code="tier_unavailable",
-        headers={"Retry-After": str(RETRY_AFTER_UNAVAILABLE_S)},
+    return service_unavailable(
+        f"No tier could serve the request (tried {', '.join(tried)}). Retry later.", "tier_unavailable"
     )
 
 
