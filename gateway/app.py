@@ -111,7 +111,9 @@ def create_app(
                     built[name] = await asyncio.to_thread(build_client, name, tier, settings)
                     stack.push_async_callback(built[name].close)
                 clients = built
-            gateway = Gateway(settings, clients, counters, sink, Metrics(), keys=KeyCache(db, ttl_s=key_cache_ttl_s))
+            key_cache = KeyCache(db, ttl_s=key_cache_ttl_s)
+            stack.push_async_callback(key_cache.aclose)
+            gateway = Gateway(settings, clients, counters, sink, Metrics(), keys=key_cache)
             stack.push_async_callback(gateway.drain)
             app.state.gateway = gateway
             app.state.db = db

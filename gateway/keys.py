@@ -3,13 +3,18 @@
 Only the SHA-256 of a secret is stored. `create_key`, `list_keys` and `revoke_key` are what the
 admin API and the `sluice keys` CLI call. The request path authenticates through `KeyCache`, which
 remembers each lookup (found or not) for `ttl_s` seconds, so the database is read at most once
-per secret per TTL: a revocation made elsewhere takes effect within `DEFAULT_KEY_CACHE_TTL_S`
-seconds (at once on the replica that revoked it).
+per secret per TTL. An expired entry is still answered while one background read refreshes it,
+so no request waits on the database for a secret it has seen: a revocation made elsewhere takes
+effect within `DEFAULT_KEY_CACHE_TTL_S` seconds plus one database read (at once on the replica
+that revoked it).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
+import logging
 import secrets
 import time
 import uuid
@@ -24,6 +29,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.config import PolicyConfig, Settings
 from gateway.db.schema import api_keys
+
+logger = logging.getLogger(__name__)
 
 SECRET_PREFIX = "sk-sluice-"
 DISPLAY_PREFIX_LEN = 14  # "sk-sluice-" plus four random characters: enough to recognise a key
@@ -170,31 +177,61 @@ async def find_active_key(engine: AsyncEngine, secret: str) -> ApiKey | None:
 
 @dataclass(slots=True)
 class KeyCache:
-    """Secret → active key (or None), each remembered for `ttl_s` seconds, and for as long as the
-    database is unreachable."""
+    """Secret → active key (or None), each remembered for `ttl_s` seconds, then refreshed in the
+    background while the last answer still serves (stale-while-revalidate), and kept for as long as
+    the database is unreachable."""
 
     engine: AsyncEngine
     ttl_s: float = DEFAULT_KEY_CACHE_TTL_S
     clock: Callable[[], float] = time.monotonic
     _entries: dict[str, tuple[float, ApiKey | None]] = field(default_factory=dict)
+    _refreshing: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
     async def lookup(self, secret: str) -> ApiKey | None:
         digest = hash_secret(secret)  # the cache, too, holds no plain secrets
-        now = self.clock()
         entry = self._entries.get(digest)
-        if entry is not None and entry[0] > now:
+        if entry is not None:
+            if entry[0] <= self.clock() and digest not in self._refreshing:
+                task = asyncio.create_task(self._refresh(secret, digest), name="key-cache-refresh")
+                self._refreshing[digest] = task
+                task.add_done_callback(lambda _: self._refreshing.pop(digest, None))
             return entry[1]
         try:
             key = await find_active_key(self.engine, secret)
         except (sa.exc.SQLAlchemyError, OSError) as exc:
-            if entry is not None:
-                return entry[1]  # the database is down: keep answering as we last knew
             raise KeyStoreUnavailable(str(exc)) from exc
-        if len(self._entries) >= _MAX_CACHED_SECRETS:
-            self._entries = {d: e for d, e in self._entries.items() if e[0] > now}
-        self._entries[digest] = (now + self.ttl_s, key)
+        self._remember(digest, key)
         return key
+
+    async def refreshed(self) -> None:
+        """Wait for the background refreshes under way (tests; shutdown)."""
+        await asyncio.gather(*self._refreshing.values(), return_exceptions=True)
+
+    async def aclose(self) -> None:
+        for task in list(self._refreshing.values()):
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.refreshed()
 
     def forget(self, key_id: str) -> None:
         """Drop a key at once (it was revoked through this replica)."""
         self._entries = {d: e for d, e in self._entries.items() if e[1] is None or e[1].id != key_id}
+
+    async def _refresh(self, secret: str, digest: str) -> None:
+        try:
+            key = await find_active_key(self.engine, secret)
+        except (sa.exc.SQLAlchemyError, OSError) as exc:
+            # The database is down: keep answering as we last knew, and ask again after a TTL.
+            logger.warning("key store unreachable, serving cached keys: %s", exc)
+            entry = self._entries.get(digest)
+            if entry is not None:
+                self._entries[digest] = (self.clock() + self.ttl_s, entry[1])
+            return
+        if digest in self._entries:  # not forgotten meanwhile
+            self._remember(digest, key)
+
+    def _remember(self, digest: str, key: ApiKey | None) -> None:
+        now = self.clock()
+        if len(self._entries) >= _MAX_CACHED_SECRETS:
+            self._entries = {d: e for d, e in self._entries.items() if e[0] > now}
+        self._entries[digest] = (now + self.ttl_s, key)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
@@ -74,7 +75,23 @@ async def test_the_auth_cache_reads_the_database_once_per_ttl_and_sees_a_revocat
     clock[0] += 1.9
     assert await cache.lookup(created.secret) is not None  # still within the TTL
     clock[0] += 0.2
-    assert await cache.lookup(created.secret) is None  # revoked, 2 s after it was last read
+    # Expired: the last answer serves this one request while one background read refreshes it.
+    assert await cache.lookup(created.secret) is not None
+    await cache.refreshed()
+    assert await cache.lookup(created.secret) is None  # revoked, 2 s and one read after it was last read
+
+
+async def test_an_expired_key_is_refreshed_by_one_read_however_many_requests_arrive(db: AsyncEngine):
+    clock = [1000.0]
+    cache = KeyCache(db, ttl_s=2.0, clock=lambda: clock[0])
+    created = await create_key(db, tenant="acme", feature="chat")
+    await cache.lookup(created.secret)
+    clock[0] += 5
+    answers = await asyncio.gather(*(cache.lookup(created.secret) for _ in range(20)))
+    assert {answer.id for answer in answers} == {created.key.id}
+    assert len(cache._refreshing) == 1
+    await cache.refreshed()
+    assert not cache._refreshing
 
 
 async def test_forgetting_a_key_takes_effect_at_once(db: AsyncEngine):
@@ -96,6 +113,9 @@ async def test_while_the_database_is_down_cached_keys_still_authenticate_and_oth
         cache.engine = down
         clock[0] += 60
         assert (await cache.lookup(created.secret)).id == created.key.id
+        await cache.refreshed()  # the refresh fails: the key keeps authenticating
+        assert (await cache.lookup(created.secret)).id == created.key.id
+        assert not cache._refreshing  # and the next refresh waits a TTL rather than hammering the database
         with pytest.raises(KeyStoreUnavailable):
             await cache.lookup(SECRET_PREFIX + "never-seen")
     finally:
