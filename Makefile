@@ -9,7 +9,7 @@ TEST_DATABASE_URL ?= postgresql+asyncpg://postgres@127.0.0.1:5432/test
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/0
 PYTEST_ARGS ?=
 
-.PHONY: run test venv models models-test services lint bench-engine bench-gateway clean
+.PHONY: run test venv models models-test services lint bench-engine bench-gateway bench-kernels clean
 
 run: venv models
 	SLUICE_SERVER__ALLOW_ANONYMOUS=$${SLUICE_SERVER__ALLOW_ANONYMOUS:-true} $(BIN)/sluice serve
@@ -45,6 +45,9 @@ bench-engine: venv
 
 bench-gateway: venv services
 	$(BIN)/sluice bench gateway
+
+bench-kernels: venv
+	$(BIN)/sluice bench kernels
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache bench/results var

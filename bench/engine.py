@@ -18,15 +18,19 @@ Both run with the same torch intra-op thread count (`--threads`).
 
 Reported: output tokens/s, TTFT and ITL p50/p99, KV waste (token slots allocated in held blocks
 but not holding a token, averaged over the run), prefix-cache hit rate, and separately the TTFT of
-a request whose 500-token system prompt is cached against the same request uncached.
+a request whose 500-token system prompt is cached against the same request uncached, and what our
+precision settings cost in quality: perplexity of 2048 held-out tokens and top-1 agreement with
+float32 weights, activations and KV cache (same checkpoint, teacher-forced through our model code).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
+import math
 import random
 import statistics
 import time
@@ -230,6 +234,7 @@ def engine_config(model_path: Path, args: argparse.Namespace) -> EngineConfig:
         model=str(model_path),
         dtype=args.dtype,
         quantization=None if args.quantization == "none" else args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_bytes=args.kv_cache_mb << 20,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -268,6 +273,61 @@ async def bench_engine(
         preemptions=after.num_preempted_total - before.num_preempted_total,
     )
     return {"figures": figures, "cached_prefix_ttft": {"uncached_s": uncached, "cached_s": cached}}
+
+
+# -- quality: what our precision settings cost ----------------------------------------------------
+
+QUALITY_TOKENS = 2048
+QUALITY_CHUNK_TOKENS = 512
+
+
+@torch.inference_mode()
+def teacher_forced(llm_engine: Any, token_ids: list[int]) -> tuple[float, torch.Tensor]:
+    """Mean negative log-likelihood per token of `token_ids` under the engine's model, and the argmax
+    at each position: chunks prefilled through the engine's own layers, quantisation and KV-cache
+    dtype. The engine must be otherwise unused (its first cache slots are overwritten)."""
+    from engines.attention import AttentionMetadata, PrefillChunk
+
+    model, runner = llm_engine.model, llm_engine.runner
+    total, count, argmaxes = 0.0, 0, []
+    for start in range(0, len(token_ids) - 1, QUALITY_CHUNK_TOKENS):
+        chunk = torch.tensor(token_ids[start : start + QUALITY_CHUNK_TOKENS + 1])
+        positions = torch.arange(len(chunk))
+        metadata = AttentionMetadata(
+            block_size=runner.block_size,
+            slot_mapping=positions,
+            num_decode_tokens=0,
+            decode_block_tables=None,
+            decode_mask=None,
+            prefills=[PrefillChunk(0, len(chunk), 0, block_table=None, mask=None)],
+        )
+        logits = model.compute_logits(model(chunk, positions, runner.kv_caches, metadata)).float()[:-1]
+        total -= torch.log_softmax(logits, dim=-1).gather(1, chunk[1:, None]).sum().item()
+        count += len(chunk) - 1
+        argmaxes.append(logits.argmax(dim=-1))
+    return total / count, torch.cat(argmaxes)
+
+
+def quality_vs_float32(checkpoint: Checkpoint, config: EngineConfig, token_ids: list[int]) -> dict[str, float]:
+    """Perplexity of held-out text and top-1 agreement: our settings against float32 weights,
+    activations and KV cache (no quantisation), same checkpoint."""
+    from engines.llm_engine import LLMEngine
+
+    small_cache = {"kv_cache_bytes": 64 << 20, "num_kv_blocks": None}
+    reference = dataclasses.replace(config, dtype="float32", quantization=None, kv_cache_dtype=None, **small_cache)
+    measured = {}
+    for name, settings in (("float32", reference), ("ours", dataclasses.replace(config, **small_cache))):
+        llm_engine = LLMEngine.from_checkpoint(checkpoint, settings)
+        measured[name] = teacher_forced(llm_engine, token_ids)
+        del llm_engine
+    (reference_nll, reference_top), (nll, top) = measured["float32"], measured["ours"]
+    return {
+        "tokens": len(token_ids),
+        "perplexity_float32": math.exp(reference_nll),
+        "perplexity_ours": math.exp(nll),
+        "perplexity_increase_pct": (math.exp(nll - reference_nll) - 1) * 100,
+        "top1_agreement_with_float32_pct": (top == reference_top).float().mean().item() * 100,
+    }
 
 
 # -- (ii) HF transformers ------------------------------------------------------------------------
@@ -403,7 +463,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="HF weights dtype and KV cache; auto: the fastest in a short probe")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads for both systems (default: physical cores)")
-    parser.add_argument("--quantization", default="int8", choices=["none", "int8", "int4"])
+    parser.add_argument("--quantization", default="auto", choices=["none", "auto", "w8a8", "int8", "int4"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--kv-cache-mb", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -445,6 +506,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     engine_figures, prefix = ours["figures"], ours["cached_prefix_ttft"]
     print(f"  sluice engine: {engine_figures['output_tokens_per_s']:.2f} out tok/s, TTFT p99 "
           f"{engine_figures['ttft_p99_s']:.1f} s", flush=True)
+    print("measuring quality against float32 ...", flush=True)
+    unused_texts = _corpus_texts()[1][-400:]  # the system prompts come from the start of these
+    quality_tokens = token_stream(checkpoint.tokenizer, unused_texts, QUALITY_TOKENS)[:QUALITY_TOKENS]
+    quality = quality_vs_float32(checkpoint, engine_config(model_path, args), quality_tokens)
     del checkpoint
     gc.collect()
 
@@ -475,6 +540,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         [[prefix["uncached_s"], prefix["cached_s"], speedup]],
     )
 
+    print_table(
+        f"Quality against float32 (teacher-forced, {quality['tokens']} held-out tokens)",
+        ["perplexity float32", "perplexity ours", "increase %", "top-1 agreement %"],
+        [[quality["perplexity_float32"], quality["perplexity_ours"], quality["perplexity_increase_pct"],
+          quality["top1_agreement_with_float32_pct"]]],
+    )  # fmt: skip
+
     comparison: dict[str, Any] = {}
     if hf_figures:
         comparison = {
@@ -487,7 +559,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             "model": args.model,
             "model_path": str(model_path),
             "settings": {
-                "dtype": args.dtype, "quantization": args.quantization, "kv_cache_mb": args.kv_cache_mb,
+                "dtype": args.dtype, "quantization": args.quantization,
+                "kv_cache_dtype": args.kv_cache_dtype, "kv_cache_mb": args.kv_cache_mb,
                 "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                 "hf_batch_size": HF_BATCH_SIZE, "hf_setting": args.hf_setting, "hf_probe_s": hf_probe,
                 "threads": args.threads,
@@ -509,6 +582,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "hf_transformers_generate": hf_figures,
             "ours_vs_hf": comparison,
             "cached_prefix_ttft": {**prefix, "speedup_x": speedup},
+            "quality_vs_float32": quality,
             "targets": {
                 "throughput_at_least_3x_hf": comparison.get("throughput_ours_over_hf_x", 0) >= 3,
                 "ttft_p99_no_worse_than_hf": comparison.get("ttft_p99_ours_over_hf", float("inf")) <= 1,

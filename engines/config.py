@@ -36,7 +36,9 @@ class EngineConfig:
 
     model: str  # path to a GGUF file or an HF safetensors directory
     dtype: str = "float32"  # activation / KV-cache dtype: "float32" | "bfloat16" (emulated without AVX-512 bf16)
-    quantization: str | None = None  # None | "int8" | "int4" (weight-only)
+    quantization: str | None = None  # None | "auto" | "w8a8" | "int8" | "int4" (engines.quantization)
+    # None: `dtype`; "auto": bfloat16 on CPUs with native bf16 (half the bytes decode attention reads), else `dtype`.
+    kv_cache_dtype: str | None = None
     device: str = "cpu"
     block_size: int = 16  # tokens per KV-cache block
     num_kv_blocks: int | None = None  # None: derive from kv_cache_bytes

@@ -20,11 +20,13 @@ import torch
 
 from engines.block_manager import BlockManager
 from engines.config import EngineConfig, ModelConfig
+from engines.cpu import has_native_bf16
 from engines.detokenizer import IncrementalDetokenizer
 from engines.loader import Checkpoint, load_checkpoint
 from engines.model_runner import ModelRunner, kv_block_bytes
 from engines.models import model_class
 from engines.outputs import RequestOutput
+from engines.quantization import quantize_model, resolve_quantization
 from engines.sampler import sample
 from engines.sampling_params import SamplingParams
 from engines.scheduler import Scheduler
@@ -57,6 +59,17 @@ def physical_core_count() -> int:
         siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
         cores.add(siblings.read_text().strip() if siblings.exists() else str(cpu))
     return max(1, len(cores))
+
+
+def resolve_kv_cache_dtype(name: str | None, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype: `name` ("auto": bfloat16 where the CPU has it natively), by default `dtype`."""
+    if name is None:
+        return dtype
+    if name == "auto":
+        return torch.bfloat16 if has_native_bf16() else dtype
+    if name not in DTYPES:
+        raise ValueError(f"unsupported kv_cache_dtype {name!r}; expected auto or one of {sorted(DTYPES)}")
+    return DTYPES[name]
 
 
 def build_model(model_config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -100,20 +113,24 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
         self.model = build_model(self.model_config, checkpoint.tensors, self.dtype, self.max_model_len,
                                  consume=consume_checkpoint)
-        if config.quantization is not None:
-            from engines.quantization import quantize_model
-
+        self.quantization = resolve_quantization(config.quantization)
+        if self.quantization is not None:
             self.model.untie_lm_head()
-            # float32 activations: keep the float weights for prefill chunks, where sgemm beats the packed kernels.
-            quantize_model(self.model, config.quantization, activation_dtype=self.dtype,
+            # Weight-only modes with float32 activations keep the float weights for prefill chunks,
+            # where sgemm beats the packed kernels.
+            quantize_model(self.model, self.quantization, activation_dtype=self.dtype,
                            keep_dense=self.dtype == torch.float32)
+            logger.info("%s: weights quantised %s (requested %s)", config.model, self.quantization,
+                        config.quantization)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         num_kv_blocks = config.num_kv_blocks or config.kv_cache_bytes // kv_block_bytes(
-            self.model_config, config.block_size, self.dtype)
+            self.model_config, config.block_size, self.kv_cache_dtype)
         if num_kv_blocks < 1:
             raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds no KV block; raise it")
         self.block_manager = BlockManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.model_config, config.block_size, num_kv_blocks, self.dtype)
+        self.runner = ModelRunner(self.model, self.model_config, config.block_size, num_kv_blocks,
+                                  self.kv_cache_dtype)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self._rng = random.Random(config.seed)
         self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer]] = {}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.attention import AttentionMetadata, PrefillChunk, context_slots
+from engines.attention import AttentionMetadata, PrefillChunk
 from engines.config import ModelConfig
 from engines.scheduler import ScheduledBatch
 from engines.sequence import Sequence
@@ -18,12 +18,12 @@ def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, block_size: int, num_kv_blocks: int,
-                 dtype: torch.dtype) -> None:
+                 kv_cache_dtype: torch.dtype) -> None:
         self.model = model
         self.config = config
         self.block_size = block_size
         shape = (num_kv_blocks * block_size, config.num_key_value_heads, config.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+        self.kv_caches = [(torch.zeros(shape, dtype=kv_cache_dtype), torch.zeros(shape, dtype=kv_cache_dtype))
                           for _ in range(config.num_hidden_layers)]
 
     @torch.inference_mode()
@@ -59,14 +59,15 @@ class ModelRunner:
                 sample_seqs.append(seq)
 
         metadata = AttentionMetadata(
+            block_size=size,
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
             num_decode_tokens=len(decode_seqs),
-            decode_slots=None,
+            decode_block_tables=None,
             decode_mask=None,
             prefills=prefills,
         )
         if decode_seqs:
-            metadata.decode_slots, metadata.decode_mask = self._decode_context(decode_seqs)
+            metadata.decode_block_tables, metadata.decode_mask = self._decode_context(decode_seqs)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
                             self.kv_caches, metadata)
         if not sample_rows:
@@ -76,23 +77,21 @@ class ModelRunner:
 
     def _decode_context(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         context_lens = torch.tensor([seq.num_computed_tokens + 1 for seq in seqs])
-        max_len = int(context_lens.max())
-        max_blocks = -(-max_len // self.block_size)
+        max_blocks = -(-int(context_lens.max()) // self.block_size)
         tables = torch.tensor([seq.block_table[:max_blocks] + [0] * (max_blocks - len(seq.block_table[:max_blocks]))
                                for seq in seqs], dtype=torch.long)
-        positions = torch.arange(max_len).expand(len(seqs), max_len)
-        slots = context_slots(tables, positions, self.block_size)
-        mask = positions < context_lens.unsqueeze(1)
-        return slots.masked_fill(~mask, 0), mask[:, None, None, :]
+        mask = torch.arange(max_blocks * self.block_size).unsqueeze(0) < context_lens.unsqueeze(1)
+        return tables, mask[:, None, None, :]
 
     def _prefill_chunk(self, seq: Sequence, start_row: int, end_row: int) -> PrefillChunk:
         num_computed = seq.num_computed_tokens
         if num_computed == 0:
-            return PrefillChunk(start_row, end_row, 0, context_slots=None, mask=None)
+            return PrefillChunk(start_row, end_row, 0, block_table=None, mask=None)
         num_new = end_row - start_row
-        context_len = num_computed + num_new
-        table = torch.tensor(seq.block_table, dtype=torch.long)
-        slots = context_slots(table, torch.arange(context_len), self.block_size)
-        # Query i sits at position num_computed + i and sees every key up to that position.
-        mask = torch.arange(context_len).unsqueeze(0) <= (num_computed + torch.arange(num_new)).unsqueeze(1)
-        return PrefillChunk(start_row, end_row, num_computed, context_slots=slots, mask=mask)
+        num_blocks = -(-(num_computed + num_new) // self.block_size)
+        table = torch.tensor(seq.block_table[:num_blocks], dtype=torch.long)
+        # Query i sits at position num_computed + i and sees every key up to that position (and no
+        # slot past the chunk's end in its last block).
+        key_positions = torch.arange(num_blocks * self.block_size).unsqueeze(0)
+        mask = key_positions <= (num_computed + torch.arange(num_new)).unsqueeze(1)
+        return PrefillChunk(start_row, end_row, num_computed, block_table=table, mask=mask)

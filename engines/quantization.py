@@ -1,20 +1,26 @@
-"""Weight-only quantisation of nn.Linear layers for CPU inference (gpt-fast style).
+"""Quantised nn.Linear layers for CPU inference (gpt-fast style).
 
-int8: per-output-channel symmetric scales, `aten._weight_int8pack_mm`.
-int4: group-wise asymmetric (scale + zero per group of 32/64/128 input columns), packed for
-`aten._weight_int4pack_mm_for_cpu` (tinygemm layout: w ≈ (q - 8) * scale + zero).
+int8 (weight-only): per-output-channel symmetric scales, `aten._weight_int8pack_mm`.
+int4 (weight-only): group-wise asymmetric (scale + zero per group of 32/64/128 input columns), packed
+for `aten._weight_int4pack_mm_for_cpu` (tinygemm layout: w ≈ (q - 8) * scale + zero).
+w8a8: int8 weights as above and int8 activations with one scale per row, taken on the fly, the
+product in int32 through `torch._int_mm` (oneDNN; VNNI instructions where the CPU has them).
 
-The packed matmuls always run on bfloat16 activations (`COMPUTE_DTYPE`): with float32 ones the int8
-kernel is unvectorised (1 row × 4096²: 48 ms vs 11 ms here). `activation_dtype` is the model's
-activation dtype: the layer returns it, and adds its bias in it. A dequantise-then-matmul path for
-many rows (prefill) was measured and lost at every row count (converting a 4096² int8 weight to
-bf16 alone costs more than the packed matmul).
+The weight-only matmuls always run on bfloat16 activations (`COMPUTE_DTYPE`): with float32 ones the
+int8 kernel is unvectorised (1 row × 4096²: 48 ms vs 11 ms). `activation_dtype` is the model's
+activation dtype: the layer returns it, and adds its bias in it.
 
-On an AVX2-only CPU (no native bf16) the packed kernels win only for few rows: decode steps are
-memory-bound and read 4x fewer weight bytes, while prefill chunks are compute-bound and float32
-sgemm is 2-3x faster there (9728×896, 512 rows: fp32 307 ms, int8 750 ms; 16 rows: fp32 98 ms, int8
-29 ms). `RowDispatchLinear` keeps both copies and picks by row count; `quantize_model(keep_dense=True)`
-builds it.
+Which is fastest depends on the CPU, and on the number of rows (decode steps have few, prefill
+chunks many); `python -m bench.kernels` times all three here. On the development Xeon (AVX-512 VNNI,
+2 threads, 896→9728) w8a8 beat float32 at every row count (1 row 0.41 vs 0.92 ms, 32 rows 1.5 vs
+4.3, 512 rows ~16-30 vs 41-49) while int8 weight-only lost from 16 rows on. On an AVX2-only EPYC
+int8 weight-only beat float32 up to ~48 rows, and with oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2)
+w8a8 is no faster than float32 beyond a few rows. Hence
+`auto`: w8a8 on CPUs with int8 dot-product instructions (VNNI, AMX), else int8 weight-only for
+few-row steps with the float32 weights kept for prefill chunks (`RowDispatchLinear`, built by
+`quantize_model(keep_dense=True)`). w8a8 costs some quality (Qwen2.5 0.5B, GSM8K text: perplexity
++1.2%, top-1 agreement with float32 94.6%; int8 weight-only: -0.3%, 97.3%); `bench/engine.py`
+measures it in every run.
 """
 
 from __future__ import annotations
@@ -24,12 +30,26 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-QUANTIZATION_MODES = ("int8", "int4")
+from engines.cpu import has_int8_dot_product
+
+QUANTIZATION_MODES = ("int8", "int4", "w8a8")
+AUTO = "auto"  # w8a8 where the CPU has int8 dot products, else int8
 INT4_GROUP_SIZES = (32, 64, 128)
 INT4_OUT_FEATURES_MULTIPLE = 16  # the CPU packing kernel's requirement
 COMPUTE_DTYPE = torch.bfloat16
 PACKED_MAX_ROWS = 48  # measured crossover: up to here the packed kernels beat float32 sgemm, above it they lose
 _INT4_INNER_K_TILES = 2  # packing parameter of tinygemm's layout; the CPU kernel accepts 2, 4 or 8
+
+
+def resolve_quantization(mode: str | None) -> str | None:
+    """The mode to run: `auto` becomes w8a8 or int8 for this CPU; None (and "none") stay unquantised."""
+    if mode is None or mode == "none":
+        return None
+    if mode == AUTO:
+        return "w8a8" if has_int8_dot_product() else "int8"
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"unknown quantization mode {mode!r}; expected none, {AUTO} or one of {QUANTIZATION_MODES}")
+    return mode
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,6 +154,31 @@ class Int4Linear(nn.Module):
         )
 
 
+class W8A8Linear(Int8Linear):
+    """Int8Linear's weights with int8 activations too (one scale per row, taken on the fly):
+    y = (q(x) @ q(W)ᵀ) · s_row · s_col + bias, the product in int32 through `torch._int_mm` (oneDNN:
+    VNNI where the CPU has it). Per-row scales keep every row independent of what else is in the
+    batch, so a request's output does not depend on its batch mates."""
+
+    def __init__(
+        self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, activation_dtype: torch.dtype
+    ) -> None:
+        super().__init__(weight_int8, scales, bias, activation_dtype)
+        # The int32 product is rescaled (and the bias added) in float32.
+        self.scales = scales.float()
+        self.bias = None if bias is None else bias.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float()
+        row_scales = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+        # |rows / row_scales| <= 127 by construction: rounding needs no clamp.
+        quantized = torch.round(rows / row_scales).to(torch.int8)
+        out = torch._int_mm(quantized, self.weight.t()).float().mul_(row_scales).mul_(self.scales)
+        if self.bias is not None:
+            out = out.add_(self.bias)
+        return out.to(self.activation_dtype).reshape(*x.shape[:-1], self.out_features)
+
+
 class RowDispatchLinear(nn.Module):
     """A linear layer with two copies of its weight: packed for few rows (decode), dense for many (prefill).
 
@@ -169,11 +214,11 @@ def quantize_model(
 ) -> None:
     """Replace every nn.Linear (by qualified name, unless `skip(name)`) with its quantised version, in place.
 
-    `mode` is "int8" or "int4". An int4 layer whose in_features is not a multiple of `group_size`
+    `mode` is "int8", "int4" or "w8a8". An int4 layer whose in_features is not a multiple of `group_size`
     falls back to the largest supported group size dividing it; a layer the int4 kernel cannot take
     (no group size fits, or out_features not a multiple of 16) becomes int8. With `keep_dense`, each
-    layer becomes a `RowDispatchLinear` that keeps the original layer for many-row inputs (worth it
-    with float32 activations on CPUs without native bf16).
+    weight-only layer becomes a `RowDispatchLinear` that keeps the original layer for many-row inputs
+    (worth it with float32 activations on CPUs without native bf16); w8a8 layers never need it.
     """
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"unknown quantization mode {mode!r}; expected one of {QUANTIZATION_MODES}")
@@ -186,10 +231,13 @@ def quantize_model(
         parent_name, _, child_name = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         packed = _quantized(linear, mode, activation_dtype, group_size)
-        setattr(parent, child_name, RowDispatchLinear(linear, packed) if keep_dense else packed)
+        dispatch = keep_dense and mode != "w8a8"
+        setattr(parent, child_name, RowDispatchLinear(linear, packed) if dispatch else packed)
 
 
 def _quantized(linear: nn.Linear, mode: str, activation_dtype: torch.dtype, group_size: int) -> nn.Module:
+    if mode == "w8a8":
+        return W8A8Linear.from_linear(linear, activation_dtype)
     if mode == "int4" and linear.out_features % INT4_OUT_FEATURES_MULTIPLE == 0:
         fitting = [size for size in INT4_GROUP_SIZES if size <= group_size and linear.in_features % size == 0]
         if fitting:

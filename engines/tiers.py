@@ -19,7 +19,8 @@ class TierSpec:
     name: str  # the tier, and the model name the tier serves unless `served_model_name` says otherwise
     model: str  # a demo model name (tiny|small|large) or a GGUF file / safetensors directory
     dtype: str = "float32"
-    quantization: str | None = "int8"  # weight-only: None | "int8" | "int4"
+    quantization: str | None = "auto"  # None | "auto" | "w8a8" | "int8" | "int4" (engines.quantization)
+    kv_cache_dtype: str | None = "auto"  # None: dtype; "auto": bfloat16 on CPUs with native bf16
     kv_cache_mb: int = 512
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
@@ -42,6 +43,7 @@ class TierSpec:
             model=str(resolve_model(self.model, cache_dir)),
             dtype=self.dtype,
             quantization=self.quantization,
+            kv_cache_dtype=self.kv_cache_dtype,
             kv_cache_bytes=self.kv_cache_mb << 20,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,

@@ -158,7 +158,7 @@ def _jsonable(obj: object) -> object:
 
 # --- bench ------------------------------------------------------------------------------------
 
-BENCHMARKS = {"engine": "bench.engine", "gateway": "bench.gateway_overhead"}
+BENCHMARKS = {"engine": "bench.engine", "gateway": "bench.gateway_overhead", "kernels": "bench.kernels"}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

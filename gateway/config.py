@@ -70,7 +70,10 @@ class TierConfig(_Section):
     # Tokenizer for counting prompt tokens of an upstream tier: a demo model name or model path.
     tokenizer: str = ""
     dtype: Literal["float32", "bfloat16"] = "float32"  # bf16 is emulated on CPUs without AVX-512 BF16
-    quantization: Literal["none", "int8", "int4"] = "int8"
+    # auto: w8a8 on CPUs with int8 dot products (VNNI/AMX), else int8 weight-only (engines.quantization).
+    quantization: Literal["none", "auto", "w8a8", "int8", "int4"] = "auto"
+    # auto: bfloat16 on CPUs with native bf16 (AVX-512 BF16, AMX), else the same as dtype.
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     kv_cache_mb: int = 512
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512

@@ -99,6 +99,7 @@ def build_client(name: str, tier: TierConfig, settings: Settings) -> EngineClien
         model=tier.model,
         dtype=tier.dtype,
         quantization=None if tier.quantization == "none" else tier.quantization,
+        kv_cache_dtype=tier.kv_cache_dtype,
         kv_cache_mb=tier.kv_cache_mb,
         max_num_seqs=tier.max_num_seqs,
         max_num_batched_tokens=tier.max_num_batched_tokens,

@@ -52,6 +52,29 @@ def test_greedy_output_does_not_depend_on_the_prefix_coming_from_the_cache(tiny_
     assert stats.prefix_cache_queries_tokens == len(shared) + 1 + len(prompt)
 
 
+@pytest.mark.parametrize("quantization", [None, "w8a8"])
+def test_a_bfloat16_kv_cache_and_w8a8_weights_keep_outputs_independent_of_cache_and_batch(
+    tiny_qwen2: TinyModel, quantization: str | None
+) -> None:
+    settings = {"kv_cache_dtype": "bfloat16", "quantization": quantization}
+    shared = list(range(100, 123))
+    prompt = [*shared, 7, 8, 9]
+    alone = make_engine(tiny_qwen2, enable_prefix_caching=False, **settings)
+    assert alone.runner.kv_caches[0][0].dtype == torch.bfloat16
+    alone.add_request("alone", prompt, GREEDY)
+    expected = generated_ids(run_to_completion(alone)["alone"])
+
+    engine = make_engine(tiny_qwen2, max_num_batched_tokens=16, **settings)
+    engine.add_request("warm", [*shared, 1], GREEDY)
+    run_to_completion(engine)
+    engine.add_request("other", list(range(30, 60)), GREEDY)
+    engine.step()
+    engine.add_request("ours", prompt, GREEDY)
+    outputs = run_to_completion(engine)
+    assert outputs["ours"][0].num_cached_tokens == 20
+    assert generated_ids(outputs["ours"]) == expected
+
+
 def test_an_identical_prompt_hits_all_but_its_last_block(tiny_qwen2: TinyModel) -> None:
     engine = make_engine(tiny_qwen2)
     prompt = list(range(200, 216))  # 4 full blocks
@@ -197,3 +220,17 @@ def test_stats_report_the_cache_and_the_queues(tiny_llama: TinyModel) -> None:
     assert stats.num_generated_tokens_total == 1
     run_to_completion(engine)
     assert engine.stats().num_generated_tokens_total == 40
+
+
+def test_the_kv_cache_dtype_follows_the_setting_and_auto_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engines import llm_engine
+    from engines.llm_engine import resolve_kv_cache_dtype
+
+    assert resolve_kv_cache_dtype(None, torch.float32) is torch.float32  # the library default: the activations'
+    assert resolve_kv_cache_dtype("bfloat16", torch.float32) is torch.bfloat16
+    monkeypatch.setattr(llm_engine, "has_native_bf16", lambda: True)
+    assert resolve_kv_cache_dtype("auto", torch.float32) is torch.bfloat16
+    monkeypatch.setattr(llm_engine, "has_native_bf16", lambda: False)
+    assert resolve_kv_cache_dtype("auto", torch.float32) is torch.float32
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        resolve_kv_cache_dtype("fp8", torch.float32)

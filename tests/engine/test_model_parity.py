@@ -25,7 +25,7 @@ def test_logits_match_hf_for_prefill_chunked_prefill_and_decode(tiny_model: Tiny
     checkpoint = tiny_model.checkpoint
     block_size = 4
     model = build_model(checkpoint.config, checkpoint.tensors, torch.float32, max_positions=128)
-    runner = ModelRunner(model, checkpoint.config, block_size, num_kv_blocks=32, dtype=torch.float32)
+    runner = ModelRunner(model, checkpoint.config, block_size, num_kv_blocks=32, kv_cache_dtype=torch.float32)
     manager = BlockManager(32, block_size, enable_prefix_caching=False)
     seqs = [Sequence(f"s{i}", prompt, SamplingParams(temperature=0)) for i, prompt in enumerate(PROMPTS)]
 

@@ -11,11 +11,11 @@ from engines.small.spec import SPEC as SMALL
 from engines.tiers import TierSpec
 
 
-def test_the_demo_tiers_serve_the_qwen_coder_models_with_int8_weights_and_float32_activations() -> None:
+def test_the_demo_tiers_serve_the_qwen_coder_models_with_float32_activations_and_precision_for_the_cpu() -> None:
     assert (SMALL.name, SMALL.model, SMALL.served_name) == ("small", "small", "small")
     assert (LARGE.name, LARGE.model, LARGE.served_name) == ("large", "large", "large")
     for spec in (SMALL, LARGE):
-        assert (spec.dtype, spec.quantization) == ("float32", "int8")
+        assert (spec.dtype, spec.quantization, spec.kv_cache_dtype) == ("float32", "auto", "auto")
 
 
 def test_overrides_replace_only_the_fields_given() -> None:
@@ -32,7 +32,8 @@ def test_engine_config_resolves_a_path_and_carries_the_settings(tmp_path: Path) 
     config = spec.engine_config()
     assert config.model == str(model)
     assert (config.kv_cache_bytes, config.max_num_seqs, config.max_model_len) == (64 << 20, 3, 1024)
-    assert (config.quantization, config.dtype, config.served_model_name) == ("int8", "float32", "served")
+    assert (config.quantization, config.dtype, config.served_model_name) == ("auto", "float32", "served")
+    assert config.kv_cache_dtype == "auto"
 
 
 def test_an_unfetched_demo_model_tells_the_user_how_to_fetch_it(tmp_path: Path) -> None:
