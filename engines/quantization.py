@@ -12,8 +12,8 @@ activation dtype: the layer returns it, and adds its bias in it.
 
 Which is fastest depends on the CPU, and on the number of rows (decode steps have few, prefill
 chunks many); `python -m bench.kernels` times all three here. On the development Xeon (AVX-512 VNNI,
-2 threads, 896→9728) w8a8 beat float32 at every row count (1 row 0.41 vs 0.92 ms, 32 rows 1.5 vs
-4.3, 512 rows ~16-30 vs 41-49) while int8 weight-only lost from 16 rows on. On an AVX2-only EPYC
+2 threads, 896→9728) w8a8 beat float32 at every row count (1 row 0.26 vs 0.69 ms, 32 rows 1.1 vs
+3.3, 512 rows 10.9 vs 33.3) while int8 weight-only lost from about 16 rows on. On an AVX2-only EPYC
 int8 weight-only beat float32 up to ~48 rows, and with oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2)
 w8a8 is no faster than float32 beyond a few rows. Hence
 `auto`: w8a8 on CPUs with int8 dot-product instructions (VNNI, AMX), else int8 weight-only for
