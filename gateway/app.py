@@ -22,7 +22,7 @@ from gateway.controllers.admin import AdminKeysController, provide_db
 from gateway.controllers.http import provide_gateway
 from gateway.controllers.openai import OpenAIController
 from gateway.controllers.ops import OpsController
-from gateway.counters import CounterStore, InProcessCounterStore, RedisCounterStore
+from gateway.counters import CounterStore, InProcessCounterStore, LocalFallbackCounterStore, RedisCounterStore
 from gateway.db.engine import make_engine
 from gateway.errors import GatewayError, from_validation_message
 from gateway.keys import DEFAULT_KEY_CACHE_TTL_S, KeyCache
@@ -100,8 +100,9 @@ def create_app(
             if settings.redis.url:
                 redis = Redis.from_url(settings.redis.url)
                 stack.push_async_callback(redis.aclose)
-                counters = RedisCounterStore(redis, redis_prefix)
-                stack.push_async_callback(counters.aclose)
+                shared = RedisCounterStore(redis, redis_prefix)
+                stack.push_async_callback(shared.aclose)
+                counters = shared if settings.redis.when_unavailable == "refuse" else LocalFallbackCounterStore(shared)
             else:
                 counters = InProcessCounterStore()
             clients = tiers

@@ -54,6 +54,9 @@ class DatabaseConfig(_Section):
 class RedisConfig(_Section):
     # Empty: budgets, limits and cache live in this process (one replica only).
     url: str = ""
+    # While Redis cannot be reached: "refuse" requests (503 limits_unavailable; no limit is ever
+    # exceeded) or count "local"ly in each replica (limits hold per replica, not across them).
+    when_unavailable: Literal["refuse", "local"] = "refuse"
 
 
 class ModelsConfig(_Section):

@@ -9,6 +9,10 @@ several gateway replicas share one limit). `charge` adds what the request actual
 
 Windows are fixed (the minute, the UTC day, the UTC month), so `Retry-After` is exact: the
 seconds until the window that refused the request ends.
+
+When Redis cannot be reached the gateway either refuses requests (fail closed, the default) or,
+with `redis.when_unavailable = "local"`, counts in this replica's memory until Redis answers again
+(`LocalFallbackCounterStore`): every limit still holds per replica, none is shared meanwhile.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import calendar
 import functools
+import logging
 import math
 import time
 from collections import deque
@@ -28,6 +33,8 @@ from redis.asyncio import Redis
 from redis.asyncio.connection import Connection, UnixDomainSocketConnection
 from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError, ResponseError
+
+logger = logging.getLogger(__name__)
 
 LimitName = Literal["rpm", "tpm", "spend_per_day", "spend_per_month"]
 _REASONS: tuple[LimitName, ...] = ("rpm", "tpm", "spend_per_day", "spend_per_month")
@@ -405,3 +412,56 @@ class InProcessCounterStore:
     async def spent(self, subject: str, now: float) -> tuple[float, float]:
         _, _, day, month = self._keys(subject, Windows.at(now))
         return self._counts.get(day, 0.0), self._counts.get(month, 0.0)
+
+
+class LocalFallbackCounterStore:
+    """`shared` (Redis) while it answers; this replica's own counters while it does not.
+
+    After a failure Redis is asked again only every `retry_interval_s`, so an outage costs one
+    connection timeout per interval, not one per request. Counts made locally stay local: when Redis
+    is back its figures lack what was counted during the outage (budgets may be overrun by that much).
+    """
+
+    def __init__(self, shared: CounterStore, retry_interval_s: float = 1.0) -> None:
+        self.shared = shared
+        self.local = InProcessCounterStore()
+        self.retry_interval_s = retry_interval_s
+        self._local_until = float("-inf")  # monotonic time before which Redis is not tried
+
+    @property
+    def using_local(self) -> bool:
+        return time.monotonic() < self._local_until
+
+    async def admit(self, subject: str, limits: Limits, prompt_tokens: int, now: float) -> Admission:
+        if not self.using_local:
+            try:
+                return await self.shared.admit(subject, limits, prompt_tokens, now)
+            except CountersUnavailable as exc:
+                self._fall_back(exc)
+        return await self.local.admit(subject, limits, prompt_tokens, now)
+
+    async def charge_many(self, charges: Mapping[str, Charge], now: float) -> None:
+        if not self.using_local:
+            try:
+                return await self.shared.charge_many(charges, now)
+            except CountersUnavailable as exc:
+                self._fall_back(exc)
+        await self.local.charge_many(charges, now)
+
+    async def spent(self, subject: str, now: float) -> tuple[float, float]:
+        if not self.using_local:
+            try:
+                return await self.shared.spent(subject, now)
+            except (CountersUnavailable, RedisError, OSError) as exc:
+                self._fall_back(exc)
+        return await self.local.spent(subject, now)
+
+    async def aclose(self) -> None:
+        close = getattr(self.shared, "aclose", None)
+        if close is not None:
+            await close()
+
+    def _fall_back(self, exc: BaseException) -> None:
+        if time.monotonic() >= self._local_until:
+            logger.warning("Redis unreachable (%s): counting limits and budgets in this replica for now", exc)
+        self._local_until = time.monotonic() + self.retry_interval_s

@@ -7,7 +7,7 @@ import pytest
 from redis.asyncio import Redis
 
 from engines.protocol import ChatCompletion, CompletionRequest
-from gateway.counters import RedisCounterStore
+from gateway.counters import Limits, LocalFallbackCounterStore, RedisCounterStore
 from gateway.errors import GatewayError
 from gateway.pipeline import RequestState
 from tests.gateway.conftest import EXPENSIVE, chat, make_settings, start
@@ -217,6 +217,41 @@ async def test_without_reachable_counters_requests_are_refused_not_served(make_g
         await redis.aclose()
     assert (caught.value.status, caught.value.code) == (503, "limits_unavailable")
     assert caught.value.headers["Retry-After"] and tiers["small"].requests == []
+
+
+async def test_with_local_fallback_an_unreachable_redis_still_serves_and_limits_hold_per_replica(
+    make_gateway, tiers, records
+):
+    redis = Redis.from_url("redis://127.0.0.1:1/0")  # nothing listens on port 1
+    try:
+        counters = LocalFallbackCounterStore(RedisCounterStore(redis, "unreachable"), retry_interval_s=60)
+        gateway = make_gateway(counters=counters, rpm=2)
+        for _ in range(2):
+            await gateway.chat(await start(gateway), chat())
+        assert counters.using_local
+        with pytest.raises(GatewayError) as caught:
+            await gateway.chat(await start(gateway), chat())
+    finally:
+        await redis.aclose()
+    assert (caught.value.status, caught.value.code) == (429, "rate_limit_exceeded")
+    assert len(tiers["small"].requests) == 2
+
+
+async def test_local_fallback_goes_back_to_redis_once_it_answers(redis_url: str, redis_prefix: str) -> None:
+    down, up = Redis.from_url("redis://127.0.0.1:1/0"), Redis.from_url(redis_url)
+    shared = RedisCounterStore(up, redis_prefix)
+    counters = LocalFallbackCounterStore(RedisCounterStore(down, "unreachable"), retry_interval_s=0.0)
+    limits = Limits(rpm=2)
+    try:
+        assert (await counters.admit("k", limits, 1, 0.0)).admitted  # counted in this replica
+        counters.shared = shared  # Redis answers again
+        assert (await counters.admit("k", limits, 1, 0.0)).admitted
+        assert (await shared.admit("k", limits, 1, 0.0)).admitted  # Redis had seen one request: this is the 2nd
+        assert not (await shared.admit("k", limits, 1, 0.0)).admitted
+    finally:
+        await shared.aclose()
+        await down.aclose()
+        await up.aclose()
 
 
 async def test_text_completions_take_the_same_path(make_gateway, tiers, records):
