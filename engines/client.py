@@ -101,7 +101,7 @@ def build_in_process_client(spec: TierSpec, cache_dir: str | None = None) -> InP
     from engines.metrics import EngineMetrics
 
     async_engine = AsyncLLMEngine(LLMEngine(spec.engine_config(cache_dir)))
-    metrics = EngineMetrics(spec.served_name, async_engine.stats)
+    metrics = EngineMetrics(spec.served_name, async_engine.stats, async_engine.engine.precision())
     return InProcessEngineClient(OpenAIServing(async_engine, spec.served_name, metrics=metrics))
 
 

@@ -227,6 +227,14 @@ class LLMEngine:
             num_output_tokens=seq.num_output_tokens,
         )
 
+    def precision(self) -> dict[str, str]:
+        """The dtypes and quantisation this engine runs with (`auto` settings resolved for this CPU)."""
+        return {
+            "dtype": self.config.dtype,
+            "quantization": self.quantization or "none",
+            "kv_cache_dtype": str(self.kv_cache_dtype).removeprefix("torch."),
+        }
+
     def stats(self) -> EngineStats:
         free = self.block_manager.num_free_blocks
         total = self.block_manager.num_blocks

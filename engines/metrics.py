@@ -7,10 +7,10 @@ Each `EngineMetrics` owns its registry (two in-process tiers never collide); eve
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Protocol
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -72,10 +72,16 @@ class _EngineStateCollector(Collector):
 
 
 class EngineMetrics:
-    def __init__(self, model: str, stats: Callable[[], EngineStatsView]) -> None:
+    def __init__(
+        self, model: str, stats: Callable[[], EngineStatsView], precision: Mapping[str, str] | None = None
+    ) -> None:
         self.model = model
         self.registry = CollectorRegistry()
         self.registry.register(_EngineStateCollector(model, stats))
+        if precision:  # what `auto` settings resolved to on this machine: sluice_engine_info{...} 1
+            Info("sluice_engine", "How the engine computes.", ["model"], registry=self.registry).labels(model).info(
+                dict(precision)
+            )
         self._ttft = Histogram(
             "sluice_engine_time_to_first_token_seconds",
             "From request arrival to its first generated token.",

@@ -191,7 +191,7 @@ def create_engine_app(
 
 def build_serving(async_engine: Any, spec: TierSpec) -> tuple[OpenAIServing, EngineMetrics]:
     """The OpenAI layer and metrics over a started `AsyncLLMEngine`, for the tier `spec`."""
-    metrics = EngineMetrics(spec.served_name, async_engine.stats)
+    metrics = EngineMetrics(spec.served_name, async_engine.stats, async_engine.engine.precision())
     return OpenAIServing(async_engine, spec.served_name, metrics=metrics), metrics
 
 

@@ -49,7 +49,7 @@ async def async_engine(tiny_checkpoint: Path) -> AsyncIterator[object]:
 
 @pytest.fixture(scope="session")
 def metrics(async_engine: object) -> EngineMetrics:
-    return EngineMetrics(MODEL_NAME, async_engine.stats)  # type: ignore[attr-defined]
+    return EngineMetrics(MODEL_NAME, async_engine.stats, async_engine.engine.precision())  # type: ignore[attr-defined]
 
 
 @pytest.fixture(scope="session")
