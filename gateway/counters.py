@@ -24,9 +24,9 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 import hiredis
 from redis.asyncio import Redis
@@ -35,6 +35,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError, ResponseError
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 LimitName = Literal["rpm", "tpm", "spend_per_day", "spend_per_month"]
 _REASONS: tuple[LimitName, ...] = ("rpm", "tpm", "spend_per_day", "spend_per_month")
@@ -354,7 +355,10 @@ class RedisCounterStore:
 
     async def spent(self, subject: str, now: float) -> tuple[float, float]:
         _, _, day, month = self._keys(subject, Windows.at(now))
-        values = await self._redis.mget([day, month])
+        try:
+            values = await self._redis.mget([day, month])
+        except (RedisError, OSError) as exc:
+            raise CountersUnavailable(str(exc) or type(exc).__name__) from exc
         return float(values[0] or 0), float(values[1] or 0)
 
 
@@ -433,33 +437,22 @@ class LocalFallbackCounterStore:
         return time.monotonic() < self._local_until
 
     async def admit(self, subject: str, limits: Limits, prompt_tokens: int, now: float) -> Admission:
-        if not self.using_local:
-            try:
-                return await self.shared.admit(subject, limits, prompt_tokens, now)
-            except CountersUnavailable as exc:
-                self._fall_back(exc)
-        return await self.local.admit(subject, limits, prompt_tokens, now)
+        return await self._either(lambda store: store.admit(subject, limits, prompt_tokens, now))
 
     async def charge_many(self, charges: Mapping[str, Charge], now: float) -> None:
-        if not self.using_local:
-            try:
-                return await self.shared.charge_many(charges, now)
-            except CountersUnavailable as exc:
-                self._fall_back(exc)
-        await self.local.charge_many(charges, now)
+        await self._either(lambda store: store.charge_many(charges, now))
 
     async def spent(self, subject: str, now: float) -> tuple[float, float]:
+        return await self._either(lambda store: store.spent(subject, now))
+
+    async def _either(self, call: Callable[[CounterStore], Awaitable[_T]]) -> _T:
+        """`call` on Redis unless it is known down; on this replica's counters when Redis fails."""
         if not self.using_local:
             try:
-                return await self.shared.spent(subject, now)
-            except (CountersUnavailable, RedisError, OSError) as exc:
+                return await call(self.shared)
+            except CountersUnavailable as exc:
                 self._fall_back(exc)
-        return await self.local.spent(subject, now)
-
-    async def aclose(self) -> None:
-        close = getattr(self.shared, "aclose", None)
-        if close is not None:
-            await close()
+        return await call(self.local)
 
     def _fall_back(self, exc: BaseException) -> None:
         if time.monotonic() >= self._local_until:
