@@ -11,7 +11,7 @@ from gateway.db import migrate
 from gateway.db.engine import make_engine, sqlite_path
 from gateway.db.schema import metadata
 
-TABLES = {"api_keys", "requests", "daily_usage"}
+TABLES = {"api_keys", "requests", "daily_usage", "router_versions", "eval_runs", "shadow_runs"}
 
 
 def _same_literal_default(
@@ -64,7 +64,7 @@ def empty_url(request: pytest.FixtureRequest) -> str:
 
 
 def test_there_is_exactly_one_head() -> None:
-    assert migrate.head_revision() == "0001"
+    assert migrate.head_revision() == "0002"
 
 
 async def test_upgrade_creates_the_schema_exactly_as_declared(empty_url: str) -> None:
@@ -104,14 +104,14 @@ async def test_a_changed_default_or_type_is_reported_as_a_difference(empty_url: 
 
 def test_sync_functions_work_without_an_event_loop(empty_sqlite_url: str) -> None:
     migrate.upgrade(empty_sqlite_url)
-    assert migrate.current(empty_sqlite_url) == "0001"
+    assert migrate.current(empty_sqlite_url) == migrate.head_revision()
     migrate.downgrade(empty_sqlite_url, "base")
     assert migrate.current(empty_sqlite_url) is None
 
 
 async def test_sync_functions_also_work_inside_a_running_event_loop(empty_sqlite_url: str) -> None:
     migrate.upgrade(empty_sqlite_url)
-    assert migrate.current(empty_sqlite_url) == "0001"
+    assert migrate.current(empty_sqlite_url) == migrate.head_revision()
 
 
 async def test_sqlite_database_gets_its_directory_created_and_wal_mode(empty_sqlite_url: str) -> None:

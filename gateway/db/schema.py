@@ -59,6 +59,14 @@ requests = sa.Table(
     sa.Column("itl_ms_mean", sa.Float, nullable=True),
     sa.Column("status", sa.Integer, nullable=False),  # HTTP status returned
     sa.Column("error_code", sa.String(64), nullable=True),
+    # Response cache: similarity of a semantic hit, and what the hit saved (the cost of generating it).
+    sa.Column("cache_similarity", sa.Float, nullable=True),
+    sa.Column("cost_saved_usd", sa.Float, nullable=False, server_default="0"),
+    # Which API capabilities the request used: tools, and response_format (json_object | json_schema).
+    sa.Column("used_tools", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("response_format", sa.String(16), nullable=True),
+    # interactive | batch (scheduling class).
+    sa.Column("priority", sa.String(16), nullable=False, server_default="interactive"),
     # Indexes serve the dashboard and admin queries; see the first migration for which query uses which.
     sa.Index(None, "created_at"),
     sa.Index(None, "tenant", "feature", "created_at"),
@@ -82,8 +90,58 @@ daily_usage = sa.Table(
     sa.Column("completion_tokens", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("cached_tokens", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("cost_usd", sa.Float, nullable=False, server_default="0"),
+    sa.Column("semantic_cache_hits", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("cost_saved_usd", sa.Float, nullable=False, server_default="0"),
     # The primary key (day first) serves "all tenants over a date range"; these serve one tenant or
     # feature over a range, and one tier over a range.
     sa.Index(None, "tenant", "feature", "day"),
     sa.Index(None, "tier", "day"),
+)
+
+# Router artifacts that were trained (the files live on disk; this is their record).
+router_versions = sa.Table(
+    "router_versions",
+    metadata,
+    sa.Column("version", sa.String(64), primary_key=True),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("artifact_path", sa.String(1024), nullable=False),
+    sa.Column("training_fingerprint", sa.String(64), nullable=False),
+    sa.Column("operating_point", sa.JSON, nullable=False),  # thresholds, expected escalation rate, ...
+    sa.Column("metrics", sa.JSON, nullable=False),
+)
+
+# One row per `sluice router eval` run.
+eval_runs = sa.Table(
+    "eval_runs",
+    metadata,
+    sa.Column("id", sa.String(36), primary_key=True),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("router_version", sa.String(64), nullable=True),
+    sa.Column("dataset", sa.String(512), nullable=False),
+    sa.Column("rows", sa.Integer, nullable=False),
+    sa.Column("metrics", sa.JSON, nullable=False),  # apgr, cpt50, cpt80, qualities, escalation rate, cost, ...
+    sa.Column("plot_path", sa.String(1024), nullable=True),
+    sa.Index(None, "created_at"),
+)
+
+# Background large-tier answers to a sample of requests the small tier served: the online quality delta.
+shadow_runs = sa.Table(
+    "shadow_runs",
+    metadata,
+    sa.Column("id", sa.String(36), primary_key=True),
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("request_id", sa.String(64), nullable=False),
+    sa.Column("tenant", sa.String(128), nullable=False),
+    sa.Column("feature", sa.String(128), nullable=False),
+    sa.Column("router_version", sa.String(64), nullable=True),
+    sa.Column("route_score", sa.Float, nullable=True),
+    sa.Column("confidence", sa.Float, nullable=True),
+    sa.Column("prompt", sa.Text, nullable=False),
+    sa.Column("small_answer", sa.Text, nullable=False),
+    sa.Column("large_answer", sa.Text, nullable=False),
+    sa.Column("agreement", sa.Float, nullable=False),  # 1 = same answer, 0 = different
+    sa.Column("agreement_method", sa.String(16), nullable=False),  # final_answer | embedding
+    sa.Column("large_cost_usd", sa.Float, nullable=False, server_default="0"),
+    sa.Index(None, "created_at"),
+    sa.Index(None, "feature", "created_at"),
 )
