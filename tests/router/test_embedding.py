@@ -45,7 +45,9 @@ def test_a_text_gets_the_same_vector_alone_or_padded_in_a_batch(embedder: Embedd
 
 
 def test_paraphrases_are_closer_than_unrelated_questions(embedder: Embedder) -> None:
-    a, b, c = embedder.embed(["How can I learn Python fast?", "What's the quickest way to learn Python?", "Best pizza in Rome"])
+    a, b, c = embedder.embed(
+        ["How can I learn Python fast?", "What's the quickest way to learn Python?", "Best pizza in Rome"]
+    )
     assert a @ b > 0.8 > a @ c
 
 
