@@ -37,7 +37,7 @@ from engines.api.protocol import (
     sse_event,
     wants_stream_usage,
 )
-from engines.api.rules import decode_request
+from engines.api.rules import check_request, decode_request
 from engines.metrics import EngineMetrics
 from engines.serving import OpenAIServing, is_usage_chunk
 from engines.tiers import TierSpec
@@ -119,6 +119,7 @@ async def chat_completions(
 ) -> Response[Any]:
     body = decode_request(await request.body(), ChatCompletionRequest)
     _check_model(body.model, serving)
+    check_request(body)
     if body.stream:
         return await _sse(serving.chat_stream(body), wants_stream_usage(body.stream_options))
     completion: ChatCompletion = await serving.chat(body)
@@ -129,6 +130,7 @@ async def chat_completions(
 async def completions(request: Request[Any, Any, Any], serving: NamedDependency[OpenAIServing]) -> Response[Any]:
     body = decode_request(await request.body(), CompletionRequest)
     _check_model(body.model, serving)
+    check_request(body)
     if body.stream:
         return await _sse(serving.complete_stream(body), wants_stream_usage(body.stream_options))
     completion: Completion = await serving.complete(body)
