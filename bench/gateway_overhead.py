@@ -391,10 +391,10 @@ def fresh_postgres_database() -> Iterator[str]:
 def create_bench_key(database_url: str) -> str:
     """A virtual key whose limits never bind during the run, so every check runs but none refuses."""
     from gateway import keys
-    from gateway.db.engine import make_engine
+    from gateway.db.database import make_database
 
     async def create() -> keys.CreatedKey:
-        engine = make_engine(database_url)
+        engine = make_database(database_url)
         try:
             return await keys.create_key(
                 engine,
