@@ -4,6 +4,7 @@ holding every default."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -47,9 +48,10 @@ def test_a_tier_that_is_not_a_demo_tier_starts_from_the_tier_spec_defaults(tmp_p
 def test_sluice_engine_serves_the_tier_as_configured(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     served: list[tuple[TierSpec, str | None]] = []
     monkeypatch.setattr(server, "run_engine_server", lambda spec, **kw: served.append((spec, kw.get("cache_dir"))))
+    for name in [n for n in os.environ if n.startswith("SLUICE_")]:  # the test run's own settings
+        monkeypatch.delenv(name)
     monkeypatch.setenv("SLUICE_TIERS__LARGE__KV_CACHE_MB", "768")
     monkeypatch.setenv("SLUICE_MODELS__CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("SLUICE_CONFIG", raising=False)
     monkeypatch.chdir(tmp_path)  # no ./sluice.toml
     assert cli.main(["engine", "--tier", "large", "--port", "8123"]) == 0
     ((spec, cache_dir),) = served
