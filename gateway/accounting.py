@@ -33,7 +33,8 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from gateway.db.schema import daily_usage, requests
+from gateway.db import histogram
+from gateway.db.schema import daily_usage, hourly_usage, requests
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,11 @@ class RequestRecord:
         """The UTC day the request is accounted to."""
         return _as_utc(self.created_at).date()
 
+    @property
+    def hour(self) -> datetime:
+        """The start of the UTC hour the request is accounted to."""
+        return _as_utc(self.created_at).replace(minute=0, second=0, microsecond=0)
+
 
 _RECORD_FIELDS = tuple(field.name for field in dataclasses.fields(RequestRecord))
 
@@ -152,6 +158,38 @@ def rollup_deltas(records: Iterable[RequestRecord]) -> list[dict[str, Any]]:
     ]
 
 
+_HOURLY_KEY = ("hour", "tenant", "feature", "tier", "key_id")
+_HISTOGRAM_COLUMNS = tuple(name for metric in histogram.METRICS for name in histogram.COLUMNS[metric])
+NO_KEY = ""  # hourly_usage.key_id of requests made without a key (anonymous, rejected before auth)
+
+
+def _latency_buckets(record: RequestRecord) -> tuple[int, int]:
+    """The histogram buckets of the record's TTFT and mean ITL; -1 where it has none."""
+    ttft = -1 if record.ttft_ms is None else histogram.bucket_of(record.ttft_ms)
+    itl = -1 if record.itl_ms_mean is None else histogram.bucket_of(record.itl_ms_mean)
+    return ttft, itl
+
+
+def hourly_deltas(records: Iterable[RequestRecord]) -> list[dict[str, Any]]:
+    """What `records` add to `hourly_usage`: the daily counters plus latency histogram counts, one entry
+    per (hour, tenant, feature, tier, key)."""
+    offset = len(ROLLUP_COUNTERS)
+    sums: dict[tuple[datetime, str, str, str, str], list[int | float]] = {}
+    for record in records:
+        _, counts = rollup_contribution(record)
+        key = (record.hour, record.tenant, record.feature, record.tier or NO_TIER, record.key_id or NO_KEY)
+        total = sums.setdefault(key, [0] * (offset + len(_HISTOGRAM_COLUMNS)))
+        for index, count in enumerate(counts):
+            total[index] += count
+        for metric_index, bucket in enumerate(_latency_buckets(record)):
+            if bucket >= 0:
+                total[offset + metric_index * histogram.BUCKETS + bucket] += 1
+    columns = (*ROLLUP_COUNTERS, *_HISTOGRAM_COLUMNS)
+    return [
+        dict(zip(_HOURLY_KEY, key, strict=True)) | dict(zip(columns, total, strict=True)) for key, total in sums.items()
+    ]
+
+
 def _insert(connection: AsyncConnection, table: sa.Table) -> postgresql.Insert | sqlite.Insert:
     dialect = connection.dialect.name
     if dialect == "postgresql":
@@ -170,8 +208,14 @@ def _postgres_write_batch_sql() -> str:
     counters = ", ".join(ROLLUP_COUNTERS)
     contribution_types = ", ".join(
         f"{column.name} {column.type.compile(dialect=postgresql.dialect())}"
-        for column in (requests.c.request_id, *(daily_usage.c[name] for name in (*_ROLLUP_KEY, *ROLLUP_COUNTERS)))
+        for column in (
+            requests.c.request_id,
+            *(daily_usage.c[name] for name in (*_ROLLUP_KEY, *ROLLUP_COUNTERS)),
+            hourly_usage.c.hour,
+            hourly_usage.c.key_id,
+        )
     )
+    contribution_types += ", ttft_bucket integer, itl_bucket integer"
     return (
         f"WITH inserted AS (INSERT INTO requests ({', '.join(_RECORD_FIELDS)})"
         f" SELECT {', '.join(_RECORD_FIELDS)} FROM json_populate_recordset(NULL::requests, $1::json)"
@@ -182,14 +226,44 @@ def _postgres_write_batch_sql() -> str:
         f" FROM contributions JOIN inserted USING (request_id) GROUP BY {key}"
         f" ON CONFLICT ({key}) DO UPDATE SET "
         + ", ".join(f"{name} = daily_usage.{name} + EXCLUDED.{name}" for name in ROLLUP_COUNTERS)
-        + ") SELECT count(*) FROM inserted"
+        + "), "
+        + _postgres_hourly_rollup_sql()
+        + " SELECT count(*) FROM inserted"
+    )
+
+
+def _postgres_hourly_rollup_sql() -> str:
+    """The hourly rollup's CTE of the write statement: the same contributions, by hour and key, with
+    each latency bucket counted."""
+    key = ", ".join(_HOURLY_KEY)
+    columns = (*ROLLUP_COUNTERS, *_HISTOGRAM_COLUMNS)
+    bucket_counts = [
+        f"count(*) FILTER (WHERE {metric}_bucket = {bucket})"
+        for metric in histogram.METRICS
+        for bucket in range(histogram.BUCKETS)
+    ]
+    return (
+        f"hourly_rolled_up AS (INSERT INTO hourly_usage ({key}, {', '.join(columns)})"
+        f" SELECT {key}, {', '.join([f'sum({name})' for name in ROLLUP_COUNTERS] + bucket_counts)}"
+        f" FROM contributions JOIN inserted USING (request_id) GROUP BY {key}"
+        f" ON CONFLICT ({key}) DO UPDATE SET "
+        + ", ".join(f"{name} = hourly_usage.{name} + EXCLUDED.{name}" for name in columns)
+        + ")"
     )
 
 
 _POSTGRES_WRITE_BATCH = _postgres_write_batch_sql()
 # One request's rollup contribution as sent to Postgres (a struct: msgspec encodes it in well under a µs).
 _Contribution = msgspec.defstruct(
-    "_Contribution", [("request_id", str), *((name, Any) for name in (*_ROLLUP_KEY, *ROLLUP_COUNTERS))]
+    "_Contribution",
+    [
+        ("request_id", str),
+        *((name, Any) for name in (*_ROLLUP_KEY, *ROLLUP_COUNTERS)),
+        ("hour", datetime),
+        ("key_id", str),
+        ("ttft_bucket", int),
+        ("itl_bucket", int),
+    ],
 )
 _json_encoder = msgspec.json.Encoder()
 
@@ -204,7 +278,9 @@ def _with_offset(record: RequestRecord) -> RequestRecord:
 
 def _contribution(record: RequestRecord) -> Any:
     key, counts = rollup_contribution(record)
-    return _Contribution(record.request_id, *key, *counts)
+    return _Contribution(
+        record.request_id, *key, *counts, record.hour, record.key_id or NO_KEY, *_latency_buckets(record)
+    )
 
 
 async def _write_batch_postgres(connection: AsyncConnection, records: Sequence[RequestRecord]) -> int:
@@ -255,6 +331,15 @@ async def _write_batch(connection: AsyncConnection, by_id: dict[str, RequestReco
                 set_={name: daily_usage.c[name] + upsert.excluded[name] for name in ROLLUP_COUNTERS},
             )
             await connection.execute(upsert, deltas)
+            hourly = _insert(connection, hourly_usage)
+            hourly = hourly.on_conflict_do_update(
+                index_elements=[hourly_usage.c[name] for name in _HOURLY_KEY],
+                set_={
+                    name: hourly_usage.c[name] + hourly.excluded[name]
+                    for name in (*ROLLUP_COUNTERS, *_HISTOGRAM_COLUMNS)
+                },
+            )
+            await connection.execute(hourly, hourly_deltas(by_id[request_id] for request_id in inserted_ids))
     return len(inserted_ids)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
+from gateway.db import histogram
+
 metadata = sa.MetaData(
     naming_convention={
         "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -72,6 +74,14 @@ requests = sa.Table(
     sa.Index(None, "tenant", "feature", "created_at"),
     sa.Index(None, "tier", "created_at"),
     sa.Index(None, "key_id", "created_at"),
+    # The dashboard's error panel reads only failed requests: a partial index keeps that a short scan.
+    sa.Index(
+        "ix_requests_errors_created_at",
+        "created_at",
+        "error_code",
+        postgresql_where=sa.text("status >= 400"),
+        sqlite_where=sa.text("status >= 400"),
+    ),
 )
 
 # Daily rollups per tenant and feature, maintained by the accounting writer.
@@ -96,6 +106,39 @@ daily_usage = sa.Table(
     # feature over a range, and one tier over a range.
     sa.Index(None, "tenant", "feature", "day"),
     sa.Index(None, "tier", "day"),
+)
+
+# Hourly rollups per tenant, feature, tier and key (key_id "" for anonymous requests), maintained by the
+# accounting writer: the dashboard's time series, spend per key and latency percentiles (histogram
+# columns, see gateway/db/histogram.py) over any range without reading `requests`.
+hourly_usage = sa.Table(
+    "hourly_usage",
+    metadata,
+    sa.Column("hour", sa.DateTime(timezone=True), primary_key=True),  # start of the UTC hour
+    sa.Column("tenant", sa.String(128), primary_key=True),
+    sa.Column("feature", sa.String(128), primary_key=True),
+    sa.Column("tier", sa.String(32), primary_key=True),
+    sa.Column("key_id", sa.String(36), primary_key=True),
+    sa.Column("requests", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("errors", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("escalations", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("cache_hits", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("prompt_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("completion_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("cached_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("cost_usd", sa.Float, nullable=False, server_default="0"),
+    sa.Column("semantic_cache_hits", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("cost_saved_usd", sa.Float, nullable=False, server_default="0"),
+    *(
+        sa.Column(name, sa.Integer, nullable=False, server_default="0")
+        for metric in histogram.METRICS
+        for name in histogram.COLUMNS[metric]
+    ),
+    # The primary key (hour first) serves all tenants over a range; these serve one feature, one
+    # tenant, or one key (budget status) over a range.
+    sa.Index(None, "feature", "hour"),
+    sa.Index(None, "tenant", "hour"),
+    sa.Index(None, "key_id", "hour"),
 )
 
 # Router artifacts that were trained (the files live on disk; this is their record).
