@@ -34,7 +34,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from gateway.db import histogram
-from gateway.db.schema import daily_usage, hourly_usage, requests
+from gateway.db.schema import daily_usage, hourly_usage, key_hourly_usage, requests
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +121,10 @@ _RECORD_FIELDS = tuple(field.name for field in dataclasses.fields(RequestRecord)
 
 
 _ROLLUP_KEY = ("day", "tenant", "feature", "tier")
+_HOURLY_KEY = ("hour", "tenant", "feature", "tier")
+_KEY_USAGE_KEY = ("hour", "key_id")
+KEY_USAGE_COUNTERS = ("requests", "cost_usd")
+_HISTOGRAM_COLUMNS = tuple(name for metric in histogram.METRICS for name in histogram.COLUMNS[metric])
 
 
 def rollup_contribution(record: RequestRecord) -> tuple[tuple[date, str, str, str], tuple[int | float, ...]]:
@@ -141,28 +145,6 @@ def rollup_contribution(record: RequestRecord) -> tuple[tuple[date, str, str, st
     return key, counts
 
 
-def rollup_deltas(records: Iterable[RequestRecord]) -> list[dict[str, Any]]:
-    """What `records` add to `daily_usage`, one entry per (day, tenant, feature, tier)."""
-    sums: dict[tuple[date, str, str, str], list[int | float]] = {}
-    for record in records:
-        key, counts = rollup_contribution(record)
-        total = sums.get(key)
-        if total is None:
-            sums[key] = list(counts)
-        else:
-            for index, count in enumerate(counts):
-                total[index] += count
-    return [
-        dict(zip(_ROLLUP_KEY, key, strict=True)) | dict(zip(ROLLUP_COUNTERS, total, strict=True))
-        for key, total in sums.items()
-    ]
-
-
-_HOURLY_KEY = ("hour", "tenant", "feature", "tier", "key_id")
-_HISTOGRAM_COLUMNS = tuple(name for metric in histogram.METRICS for name in histogram.COLUMNS[metric])
-NO_KEY = ""  # hourly_usage.key_id of requests made without a key (anonymous, rejected before auth)
-
-
 def _latency_buckets(record: RequestRecord) -> tuple[int, int]:
     """The histogram buckets of the record's TTFT and mean ITL; -1 where it has none."""
     ttft = -1 if record.ttft_ms is None else histogram.bucket_of(record.ttft_ms)
@@ -170,23 +152,47 @@ def _latency_buckets(record: RequestRecord) -> tuple[int, int]:
     return ttft, itl
 
 
-def hourly_deltas(records: Iterable[RequestRecord]) -> list[dict[str, Any]]:
-    """What `records` add to `hourly_usage`: the daily counters plus latency histogram counts, one entry
-    per (hour, tenant, feature, tier, key)."""
+def _usage_deltas(records: Iterable[RequestRecord], *, hourly: bool) -> list[dict[str, Any]]:
+    """Counters and latency histogram counts per (day or hour, tenant, feature, tier)."""
     offset = len(ROLLUP_COUNTERS)
-    sums: dict[tuple[datetime, str, str, str, str], list[int | float]] = {}
+    sums: dict[tuple[Any, ...], list[int | float]] = {}
     for record in records:
-        _, counts = rollup_contribution(record)
-        key = (record.hour, record.tenant, record.feature, record.tier or NO_TIER, record.key_id or NO_KEY)
-        total = sums.setdefault(key, [0] * (offset + len(_HISTOGRAM_COLUMNS)))
+        key, counts = rollup_contribution(record)
+        if hourly:
+            key = (record.hour, *key[1:])
+        total = sums.get(key)
+        if total is None:
+            total = sums[key] = [0] * (offset + len(_HISTOGRAM_COLUMNS))
         for index, count in enumerate(counts):
             total[index] += count
         for metric_index, bucket in enumerate(_latency_buckets(record)):
             if bucket >= 0:
                 total[offset + metric_index * histogram.BUCKETS + bucket] += 1
-    columns = (*ROLLUP_COUNTERS, *_HISTOGRAM_COLUMNS)
+    names = (*(_HOURLY_KEY if hourly else _ROLLUP_KEY), *ROLLUP_COUNTERS, *_HISTOGRAM_COLUMNS)
+    return [dict(zip(names, (*key, *total), strict=True)) for key, total in sums.items()]
+
+
+def rollup_deltas(records: Iterable[RequestRecord]) -> list[dict[str, Any]]:
+    """What `records` add to `daily_usage`, one entry per (day, tenant, feature, tier)."""
+    return _usage_deltas(records, hourly=False)
+
+
+def hourly_deltas(records: Iterable[RequestRecord]) -> list[dict[str, Any]]:
+    """What `records` add to `hourly_usage`, one entry per (hour, tenant, feature, tier)."""
+    return _usage_deltas(records, hourly=True)
+
+
+def key_usage_deltas(records: Iterable[RequestRecord]) -> list[dict[str, Any]]:
+    """What `records` made with a key add to `key_hourly_usage`, one entry per (hour, key)."""
+    sums: dict[tuple[datetime, str], list[float]] = {}
+    for record in records:
+        if record.key_id:
+            total = sums.setdefault((record.hour, record.key_id), [0, 0.0])
+            total[0] += 1
+            total[1] += float(record.cost_usd)
     return [
-        dict(zip(_HOURLY_KEY, key, strict=True)) | dict(zip(columns, total, strict=True)) for key, total in sums.items()
+        {"hour": hour, "key_id": key_id, "requests": count, "cost_usd": cost}
+        for (hour, key_id), (count, cost) in sums.items()
     ]
 
 
@@ -199,20 +205,35 @@ def _insert(connection: AsyncConnection, table: sa.Table) -> postgresql.Insert |
     raise ValueError(f"accounting supports postgresql and sqlite, not {dialect}")
 
 
+def _postgres_rollup_cte(name: str, table: sa.Table, key: Sequence[str], sums: Sequence[str], where: str = "") -> str:
+    """A CTE of the write statement adding the inserted rows' contributions to one rollup table; `sums`
+    are summed, histogram columns counted by bucket."""
+    histograms = [column for column in _HISTOGRAM_COLUMNS if column in table.c]
+    bucket_counts = [f"count(*) FILTER (WHERE {column[:-4]}_bucket = {int(column[-2:])})" for column in histograms]
+    columns = (*sums, *histograms)
+    keys = ", ".join(key)
+    return (
+        f"{name} AS (INSERT INTO {table.name} ({keys}, {', '.join(columns)})"
+        f" SELECT {keys}, {', '.join([f'sum({column})' for column in sums] + bucket_counts)}"
+        f" FROM contributions JOIN inserted USING (request_id){where} GROUP BY {keys}"
+        f" ON CONFLICT ({keys}) DO UPDATE SET "
+        + ", ".join(f"{column} = {table.name}.{column} + EXCLUDED.{column}" for column in columns)
+        + ")"
+    )
+
+
 def _postgres_write_batch_sql() -> str:
     """One statement: insert the rows not already present, and add the contributions of exactly the
     inserted ones to their rollups. One statement is one transaction and one round trip. Rows and
     contributions travel as two JSON parameters (msgspec encodes a row in about a microsecond;
     binding typed values costs the event loop far more), read back with the tables' own types."""
-    key = ", ".join(_ROLLUP_KEY)
-    counters = ", ".join(ROLLUP_COUNTERS)
     contribution_types = ", ".join(
         f"{column.name} {column.type.compile(dialect=postgresql.dialect())}"
         for column in (
             requests.c.request_id,
             *(daily_usage.c[name] for name in (*_ROLLUP_KEY, *ROLLUP_COUNTERS)),
             hourly_usage.c.hour,
-            hourly_usage.c.key_id,
+            key_hourly_usage.c.key_id,
         )
     )
     contribution_types += ", ttft_bucket integer, itl_bucket integer"
@@ -220,35 +241,15 @@ def _postgres_write_batch_sql() -> str:
         f"WITH inserted AS (INSERT INTO requests ({', '.join(_RECORD_FIELDS)})"
         f" SELECT {', '.join(_RECORD_FIELDS)} FROM json_populate_recordset(NULL::requests, $1::json)"
         " ON CONFLICT (request_id) DO NOTHING RETURNING request_id),"
-        f" contributions AS (SELECT * FROM json_to_recordset($2::json) AS c({contribution_types})),"
-        f" rolled_up AS (INSERT INTO daily_usage ({key}, {counters})"
-        f" SELECT {key}, {', '.join(f'sum({name})' for name in ROLLUP_COUNTERS)}"
-        f" FROM contributions JOIN inserted USING (request_id) GROUP BY {key}"
-        f" ON CONFLICT ({key}) DO UPDATE SET "
-        + ", ".join(f"{name} = daily_usage.{name} + EXCLUDED.{name}" for name in ROLLUP_COUNTERS)
-        + "), "
-        + _postgres_hourly_rollup_sql()
+        f" contributions AS (SELECT * FROM json_to_recordset($2::json) AS c({contribution_types})), "
+        + _postgres_rollup_cte("rolled_up", daily_usage, _ROLLUP_KEY, ROLLUP_COUNTERS)
+        + ", "
+        + _postgres_rollup_cte("hourly_rolled_up", hourly_usage, _HOURLY_KEY, ROLLUP_COUNTERS)
+        + ", "
+        + _postgres_rollup_cte(
+            "keys_rolled_up", key_hourly_usage, _KEY_USAGE_KEY, KEY_USAGE_COUNTERS, " WHERE key_id <> ''"
+        )
         + " SELECT count(*) FROM inserted"
-    )
-
-
-def _postgres_hourly_rollup_sql() -> str:
-    """The hourly rollup's CTE of the write statement: the same contributions, by hour and key, with
-    each latency bucket counted."""
-    key = ", ".join(_HOURLY_KEY)
-    columns = (*ROLLUP_COUNTERS, *_HISTOGRAM_COLUMNS)
-    bucket_counts = [
-        f"count(*) FILTER (WHERE {metric}_bucket = {bucket})"
-        for metric in histogram.METRICS
-        for bucket in range(histogram.BUCKETS)
-    ]
-    return (
-        f"hourly_rolled_up AS (INSERT INTO hourly_usage ({key}, {', '.join(columns)})"
-        f" SELECT {key}, {', '.join([f'sum({name})' for name in ROLLUP_COUNTERS] + bucket_counts)}"
-        f" FROM contributions JOIN inserted USING (request_id) GROUP BY {key}"
-        f" ON CONFLICT ({key}) DO UPDATE SET "
-        + ", ".join(f"{name} = hourly_usage.{name} + EXCLUDED.{name}" for name in columns)
-        + ")"
     )
 
 
@@ -278,9 +279,7 @@ def _with_offset(record: RequestRecord) -> RequestRecord:
 
 def _contribution(record: RequestRecord) -> Any:
     key, counts = rollup_contribution(record)
-    return _Contribution(
-        record.request_id, *key, *counts, record.hour, record.key_id or NO_KEY, *_latency_buckets(record)
-    )
+    return _Contribution(record.request_id, *key, *counts, record.hour, record.key_id or "", *_latency_buckets(record))
 
 
 async def _write_batch_postgres(connection: AsyncConnection, records: Sequence[RequestRecord]) -> int:
@@ -323,24 +322,24 @@ async def _write_batch(connection: AsyncConnection, by_id: dict[str, RequestReco
         )
         result = await connection.execute(statement, [record.row() for record in by_id.values()])
         inserted_ids = list(result.scalars())
-        deltas = rollup_deltas(by_id[request_id] for request_id in inserted_ids)
-        if deltas:
-            upsert = _insert(connection, daily_usage)
-            upsert = upsert.on_conflict_do_update(
-                index_elements=[daily_usage.c.day, daily_usage.c.tenant, daily_usage.c.feature, daily_usage.c.tier],
-                set_={name: daily_usage.c[name] + upsert.excluded[name] for name in ROLLUP_COUNTERS},
-            )
-            await connection.execute(upsert, deltas)
-            hourly = _insert(connection, hourly_usage)
-            hourly = hourly.on_conflict_do_update(
-                index_elements=[hourly_usage.c[name] for name in _HOURLY_KEY],
-                set_={
-                    name: hourly_usage.c[name] + hourly.excluded[name]
-                    for name in (*ROLLUP_COUNTERS, *_HISTOGRAM_COLUMNS)
-                },
-            )
-            await connection.execute(hourly, hourly_deltas(by_id[request_id] for request_id in inserted_ids))
+        inserted = [by_id[request_id] for request_id in inserted_ids]
+        if inserted:
+            for table, key, deltas in (
+                (daily_usage, _ROLLUP_KEY, rollup_deltas(inserted)),
+                (hourly_usage, _HOURLY_KEY, hourly_deltas(inserted)),
+                (key_hourly_usage, _KEY_USAGE_KEY, key_usage_deltas(inserted)),
+            ):
+                if deltas:
+                    await connection.execute(_sqlite_upsert(connection, table, key), deltas)
     return len(inserted_ids)
+
+
+def _sqlite_upsert(connection: AsyncConnection, table: sa.Table, key: Sequence[str]) -> sqlite.Insert:
+    upsert = _insert(connection, table)
+    return upsert.on_conflict_do_update(
+        index_elements=[table.c[name] for name in key],
+        set_={column.name: column + upsert.excluded[column.name] for column in table.c if column.name not in key},
+    )
 
 
 _record_encoder = msgspec.json.Encoder()

@@ -16,6 +16,7 @@ TABLES = {
     "requests",
     "daily_usage",
     "hourly_usage",
+    "key_hourly_usage",
     "router_versions",
     "eval_runs",
     "shadow_runs",

@@ -12,7 +12,7 @@ import msgspec
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.admin import queries
-from gateway.admin.queries import RANGES, Scope
+from gateway.admin.queries import HOURLY_BUCKETS_UP_TO, RANGES, Scope
 from gateway.config import Settings
 from gateway.errors import invalid_request
 from gateway.keys import ApiKey, list_keys
@@ -61,6 +61,10 @@ def scope_from(
     start, end = (t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC) for t in (start, end))
     if not start < end <= start + MAX_SPAN:
         raise invalid_request(f"start must be before end, at most {MAX_SPAN.days} days apart", "end")
+    if end - start > HOURLY_BUCKETS_UP_TO:  # drawn by day: whole UTC days
+        start = start.replace(hour=0, minute=0, second=0, microsecond=0)
+        midnight = end.replace(hour=0, minute=0, second=0, microsecond=0)
+        end = midnight if midnight == end else midnight + timedelta(days=1)
     return Scope(start=start, end=end, **filters)
 
 

@@ -1,9 +1,11 @@
-"""The dashboard's numbers: SQL aggregations over `hourly_usage`, `requests`, `shadow_runs`,
-`eval_runs` and `api_keys`, one function per panel, the same on Postgres and SQLite.
+"""The dashboard's numbers: SQL aggregations over the rollups (`daily_usage`, `hourly_usage`,
+`key_hourly_usage`), `requests`, `shadow_runs`, `eval_runs` and `api_keys`, one function per panel, the
+same on Postgres and SQLite.
 
-Every time series reads the hourly rollup (a few rows per hour and key, whatever the request volume)
-and is folded into hourly or daily buckets here; latency percentiles come from its histogram columns.
-Only the error panel reads `requests`, through a partial index over failed requests.
+Ranges of up to two days read the hourly rollup and are drawn by hour; longer ones read the daily
+rollup and are drawn by day. Either way a panel reads a few rows per (day or hour, tenant, feature,
+tier), whatever the request volume; latency percentiles come from the rollups' histogram columns.
+Only the error panel reads `requests`, through a partial index covering the failed ones.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, time, timedelta
 from typing import Any
 
 import msgspec
@@ -21,7 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from gateway.config import Settings, TierConfig
 from gateway.cost import TOKENS_PER_PRICE_UNIT
 from gateway.db import histogram
-from gateway.db.schema import api_keys, eval_runs, hourly_usage, requests, shadow_runs
+from gateway.db.schema import api_keys, daily_usage, eval_runs, hourly_usage, key_hourly_usage, requests, shadow_runs
 from gateway.keys import effective_policy
 
 HOURLY_BUCKETS_UP_TO = timedelta(hours=48)  # longer ranges are bucketed by day
@@ -56,8 +58,14 @@ class Scope(msgspec.Struct, frozen=True, kw_only=True):
         count = math.ceil((self.end - self.start) / self.bucket)
         return [self.start + i * self.bucket for i in range(count)]
 
-    def bucket_index(self, hour: datetime) -> int:
-        return int((_utc(hour) - self.start) // self.bucket)
+    @property
+    def daily(self) -> bool:
+        return self.bucket == timedelta(days=1)
+
+    def bucket_index(self, moment: datetime | date) -> int:
+        if not isinstance(moment, datetime):
+            moment = datetime.combine(moment, time(), UTC)
+        return int((_utc(moment) - self.start) // self.bucket)
 
     def where(self, table: sa.Table, time_column: str) -> list[sa.ColumnElement[bool]]:
         column = table.c[time_column]
@@ -105,15 +113,34 @@ async def _rows(engine: AsyncEngine, query: sa.Select[Any]) -> Sequence[sa.Row[A
         return (await connection.execute(query)).all()
 
 
-def _sum(column: str) -> sa.ColumnElement[Any]:
-    return sa.func.coalesce(sa.func.sum(hourly_usage.c[column]), 0)
+def _usage(scope: Scope) -> sa.Table:
+    """The rollup a scope reads: by day for long ranges, by hour for short ones."""
+    return daily_usage if scope.daily else hourly_usage
 
 
-def _routed_requests() -> sa.ColumnElement[Any]:
+def _when(usage: sa.Table) -> sa.ColumnElement[Any]:
+    return usage.c.day if usage is daily_usage else usage.c.hour
+
+
+def _usage_where(scope: Scope, usage: sa.Table) -> list[sa.ColumnElement[bool]]:
+    if usage is not daily_usage:
+        return scope.where(usage, "hour")
+    last = (scope.end - timedelta(microseconds=1)).date()  # the day holding the range's last moment
+    conditions = [usage.c.day >= scope.start.date(), usage.c.day <= last]
+    if scope.feature:
+        conditions.append(usage.c.feature == scope.feature)
+    if scope.tenant:
+        conditions.append(usage.c.tenant == scope.tenant)
+    return conditions
+
+
+def _sum(usage: sa.Table, column: str) -> sa.ColumnElement[Any]:
+    return sa.func.coalesce(sa.func.sum(usage.c[column]), 0)
+
+
+def _routed_requests(usage: sa.Table) -> sa.ColumnElement[Any]:
     """Requests a tier served or attempted (the denominator of the escalation rate)."""
-    return sa.func.coalesce(
-        sa.func.sum(sa.case((hourly_usage.c.tier != NO_TIER, hourly_usage.c.requests), else_=0)), 0
-    )
+    return sa.func.coalesce(sa.func.sum(sa.case((usage.c.tier != NO_TIER, usage.c.requests), else_=0)), 0)
 
 
 # -- escalation: the headline -------------------------------------------------------------------
@@ -135,17 +162,18 @@ class EscalationPanel(msgspec.Struct, kw_only=True):
 
 
 async def escalation(engine: AsyncEngine, scope: Scope) -> EscalationPanel:
+    usage = _usage(scope)
     query = (
         sa.select(
-            hourly_usage.c.hour,
-            hourly_usage.c.feature,
-            _sum("requests"),
-            _routed_requests(),
-            _sum("escalations"),
-            _sum("cost_usd"),
+            _when(usage),
+            usage.c.feature,
+            _sum(usage, "requests"),
+            _routed_requests(usage),
+            _sum(usage, "escalations"),
+            _sum(usage, "cost_usd"),
         )
-        .where(*scope.where(hourly_usage, "hour"))
-        .group_by(hourly_usage.c.hour, hourly_usage.c.feature)
+        .where(*_usage_where(scope, usage))
+        .group_by(_when(usage), usage.c.feature)
     )
     axis = TimeAxis.of(scope)
     width = len(axis.buckets)
@@ -172,9 +200,7 @@ async def escalation(engine: AsyncEngine, scope: Scope) -> EscalationPanel:
         ),
         key=lambda row: (-(row.escalation_rate or 0.0), row.feature),
     )
-    series = [
-        Series(name=row.feature, values=[_ratio(e, r) for r, e in per_bucket[row.feature]]) for row in features
-    ]
+    series = [Series(name=row.feature, values=[_ratio(e, r) for r, e in per_bucket[row.feature]]) for row in features]
     return EscalationPanel(axis=axis, series=series, features=features)
 
 
@@ -220,18 +246,22 @@ def _price(tier: TierConfig, prompt: int, completion: int, cached: int) -> float
 
 
 async def cost(engine: AsyncEngine, scope: Scope, settings: Settings) -> CostPanel:
+    usage = _usage(scope)
     by_feature = (
-        sa.select(hourly_usage.c.hour, hourly_usage.c.feature, _sum("cost_usd"))
-        .where(*scope.where(hourly_usage, "hour"))
-        .group_by(hourly_usage.c.hour, hourly_usage.c.feature)
+        sa.select(_when(usage), usage.c.feature, _sum(usage, "cost_usd"))
+        .where(*_usage_where(scope, usage))
+        .group_by(_when(usage), usage.c.feature)
     )
     by_tier = (
         sa.select(
-            hourly_usage.c.tier,
-            *(_sum(name) for name in ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "cost_usd")),
+            usage.c.tier,
+            *(
+                _sum(usage, name)
+                for name in ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "cost_usd")
+            ),
         )
-        .where(*scope.where(hourly_usage, "hour"), hourly_usage.c.tier != NO_TIER)
-        .group_by(hourly_usage.c.tier)
+        .where(*_usage_where(scope, usage), usage.c.tier != NO_TIER)
+        .group_by(usage.c.tier)
     )
     axis = TimeAxis.of(scope)
     per_feature: dict[str, list[float]] = defaultdict(lambda: [0.0] * len(axis.buckets))
@@ -289,16 +319,17 @@ class CachePanel(msgspec.Struct, kw_only=True):
 
 
 async def cache(engine: AsyncEngine, scope: Scope) -> CachePanel:
+    usage = _usage(scope)
     query = (
         sa.select(
-            hourly_usage.c.hour,
-            _sum("requests"),
-            _sum("cache_hits"),
-            _sum("semantic_cache_hits"),
-            _sum("cost_saved_usd"),
+            _when(usage),
+            _sum(usage, "requests"),
+            _sum(usage, "cache_hits"),
+            _sum(usage, "semantic_cache_hits"),
+            _sum(usage, "cost_saved_usd"),
         )
-        .where(*scope.where(hourly_usage, "hour"))
-        .group_by(hourly_usage.c.hour)
+        .where(*_usage_where(scope, usage))
+        .group_by(_when(usage))
     )
     axis = TimeAxis.of(scope)
     cells = [[0, 0, 0, 0.0] for _ in axis.buckets]  # requests, exact, semantic, saved
@@ -352,11 +383,12 @@ def _within(value: float | None, slo: float | None) -> bool | None:
 
 
 async def latency(engine: AsyncEngine, scope: Scope, settings: Settings) -> LatencyPanel:
-    columns = [_sum(name) for metric in histogram.METRICS for name in histogram.COLUMNS[metric]]
+    usage = _usage(scope)
+    columns = [_sum(usage, name) for metric in histogram.METRICS for name in histogram.COLUMNS[metric]]
     query = (
-        sa.select(hourly_usage.c.hour, hourly_usage.c.tier, *columns)
-        .where(*scope.where(hourly_usage, "hour"), hourly_usage.c.tier != NO_TIER)
-        .group_by(hourly_usage.c.hour, hourly_usage.c.tier)
+        sa.select(_when(usage), usage.c.tier, *columns)
+        .where(*_usage_where(scope, usage), usage.c.tier != NO_TIER)
+        .group_by(_when(usage), usage.c.tier)
     )
     axis = TimeAxis.of(scope)
     width, n = len(axis.buckets), histogram.BUCKETS
@@ -546,6 +578,19 @@ class KeysPanel(msgspec.Struct, kw_only=True):
 TOP_KEYS = 10
 
 
+def _key_where(scope: Scope) -> list[sa.ColumnElement[bool]]:
+    """Keys in range; a feature or tenant filter through the keys' own tenant and feature."""
+    conditions = [key_hourly_usage.c.hour >= scope.start, key_hourly_usage.c.hour < scope.end]
+    if scope.feature or scope.tenant:
+        keys = sa.select(api_keys.c.id)
+        if scope.feature:
+            keys = keys.where(api_keys.c.feature == scope.feature)
+        if scope.tenant:
+            keys = keys.where(api_keys.c.tenant == scope.tenant)
+        conditions.append(key_hourly_usage.c.key_id.in_(keys.scalar_subquery()))
+    return conditions
+
+
 def budget_status(spent: Iterable[tuple[float, float | None]]) -> str:
     """The worst state over (spent, budget) pairs; `none` when no budget is set."""
     shares = [amount / budget for amount, budget in spent if budget is not None and budget > 0]
@@ -558,12 +603,12 @@ def budget_status(spent: Iterable[tuple[float, float | None]]) -> str:
 async def top_keys(
     engine: AsyncEngine, scope: Scope, settings: Settings, *, now: datetime | None = None, limit: int = TOP_KEYS
 ) -> KeysPanel:
-    spent = sa.func.coalesce(sa.func.sum(hourly_usage.c.cost_usd), 0).label("spent")
+    spent = sa.func.coalesce(sa.func.sum(key_hourly_usage.c.cost_usd), 0).label("spent")
     top = (
-        sa.select(hourly_usage.c.key_id, _sum("requests"), spent)
-        .where(*scope.where(hourly_usage, "hour"), hourly_usage.c.key_id != "")
-        .group_by(hourly_usage.c.key_id)
-        .order_by(spent.desc(), hourly_usage.c.key_id)
+        sa.select(key_hourly_usage.c.key_id, sa.func.coalesce(sa.func.sum(key_hourly_usage.c.requests), 0), spent)
+        .where(*_key_where(scope))
+        .group_by(key_hourly_usage.c.key_id)
+        .order_by(spent.desc(), key_hourly_usage.c.key_id)
         .limit(limit)
     )
     ranked = await _rows(engine, top)
@@ -575,14 +620,14 @@ async def top_keys(
     month = today.replace(day=1)
     budgets = (
         sa.select(
-            hourly_usage.c.key_id,
+            key_hourly_usage.c.key_id,
             sa.func.coalesce(
-                sa.func.sum(sa.case((hourly_usage.c.hour >= today, hourly_usage.c.cost_usd), else_=0.0)), 0
+                sa.func.sum(sa.case((key_hourly_usage.c.hour >= today, key_hourly_usage.c.cost_usd), else_=0.0)), 0
             ),
-            _sum("cost_usd"),
+            sa.func.coalesce(sa.func.sum(key_hourly_usage.c.cost_usd), 0),
         )
-        .where(hourly_usage.c.key_id.in_(ids), hourly_usage.c.hour >= month)
-        .group_by(hourly_usage.c.key_id)
+        .where(key_hourly_usage.c.key_id.in_(ids), key_hourly_usage.c.hour >= month)
+        .group_by(key_hourly_usage.c.key_id)
     )
     recent = {key_id: (float(day), float(month_total)) for key_id, day, month_total in await _rows(engine, budgets)}
     keys = {row.id: row for row in await _rows(engine, sa.select(api_keys).where(api_keys.c.id.in_(ids)))}
@@ -637,7 +682,8 @@ async def errors(engine: AsyncEngine, scope: Scope) -> ErrorsPanel:
         .where(*scope.where(requests, "created_at"), sa.text("status >= 400"))
         .group_by(requests.c.error_code, requests.c.status)
     )
-    total = sa.select(_sum("requests")).where(*scope.where(hourly_usage, "hour"))
+    usage = _usage(scope)
+    total = sa.select(_sum(usage, "requests")).where(*_usage_where(scope, usage))
     count = int((await _rows(engine, total))[0][0])
     codes = sorted(
         (
@@ -660,9 +706,10 @@ class Choices(msgspec.Struct, kw_only=True):
 
 async def choices(engine: AsyncEngine, scope: Scope) -> Choices:
     """Features and tenants with traffic in the range (the filter's options; other filters ignored)."""
+    usage = _usage(scope)
     query = (
-        sa.select(hourly_usage.c.tenant, hourly_usage.c.feature)
-        .where(hourly_usage.c.hour >= scope.start, hourly_usage.c.hour < scope.end)
+        sa.select(usage.c.tenant, usage.c.feature)
+        .where(*_usage_where(msgspec.structs.replace(scope, feature=None, tenant=None), usage))
         .distinct()
     )
     rows = await _rows(engine, query)

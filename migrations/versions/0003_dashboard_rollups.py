@@ -1,14 +1,15 @@
-"""Dashboard: an hourly rollup per tenant, feature, tier and key with latency histograms, and a partial
-index over failed requests. Existing `requests` rows are rolled up once here; from then on the
-accounting writer maintains `hourly_usage` in the same statement that inserts the rows.
+"""Dashboard: latency histograms in the daily rollup, the same rollup by hour, spend per key and hour, and
+a partial index over failed requests. Existing `requests` rows are rolled up once here; from then on the
+accounting writer maintains all three rollups in the statement that inserts the rows.
 
 Indexes, by the query they serve:
-- pk_hourly_usage (hour, tenant, feature, tier, key_id): every dashboard panel for all tenants over a
-  time range; also the rollup upsert.
-- ix_hourly_usage_feature_hour, ix_hourly_usage_tenant_hour: the same panels filtered to one feature
-  or one tenant.
-- ix_hourly_usage_key_id_hour: a key's spend today and this month (budget status).
-- ix_requests_errors_created_at (partial, status >= 400): error counts by code over a time range.
+- pk_hourly_usage (hour, tenant, feature, tier): the dashboard's panels for ranges of up to two days;
+  ix_hourly_usage_feature_hour, ix_hourly_usage_tenant_hour: the same for one feature or tenant.
+  (Longer ranges read daily_usage through its existing primary key and indexes.)
+- pk_key_hourly_usage (hour, key_id): top keys by spend over a range; ix_key_hourly_usage_key_id_hour:
+  given keys' spend today and this month (budget status).
+- ix_requests_errors_created_at (partial, status >= 400; created_at, tenant, feature, status,
+  error_code): error counts by code over a range, read from the index alone.
 
 Revision ID: 0003
 Revises: 0002
@@ -49,14 +50,12 @@ def _histogram_columns() -> list[str]:
     return [f"{metric}_b{bucket:02d}" for metric in METRICS for bucket in range(BUCKETS)]
 
 
-def upgrade() -> None:
-    op.create_table(
-        "hourly_usage",
-        sa.Column("hour", sa.DateTime(timezone=True), nullable=False),
-        sa.Column("tenant", sa.String(length=128), nullable=False),
-        sa.Column("feature", sa.String(length=128), nullable=False),
-        sa.Column("tier", sa.String(length=32), nullable=False),
-        sa.Column("key_id", sa.String(length=36), nullable=False),
+def _histogram() -> list[sa.Column]:
+    return [sa.Column(name, sa.Integer(), server_default="0", nullable=False) for name in _histogram_columns()]
+
+
+def _counters() -> list[sa.Column]:
+    return [
         sa.Column("requests", sa.Integer(), server_default="0", nullable=False),
         sa.Column("errors", sa.Integer(), server_default="0", nullable=False),
         sa.Column("escalations", sa.Integer(), server_default="0", nullable=False),
@@ -67,20 +66,43 @@ def upgrade() -> None:
         sa.Column("cost_usd", sa.Float(), server_default="0", nullable=False),
         sa.Column("semantic_cache_hits", sa.Integer(), server_default="0", nullable=False),
         sa.Column("cost_saved_usd", sa.Float(), server_default="0", nullable=False),
-        *(sa.Column(name, sa.Integer(), server_default="0", nullable=False) for name in _histogram_columns()),
-        sa.PrimaryKeyConstraint("hour", "tenant", "feature", "tier", "key_id", name=op.f("pk_hourly_usage")),
+    ]
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("daily_usage") as batch:
+        for column in _histogram():
+            batch.add_column(column)
+    op.create_table(
+        "hourly_usage",
+        sa.Column("hour", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("tenant", sa.String(length=128), nullable=False),
+        sa.Column("feature", sa.String(length=128), nullable=False),
+        sa.Column("tier", sa.String(length=32), nullable=False),
+        *_counters(),
+        *_histogram(),
+        sa.PrimaryKeyConstraint("hour", "tenant", "feature", "tier", name=op.f("pk_hourly_usage")),
     )
     op.create_index(op.f("ix_hourly_usage_feature_hour"), "hourly_usage", ["feature", "hour"])
     op.create_index(op.f("ix_hourly_usage_tenant_hour"), "hourly_usage", ["tenant", "hour"])
-    op.create_index(op.f("ix_hourly_usage_key_id_hour"), "hourly_usage", ["key_id", "hour"])
+    op.create_table(
+        "key_hourly_usage",
+        sa.Column("hour", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("key_id", sa.String(length=36), nullable=False),
+        sa.Column("requests", sa.Integer(), server_default="0", nullable=False),
+        sa.Column("cost_usd", sa.Float(), server_default="0", nullable=False),
+        sa.PrimaryKeyConstraint("hour", "key_id", name=op.f("pk_key_hourly_usage")),
+    )
+    op.create_index(op.f("ix_key_hourly_usage_key_id_hour"), "key_hourly_usage", ["key_id", "hour"])
     op.create_index(
         "ix_requests_errors_created_at",
         "requests",
-        ["created_at", "error_code"],
+        ["created_at", "tenant", "feature", "status", "error_code"],
         postgresql_where=sa.text("status >= 400"),
         sqlite_where=sa.text("status >= 400"),
     )
-    _backfill()
+    for statement in backfill_statements(op.get_bind().dialect.name):
+        op.execute(statement)
 
 
 def _bucket(value: str) -> str:
@@ -88,14 +110,18 @@ def _bucket(value: str) -> str:
     return f"CASE WHEN {value} IS NULL THEN -1 {cases} ELSE {BUCKETS - 1} END"
 
 
-def _backfill() -> None:
-    """Roll up the requests recorded before this revision (one INSERT … SELECT)."""
-    if op.get_bind().dialect.name == "postgresql":
+def backfill_statements(dialect: str) -> list[str]:
+    """Roll up the requests recorded before this revision: histograms into daily_usage (its counters
+    are kept as they are), and hourly_usage and key_hourly_usage in full. bench/dashboard.py builds its
+    rollups with these too."""
+    if dialect == "postgresql":
         hour = "date_trunc('hour', created_at AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'"
+        day = "(created_at AT TIME ZONE 'UTC')::date"
     else:  # SQLAlchemy stores SQLite datetimes as 'YYYY-MM-DD HH:MM:SS.ffffff' (UTC, see accounting)
         hour = "substr(created_at, 1, 13) || ':00:00.000000'"
+        day = "substr(created_at, 1, 10)"
     rows = (
-        f"SELECT {hour} AS hour, tenant, feature, coalesce(tier, '') AS tier, coalesce(key_id, '') AS key_id,"
+        f"SELECT {hour} AS hour, {day} AS day, tenant, feature, coalesce(tier, '') AS tier, key_id,"
         " 1 AS requests, CASE WHEN status >= 400 THEN 1 ELSE 0 END AS errors,"
         " CASE WHEN escalated THEN 1 ELSE 0 END AS escalations,"
         " CASE WHEN cache_status IN ('exact', 'semantic') THEN 1 ELSE 0 END AS cache_hits,"
@@ -103,21 +129,37 @@ def _backfill() -> None:
         " CASE WHEN cache_status = 'semantic' THEN 1 ELSE 0 END AS semantic_cache_hits, cost_saved_usd,"
         f" {_bucket('ttft_ms')} AS ttft_bucket, {_bucket('itl_ms_mean')} AS itl_bucket FROM requests"
     )
-    key = "hour, tenant, feature, tier, key_id"
-    sums = [f"sum({name})" for name in COUNTERS] + [
+    histograms = [
         f"sum(CASE WHEN {metric}_bucket = {bucket} THEN 1 ELSE 0 END)"
         for metric in METRICS
         for bucket in range(BUCKETS)
     ]
-    op.execute(
-        f"INSERT INTO hourly_usage ({key}, {', '.join(COUNTERS)}, {', '.join(_histogram_columns())})"
-        f" SELECT {key}, {', '.join(sums)} FROM ({rows}) AS r GROUP BY {key}"
-    )
+    usage = "hour, tenant, feature, tier"
+    daily = "day, tenant, feature, tier"
+    names = _histogram_columns()
+    return [
+        f"INSERT INTO hourly_usage ({usage}, {', '.join(COUNTERS)}, {', '.join(names)})"
+        f" SELECT {usage}, {', '.join([f'sum({name})' for name in COUNTERS] + histograms)}"
+        f" FROM ({rows}) AS r GROUP BY {usage}",
+        "INSERT INTO key_hourly_usage (hour, key_id, requests, cost_usd)"
+        f" SELECT hour, key_id, count(*), sum(cost_usd) FROM ({rows}) AS r WHERE key_id IS NOT NULL"
+        " GROUP BY hour, key_id",
+        # daily_usage's histograms from hourly_usage, now complete: hours sum to days.
+        f"UPDATE daily_usage SET {', '.join(f'{name} = h.{name}' for name in names)}"
+        f" FROM (SELECT {day.replace('created_at', 'hour')} AS day, tenant, feature, tier,"
+        f" {', '.join(f'sum({name}) AS {name}' for name in names)} FROM hourly_usage GROUP BY {daily}) AS h"
+        " WHERE daily_usage.day = h.day AND daily_usage.tenant = h.tenant AND daily_usage.feature = h.feature"
+        " AND daily_usage.tier = h.tier",
+    ]
 
 
 def downgrade() -> None:
     op.drop_index("ix_requests_errors_created_at", table_name="requests")
-    op.drop_index(op.f("ix_hourly_usage_key_id_hour"), table_name="hourly_usage")
+    op.drop_index(op.f("ix_key_hourly_usage_key_id_hour"), table_name="key_hourly_usage")
+    op.drop_table("key_hourly_usage")
     op.drop_index(op.f("ix_hourly_usage_tenant_hour"), table_name="hourly_usage")
     op.drop_index(op.f("ix_hourly_usage_feature_hour"), table_name="hourly_usage")
     op.drop_table("hourly_usage")
+    with op.batch_alter_table("daily_usage") as batch:
+        for name in reversed(_histogram_columns()):
+            batch.drop_column(name)

@@ -1,6 +1,6 @@
-"""The hourly rollup: the accounting writer keeps `hourly_usage` equal to what its rows add up to (counters
-and latency histograms, by UTC hour and key), replays count once, and revision 0003 rolls up the rows
-recorded before it. Postgres and SQLite."""
+"""The dashboard's rollups: the accounting writer keeps `hourly_usage` and `daily_usage` (counters and
+latency histograms) and `key_hourly_usage` equal to what its rows add up to, replays count once, and
+revision 0003 rolls up the rows recorded before it. Postgres and SQLite."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.accounting import RequestRecord, write_batch
+from gateway.accounting import RequestRecord, rollup_deltas, write_batch
 from gateway.db import histogram, migrate
 from gateway.db.engine import make_engine
-from gateway.db.schema import hourly_usage, requests
+from gateway.db.schema import daily_usage, hourly_usage, key_hourly_usage, requests
 
 START = datetime(2026, 3, 1, 22, 10, tzinfo=UTC)
 
@@ -47,7 +47,7 @@ def seeded_records(tenant: str, count: int = 300) -> list[RequestRecord]:
                 created_at=START + timedelta(minutes=rng.randrange(0, 180)),
                 tenant=tenant,
                 feature=rng.choice(["chat", "search"]),
-                key_id=rng.choice(["key-a", "key-b", None]),
+                key_id=rng.choice([f"{tenant}-a", f"{tenant}-b", None]),
                 tier=tier,
                 escalated=tier == "large" and rng.random() < 0.5,
                 cache_status="miss" if tier else rng.choice(["exact", "semantic", "miss"]),
@@ -63,12 +63,13 @@ def seeded_records(tenant: str, count: int = 300) -> list[RequestRecord]:
     return records
 
 
-def expected_rollup(records: list[RequestRecord]) -> dict[tuple[Any, ...], dict[str, Any]]:
+def expected_rollup(records: list[RequestRecord], *, daily: bool = False) -> dict[tuple[Any, ...], dict[str, Any]]:
     """Computed here from the records, independently of the writer's code."""
     rows: dict[tuple[Any, ...], dict[str, Any]] = defaultdict(Counter)
     for r in records:
         at = r.created_at.astimezone(UTC)
-        key = (at.replace(minute=0, second=0, microsecond=0), r.feature, r.tier or "", r.key_id or "")
+        when = at.date() if daily else at.replace(minute=0, second=0, microsecond=0)
+        key = (when, r.feature, r.tier or "")
         row = rows[key]
         row["requests"] += 1
         row["errors"] += r.status >= 400
@@ -87,20 +88,42 @@ def expected_rollup(records: list[RequestRecord]) -> dict[tuple[Any, ...], dict[
     return rows
 
 
-async def stored_rollup(engine: AsyncEngine, tenant: str) -> dict[tuple[Any, ...], dict[str, Any]]:
+def expected_key_usage(records: list[RequestRecord]) -> dict[tuple[Any, ...], dict[str, Any]]:
+    rows: dict[tuple[Any, ...], dict[str, Any]] = defaultdict(Counter)
+    for r in records:
+        if r.key_id:
+            row = rows[r.created_at.astimezone(UTC).replace(minute=0, second=0, microsecond=0), r.key_id]
+            row["requests"] += 1
+            row["cost_usd"] += r.cost_usd
+    return rows
+
+
+async def stored_rollup(
+    engine: AsyncEngine, tenant: str, *, daily: bool = False
+) -> dict[tuple[Any, ...], dict[str, Any]]:
+    table, when = (daily_usage, "day") if daily else (hourly_usage, "hour")
     async with engine.connect() as connection:
-        rows = (await connection.execute(sa.select(hourly_usage).where(hourly_usage.c.tenant == tenant))).mappings()
+        rows = (await connection.execute(sa.select(table).where(table.c.tenant == tenant))).mappings()
         result = {}
         for row in rows:
-            hour = row["hour"] if row["hour"].tzinfo else row["hour"].replace(tzinfo=UTC)
-            result[hour, row["feature"], row["tier"], row["key_id"]] = {k: v for k, v in row.items() if v}
+            moment = row[when] if daily or row[when].tzinfo else row[when].replace(tzinfo=UTC)
+            result[moment, row["feature"], row["tier"]] = {k: v for k, v in row.items() if v}
         return result
+
+
+async def stored_key_usage(engine: AsyncEngine, key_ids: set[str]) -> dict[tuple[Any, ...], dict[str, Any]]:
+    async with engine.connect() as connection:
+        query = sa.select(key_hourly_usage).where(key_hourly_usage.c.key_id.in_(key_ids))
+        return {
+            (row["hour"] if row["hour"].tzinfo else row["hour"].replace(tzinfo=UTC), row["key_id"]): dict(row)
+            for row in (await connection.execute(query)).mappings()
+        }
 
 
 def assert_same(stored: dict[tuple[Any, ...], dict[str, Any]], expected: dict[tuple[Any, ...], Any]) -> None:
     assert set(stored) == set(expected)
     for key, row in expected.items():
-        got = {k: v for k, v in stored[key].items() if k not in ("hour", "tenant", "feature", "tier", "key_id")}
+        got = {k: v for k, v in stored[key].items() if k not in ("hour", "day", "tenant", "feature", "tier", "key_id")}
         assert set(got) == {k for k, v in row.items() if v}, key
         for name, value in row.items():
             assert got.get(name, 0) == pytest.approx(value), (key, name)
@@ -112,6 +135,8 @@ async def test_the_writer_rolls_up_by_utc_hour_and_key_with_latency_histograms(e
     await write_batch(engine, records[:200])
     await write_batch(engine, records[100:])  # overlaps: rows already present must not count twice
     assert_same(await stored_rollup(engine, tenant), expected_rollup(records))
+    assert_same(await stored_rollup(engine, tenant, daily=True), expected_rollup(records, daily=True))
+    assert_same(await stored_key_usage(engine, {f"{tenant}-a", f"{tenant}-b"}), expected_key_usage(records))
 
 
 async def test_a_request_counts_towards_its_utc_hour(engine: AsyncEngine) -> None:
@@ -128,7 +153,7 @@ async def test_a_request_counts_towards_its_utc_hour(engine: AsyncEngine) -> Non
             )
         ],
     )
-    assert set(await stored_rollup(engine, tenant)) == {(datetime(2026, 3, 2, 3, tzinfo=UTC), "f", "", "")}
+    assert set(await stored_rollup(engine, tenant)) == {(datetime(2026, 3, 2, 3, tzinfo=UTC), "f", "")}
 
 
 @pytest.fixture(params=["postgres", "sqlite"])
@@ -145,8 +170,17 @@ async def test_revision_0003_rolls_up_the_requests_recorded_before_it(empty_url:
     try:
         async with engine.begin() as connection:
             await connection.execute(requests.insert(), [r.row() for r in records])
+            await connection.execute(
+                daily_usage.insert(),
+                [
+                    {k: v for k, v in row.items() if not k.startswith(("ttft_b", "itl_b"))}
+                    for row in rollup_deltas(records)
+                ],
+            )  # what the writer of revision 0002 kept: counters only
         await migrate.upgrade_async(url)
         assert_same(await stored_rollup(engine, tenant), expected_rollup(records))
+        assert_same(await stored_rollup(engine, tenant, daily=True), expected_rollup(records, daily=True))
+        assert_same(await stored_key_usage(engine, {f"{tenant}-a", f"{tenant}-b"}), expected_key_usage(records))
     finally:
         await engine.dispose()
 
