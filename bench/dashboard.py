@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import importlib
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,8 +29,8 @@ from typing import Any
 
 import asyncpg
 import numpy as np
-from litestar.testing import AsyncTestClient
 import sqlalchemy as sa
+from litestar.testing import AsyncTestClient
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
@@ -142,6 +143,16 @@ async def fresh_database(server_url: str, keep: bool) -> AsyncIterator[str]:
         await admin.dispose()
 
 
+async def _connect(url: str) -> asyncpg.Connection:
+    """A connection whose server process runs at the lowest CPU priority when the server is on this
+    machine (best effort: the load of seeding then yields to everything else the machine runs)."""
+    connection = await asyncpg.connect(_dsn(url))
+    if sa.make_url(url).host in ("127.0.0.1", "localhost", None):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, await connection.fetchval("SELECT pg_backend_pid()"), 19)
+    return connection
+
+
 def _dsn(url: str) -> str:
     return sa.make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
@@ -149,7 +160,7 @@ def _dsn(url: str) -> str:
 async def seed(url: str, rows: int, end: datetime) -> dict[str, Any]:
     """Keys, request rows by COPY, rebuilt indexes, the hourly rollup and shadow runs; timings of each step."""
     await upgrade_async(url)
-    connection = await asyncpg.connect(_dsn(url))
+    connection = await _connect(url)
     timings: dict[str, float] = {}
     try:
         keys = []
@@ -184,8 +195,19 @@ async def seed(url: str, rows: int, end: datetime) -> dict[str, Any]:
         timings["index_s"] = time.perf_counter() - began
         began = time.perf_counter()
         backfill = importlib.import_module("migrations.versions.0003_dashboard_rollups")
-        await connection.execute("DELETE FROM hourly_usage")
-        await connection.execute(backfill.backfill_sql("postgresql"))
+        await connection.execute(
+            "INSERT INTO daily_usage (day, tenant, feature, tier) SELECT DISTINCT"
+            " (created_at AT TIME ZONE 'UTC')::date, tenant, feature, coalesce(tier, '') FROM requests"
+        )  # the daily rows the writer would have kept; the backfill fills their counters below
+        for statement in backfill.backfill_statements("postgresql"):
+            await connection.execute(statement)
+        await connection.execute(
+            "UPDATE daily_usage d SET " + ", ".join(f"{c} = h.{c}" for c in backfill.COUNTERS)
+            + " FROM (SELECT (hour AT TIME ZONE 'UTC')::date AS day, tenant, feature, tier, "
+            + ", ".join(f"sum({c}) AS {c}" for c in backfill.COUNTERS)
+            + " FROM hourly_usage GROUP BY 1, 2, 3, 4) h"
+            " WHERE d.day = h.day AND d.tenant = h.tenant AND d.feature = h.feature AND d.tier = h.tier"
+        )
         timings["hourly_rollup_s"] = time.perf_counter() - began
         began = time.perf_counter()
         await connection.execute(
@@ -200,9 +222,11 @@ async def seed(url: str, rows: int, end: datetime) -> dict[str, Any]:
         await connection.execute("VACUUM ANALYZE")
         timings["vacuum_analyze_s"] = time.perf_counter() - began
         direct = await connection.fetchval("SELECT count(*) FILTER (WHERE escalated) FROM requests")
-        rolled = await connection.fetchval("SELECT sum(escalations) FROM hourly_usage")
-        assert direct == rolled, f"hourly rollup escalations {rolled} != requests {direct}"
-        timings["rollup_rows"] = await connection.fetchval("SELECT count(*) FROM hourly_usage")
+        for table in ("hourly_usage", "daily_usage"):
+            rolled = await connection.fetchval(f"SELECT sum(escalations) FROM {table}")
+            assert direct == rolled, f"{table}: escalations {rolled} != {direct} counted in requests"
+        for table in ("daily_usage", "hourly_usage", "key_hourly_usage"):
+            timings[f"{table}_rows"] = await connection.fetchval(f"SELECT count(*) FROM {table}")
         timings["database_bytes"] = await connection.fetchval("SELECT pg_database_size(current_database())")
     finally:
         await connection.close()
@@ -221,7 +245,9 @@ async def measure_api(url: str, end: datetime, repeats: int) -> dict[str, dict[s
         for panel in PANELS:
             results[panel] = {}
             for label, feature in (("all features", None), ("one feature", "code-review")):
-                params = {"start": start.isoformat(), "end": end.isoformat()} | ({"feature": feature} if feature else {})
+                params = {"start": start.isoformat(), "end": end.isoformat()}
+                if feature:
+                    params["feature"] = feature
                 times = []
                 for attempt in range(repeats + 2):
                     began = time.perf_counter()
@@ -240,7 +266,7 @@ async def measure_api(url: str, end: datetime, repeats: int) -> dict[str, dict[s
 
 
 async def measure_baseline(url: str, end: datetime, repeats: int) -> dict[str, dict[str, float]]:
-    connection = await asyncpg.connect(_dsn(url))
+    connection = await _connect(url)
     start = end - timedelta(days=DAYS)
     results: dict[str, dict[str, float]] = {}
     try:

@@ -105,7 +105,10 @@ def upgrade() -> None:
         op.execute(statement)
 
 
-def _bucket(value: str) -> str:
+def _bucket(value: str, dialect: str) -> str:
+    """The histogram bucket of `value` (ms), -1 when NULL: the number of edges at or below it."""
+    if dialect == "postgresql":  # a binary search over float8 edges
+        return f"coalesce(width_bucket({value}, ARRAY[{', '.join(map(repr, EDGES_MS))}]::float8[]), -1)"
     cases = " ".join(f"WHEN {value} < {edge!r} THEN {bucket}" for bucket, edge in enumerate(EDGES_MS))
     return f"CASE WHEN {value} IS NULL THEN -1 {cases} ELSE {BUCKETS - 1} END"
 
@@ -127,7 +130,8 @@ def backfill_statements(dialect: str) -> list[str]:
         " CASE WHEN cache_status IN ('exact', 'semantic') THEN 1 ELSE 0 END AS cache_hits,"
         " prompt_tokens, completion_tokens, cached_tokens, cost_usd,"
         " CASE WHEN cache_status = 'semantic' THEN 1 ELSE 0 END AS semantic_cache_hits, cost_saved_usd,"
-        f" {_bucket('ttft_ms')} AS ttft_bucket, {_bucket('itl_ms_mean')} AS itl_bucket FROM requests"
+        f" {_bucket('ttft_ms', dialect)} AS ttft_bucket, {_bucket('itl_ms_mean', dialect)} AS itl_bucket"
+        " FROM requests"
     )
     histograms = [
         f"sum(CASE WHEN {metric}_bucket = {bucket} THEN 1 ELSE 0 END)"
@@ -138,9 +142,11 @@ def backfill_statements(dialect: str) -> list[str]:
     daily = "day, tenant, feature, tier"
     names = _histogram_columns()
     return [
-        f"INSERT INTO hourly_usage ({usage}, {', '.join(COUNTERS)}, {', '.join(names)})"
+        # MATERIALIZED: each row's buckets are computed once, not inlined into each of the bucket sums.
+        f"WITH r AS MATERIALIZED ({rows})"
+        f" INSERT INTO hourly_usage ({usage}, {', '.join(COUNTERS)}, {', '.join(names)})"
         f" SELECT {usage}, {', '.join([f'sum({name})' for name in COUNTERS] + histograms)}"
-        f" FROM ({rows}) AS r GROUP BY {usage}",
+        f" FROM r GROUP BY {usage}",
         "INSERT INTO key_hourly_usage (hour, key_id, requests, cost_usd)"
         f" SELECT hour, key_id, count(*), sum(cost_usd) FROM ({rows}) AS r WHERE key_id IS NOT NULL"
         " GROUP BY hour, key_id",
