@@ -11,10 +11,10 @@ import jinja2
 import msgspec
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from engines.api.errors import invalid
 from gateway.admin import queries
 from gateway.admin.queries import HOURLY_BUCKETS_UP_TO, RANGES, Scope
 from gateway.config import Settings
-from gateway.errors import invalid_request
 from gateway.keys import ApiKey, list_keys
 
 DEFAULT_RANGE = "7d"
@@ -54,13 +54,13 @@ def scope_from(
     if start is None and end is None:
         name = range_name or DEFAULT_RANGE
         if name not in RANGES:
-            raise invalid_request(f"range must be one of {', '.join(RANGES)}", "range")
+            raise invalid(f"range must be one of {', '.join(RANGES)}", "range")
         return Scope.last(RANGES[name], **filters)
     if start is None or end is None:
-        raise invalid_request("give both start and end, or neither (then range applies)", "start")
+        raise invalid("give both start and end, or neither (then range applies)", "start")
     start, end = (t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC) for t in (start, end))
     if not start < end <= start + MAX_SPAN:
-        raise invalid_request(f"start must be before end, at most {MAX_SPAN.days} days apart", "end")
+        raise invalid(f"start must be before end, at most {MAX_SPAN.days} days apart", "end")
     if end - start > HOURLY_BUCKETS_UP_TO:  # drawn by day: whole UTC days
         start = start.replace(hour=0, minute=0, second=0, microsecond=0)
         midnight = end.replace(hour=0, minute=0, second=0, microsecond=0)

@@ -24,10 +24,10 @@ from litestar.response import Redirect
 from litestar.static_files import create_static_files_router
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from engines.api.errors import APIError
 from gateway.admin import auth, page, queries
 from gateway.admin.queries import Scope
 from gateway.config import Settings
-from gateway.errors import GatewayError
 from gateway.keys import InvalidPolicy, create_key, revoke_key, update_key_policy
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "admin" / "static"
@@ -53,7 +53,7 @@ def _settings(connection: ASGIConnection[Any, Any, Any, Any]) -> Settings:
 async def admin_session(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
     admin_key = _settings(connection).server.admin_key
     if not admin_key:
-        raise GatewayError(403, "The admin dashboard is disabled (server.admin_key is not set).", code="admin_disabled")
+        raise APIError(403, "The admin dashboard is disabled (server.admin_key is not set).", code="admin_disabled")
     if auth.bearer_matches(admin_key, connection.headers.get("authorization")):
         return  # API clients: no cookie, so no cross-site request can carry this
     session = connection.cookies.get(auth.SESSION_COOKIE)
@@ -66,12 +66,12 @@ async def admin_session(connection: ASGIConnection[Any, Any, Any, Any], _: BaseR
     if submitted is None and isinstance(connection, Request):
         submitted = (await connection.form()).get(auth.CSRF_FIELD)
     if not auth.same_origin(connection.headers) or not auth.csrf_valid(admin_key, session, submitted):
-        raise GatewayError(403, "Cross-site or stale form: reload the page and try again.", code="csrf_failed")
+        raise APIError(403, "Cross-site or stale form: reload the page and try again.", code="csrf_failed")
 
 
 def login_required(request: Request[Any, Any, Any], _: LoginRequired) -> Response[Any]:
     if request.url.path.startswith("/admin/api/") or request.method not in SAFE_METHODS:
-        error = GatewayError(
+        error = APIError(
             401, "Sign in at /admin/login or send `Authorization: Bearer <admin key>`.", code="invalid_api_key"
         )
         return Response(error.body(), status_code=401, media_type=MediaType.JSON)
@@ -227,7 +227,7 @@ class DashboardController(Controller):
         self, key_id: FromPath[str], db: NamedDependency[AsyncEngine], request: Request[Any, Any, Any]
     ) -> Response[Any]:
         if not await revoke_key(db, key_id):
-            raise GatewayError(404, f"No active key with id {key_id}.", code="key_not_found", param="key_id")
+            raise APIError(404, f"No active key with id {key_id}.", code="key_not_found", param="key_id")
         _forget(request, key_id)
         return Redirect("/admin/?done=revoked#keys", status_code=303)
 
@@ -245,7 +245,7 @@ class DashboardController(Controller):
         except (InvalidPolicy, ValueError) as exc:
             return await _render(request, span, db, settings, notice=f"Limits not saved: {exc}", status=400)
         if updated is None:
-            raise GatewayError(404, f"No active key with id {key_id}.", code="key_not_found", param="key_id")
+            raise APIError(404, f"No active key with id {key_id}.", code="key_not_found", param="key_id")
         _forget(request, key_id)
         return Redirect("/admin/?done=limits#keys", status_code=303)
 
