@@ -290,7 +290,7 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=10_000_000)
     parser.add_argument("--repeats", type=int, default=40)
-    parser.add_argument("--baseline-repeats", type=int, default=3)
+    parser.add_argument("--baseline-repeats", type=int, default=3, help="0 skips the baseline")
     parser.add_argument("--postgres", default="postgresql+asyncpg://postgres@127.0.0.1:5432/postgres")
     parser.add_argument("--keep", action="store_true", help="keep the seeded database")
     args = parser.parse_args()
@@ -302,7 +302,7 @@ async def main() -> None:
         seeding["total_s"] = time.perf_counter() - began
         print(f"seeded in {seeding['total_s']:.0f} s: {seeding}", flush=True)
         api = await measure_api(url, end, args.repeats)
-        baseline = await measure_baseline(url, end, args.baseline_repeats)
+        baseline = await measure_baseline(url, end, args.baseline_repeats) if args.baseline_repeats else {}
     rows = []
     for panel, cells in api.items():
         for label, cell in cells.items():

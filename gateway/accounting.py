@@ -34,7 +34,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from gateway.db import histogram
-from gateway.db.schema import daily_usage, hourly_usage, key_hourly_usage, requests
+from gateway.db.schema import daily_errors, daily_usage, hourly_usage, key_hourly_usage, requests
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +124,7 @@ _ROLLUP_KEY = ("day", "tenant", "feature", "tier")
 _HOURLY_KEY = ("hour", "tenant", "feature", "tier")
 _KEY_USAGE_KEY = ("hour", "key_id")
 KEY_USAGE_COUNTERS = ("requests", "cost_usd")
+_ERRORS_KEY = ("day", "tenant", "feature", "status", "error_code")
 _HISTOGRAM_COLUMNS = tuple(name for metric in histogram.METRICS for name in histogram.COLUMNS[metric])
 
 
@@ -196,6 +197,17 @@ def key_usage_deltas(records: Iterable[RequestRecord]) -> list[dict[str, Any]]:
     ]
 
 
+def error_deltas(records: Iterable[RequestRecord]) -> list[dict[str, Any]]:
+    """What the failed ones of `records` add to `daily_errors`, one entry per (day, tenant, feature,
+    status, error code)."""
+    counts: dict[tuple[Any, ...], int] = {}
+    for record in records:
+        if record.status >= 400:
+            key = (record.day, record.tenant, record.feature, record.status, record.error_code or "")
+            counts[key] = counts.get(key, 0) + 1
+    return [dict(zip((*_ERRORS_KEY, "requests"), (*key, n), strict=True)) for key, n in counts.items()]
+
+
 def _insert(connection: AsyncConnection, table: sa.Table) -> postgresql.Insert | sqlite.Insert:
     dialect = connection.dialect.name
     if dialect == "postgresql":
@@ -234,6 +246,8 @@ def _postgres_write_batch_sql() -> str:
             *(daily_usage.c[name] for name in (*_ROLLUP_KEY, *ROLLUP_COUNTERS)),
             hourly_usage.c.hour,
             key_hourly_usage.c.key_id,
+            daily_errors.c.status,
+            daily_errors.c.error_code,
         )
     )
     contribution_types += ", ttft_bucket integer, itl_bucket integer"
@@ -249,6 +263,8 @@ def _postgres_write_batch_sql() -> str:
         + _postgres_rollup_cte(
             "keys_rolled_up", key_hourly_usage, _KEY_USAGE_KEY, KEY_USAGE_COUNTERS, " WHERE key_id <> ''"
         )
+        + ", "
+        + _postgres_rollup_cte("errors_rolled_up", daily_errors, _ERRORS_KEY, ("requests",), " WHERE status >= 400")
         + " SELECT count(*) FROM inserted"
     )
 
@@ -262,6 +278,8 @@ _Contribution = msgspec.defstruct(
         *((name, Any) for name in (*_ROLLUP_KEY, *ROLLUP_COUNTERS)),
         ("hour", datetime),
         ("key_id", str),
+        ("status", int),
+        ("error_code", str),
         ("ttft_bucket", int),
         ("itl_bucket", int),
     ],
@@ -279,7 +297,16 @@ def _with_offset(record: RequestRecord) -> RequestRecord:
 
 def _contribution(record: RequestRecord) -> Any:
     key, counts = rollup_contribution(record)
-    return _Contribution(record.request_id, *key, *counts, record.hour, record.key_id or "", *_latency_buckets(record))
+    return _Contribution(
+        record.request_id,
+        *key,
+        *counts,
+        record.hour,
+        record.key_id or "",
+        record.status,
+        record.error_code or "",
+        *_latency_buckets(record),
+    )
 
 
 async def _write_batch_postgres(connection: AsyncConnection, records: Sequence[RequestRecord]) -> int:
@@ -328,6 +355,7 @@ async def _write_batch(connection: AsyncConnection, by_id: dict[str, RequestReco
                 (daily_usage, _ROLLUP_KEY, rollup_deltas(inserted)),
                 (hourly_usage, _HOURLY_KEY, hourly_deltas(inserted)),
                 (key_hourly_usage, _KEY_USAGE_KEY, key_usage_deltas(inserted)),
+                (daily_errors, _ERRORS_KEY, error_deltas(inserted)),
             ):
                 if deltas:
                     await connection.execute(_sqlite_upsert(connection, table, key), deltas)

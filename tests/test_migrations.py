@@ -17,6 +17,7 @@ TABLES = {
     "daily_usage",
     "hourly_usage",
     "key_hourly_usage",
+    "daily_errors",
     "router_versions",
     "eval_runs",
     "shadow_runs",

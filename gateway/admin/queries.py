@@ -23,7 +23,16 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from gateway.config import Settings, TierConfig
 from gateway.cost import TOKENS_PER_PRICE_UNIT
 from gateway.db import histogram
-from gateway.db.schema import api_keys, daily_usage, eval_runs, hourly_usage, key_hourly_usage, requests, shadow_runs
+from gateway.db.schema import (
+    api_keys,
+    daily_errors,
+    daily_usage,
+    eval_runs,
+    hourly_usage,
+    key_hourly_usage,
+    requests,
+    shadow_runs,
+)
 from gateway.keys import effective_policy
 
 HOURLY_BUCKETS_UP_TO = timedelta(hours=48)  # longer ranges are bucketed by day
@@ -123,7 +132,8 @@ def _when(usage: sa.Table) -> sa.ColumnElement[Any]:
 
 
 def _usage_where(scope: Scope, usage: sa.Table) -> list[sa.ColumnElement[bool]]:
-    if usage is not daily_usage:
+    """The scope's conditions on a rollup keyed by `hour` or (daily_usage, daily_errors) by `day`."""
+    if "day" not in usage.c:
         return scope.where(usage, "hour")
     last = (scope.end - timedelta(microseconds=1)).date()  # the day holding the range's last moment
     conditions = [usage.c.day >= scope.start.date(), usage.c.day <= last]
@@ -675,13 +685,25 @@ class ErrorsPanel(msgspec.Struct, kw_only=True):
     codes: list[ErrorCode]  # most frequent first
 
 
-async def errors(engine: AsyncEngine, scope: Scope) -> ErrorsPanel:
+def _failed(scope: Scope) -> sa.Select[Any]:
+    """(error code, status, count) of the failed requests: from the daily rollup for long ranges, from
+    `requests` through its partial index for short ones."""
+    if scope.daily:
+        return (
+            sa.select(daily_errors.c.error_code, daily_errors.c.status, sa.func.sum(daily_errors.c.requests))
+            .where(*_usage_where(scope, daily_errors))
+            .group_by(daily_errors.c.error_code, daily_errors.c.status)
+        )
     # `status >= 400` spelled exactly as in the partial index's predicate, so that the planner uses it.
-    failed = (
+    return (
         sa.select(requests.c.error_code, requests.c.status, sa.func.count())
         .where(*scope.where(requests, "created_at"), sa.text("status >= 400"))
         .group_by(requests.c.error_code, requests.c.status)
     )
+
+
+async def errors(engine: AsyncEngine, scope: Scope) -> ErrorsPanel:
+    failed = _failed(scope)
     usage = _usage(scope)
     total = sa.select(_sum(usage, "requests")).where(*_usage_where(scope, usage))
     count = int((await _rows(engine, total))[0][0])

@@ -158,6 +158,21 @@ key_hourly_usage = sa.Table(
     sa.Index(None, "key_id", "hour"),
 )
 
+# Failed requests per UTC day, tenant, feature, status and error code ("" when none was recorded),
+# maintained by the accounting writer: the dashboard's errors over ranges longer than two days.
+daily_errors = sa.Table(
+    "daily_errors",
+    metadata,
+    sa.Column("day", sa.Date, primary_key=True),
+    sa.Column("tenant", sa.String(128), primary_key=True),
+    sa.Column("feature", sa.String(128), primary_key=True),
+    sa.Column("status", sa.Integer, primary_key=True),
+    sa.Column("error_code", sa.String(64), primary_key=True),
+    sa.Column("requests", sa.Integer, nullable=False, server_default="0"),
+    sa.Index(None, "feature", "day"),
+    sa.Index(None, "tenant", "day"),
+)
+
 # Router artifacts that were trained (the files live on disk; this is their record).
 router_versions = sa.Table(
     "router_versions",

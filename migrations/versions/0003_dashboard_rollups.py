@@ -8,8 +8,10 @@ Indexes, by the query they serve:
   (Longer ranges read daily_usage through its existing primary key and indexes.)
 - pk_key_hourly_usage (hour, key_id): top keys by spend over a range; ix_key_hourly_usage_key_id_hour:
   given keys' spend today and this month (budget status).
+- pk_daily_errors (day, tenant, feature, status, error_code), ix_daily_errors_feature_day,
+  ix_daily_errors_tenant_day: errors by code over ranges longer than two days.
 - ix_requests_errors_created_at (partial, status >= 400; created_at, tenant, feature, status,
-  error_code): error counts by code over a range, read from the index alone.
+  error_code): error counts by code over ranges of up to two days, read from the index alone.
 
 Revision ID: 0003
 Revises: 0002
@@ -94,6 +96,18 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("hour", "key_id", name=op.f("pk_key_hourly_usage")),
     )
     op.create_index(op.f("ix_key_hourly_usage_key_id_hour"), "key_hourly_usage", ["key_id", "hour"])
+    op.create_table(
+        "daily_errors",
+        sa.Column("day", sa.Date(), nullable=False),
+        sa.Column("tenant", sa.String(length=128), nullable=False),
+        sa.Column("feature", sa.String(length=128), nullable=False),
+        sa.Column("status", sa.Integer(), nullable=False),
+        sa.Column("error_code", sa.String(length=64), nullable=False),
+        sa.Column("requests", sa.Integer(), server_default="0", nullable=False),
+        sa.PrimaryKeyConstraint("day", "tenant", "feature", "status", "error_code", name=op.f("pk_daily_errors")),
+    )
+    op.create_index(op.f("ix_daily_errors_feature_day"), "daily_errors", ["feature", "day"])
+    op.create_index(op.f("ix_daily_errors_tenant_day"), "daily_errors", ["tenant", "day"])
     op.create_index(
         "ix_requests_errors_created_at",
         "requests",
@@ -116,7 +130,7 @@ def _bucket(value: str, dialect: str) -> str:
 def backfill_statements(dialect: str) -> list[str]:
     """Roll up the requests recorded before this revision: histograms into daily_usage (its counters
     are kept as they are), and hourly_usage and key_hourly_usage in full. bench/dashboard.py builds its
-    rollups with these too."""
+    rollups with these too. Failed requests go to daily_errors."""
     if dialect == "postgresql":
         hour = "date_trunc('hour', created_at AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'"
         day = "(created_at AT TIME ZONE 'UTC')::date"
@@ -124,7 +138,8 @@ def backfill_statements(dialect: str) -> list[str]:
         hour = "substr(created_at, 1, 13) || ':00:00.000000'"
         day = "substr(created_at, 1, 10)"
     rows = (
-        f"SELECT {hour} AS hour, {day} AS day, tenant, feature, coalesce(tier, '') AS tier, key_id,"
+        f"SELECT {hour} AS hour, {day} AS day, tenant, feature, coalesce(tier, '') AS tier, key_id, status,"
+        " coalesce(error_code, '') AS error_code,"
         " 1 AS requests, CASE WHEN status >= 400 THEN 1 ELSE 0 END AS errors,"
         " CASE WHEN escalated THEN 1 ELSE 0 END AS escalations,"
         " CASE WHEN cache_status IN ('exact', 'semantic') THEN 1 ELSE 0 END AS cache_hits,"
@@ -150,6 +165,9 @@ def backfill_statements(dialect: str) -> list[str]:
         "INSERT INTO key_hourly_usage (hour, key_id, requests, cost_usd)"
         f" SELECT hour, key_id, count(*), sum(cost_usd) FROM ({rows}) AS r WHERE key_id IS NOT NULL"
         " GROUP BY hour, key_id",
+        "INSERT INTO daily_errors (day, tenant, feature, status, error_code, requests)"
+        f" SELECT day, tenant, feature, status, error_code, count(*) FROM ({rows}) AS r WHERE status >= 400"
+        " GROUP BY day, tenant, feature, status, error_code",
         # daily_usage's histograms from hourly_usage, now complete: hours sum to days.
         f"UPDATE daily_usage SET {', '.join(f'{name} = h.{name}' for name in names)}"
         f" FROM (SELECT {day.replace('created_at', 'hour')} AS day, tenant, feature, tier,"
@@ -161,6 +179,9 @@ def backfill_statements(dialect: str) -> list[str]:
 
 def downgrade() -> None:
     op.drop_index("ix_requests_errors_created_at", table_name="requests")
+    op.drop_index(op.f("ix_daily_errors_tenant_day"), table_name="daily_errors")
+    op.drop_index(op.f("ix_daily_errors_feature_day"), table_name="daily_errors")
+    op.drop_table("daily_errors")
     op.drop_index(op.f("ix_key_hourly_usage_key_id_hour"), table_name="key_hourly_usage")
     op.drop_table("key_hourly_usage")
     op.drop_index(op.f("ix_hourly_usage_tenant_hour"), table_name="hourly_usage")

@@ -19,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from gateway.accounting import RequestRecord, rollup_deltas, write_batch
 from gateway.db import histogram, migrate
 from gateway.db.engine import make_engine
-from gateway.db.schema import daily_usage, hourly_usage, key_hourly_usage, requests
+from gateway.db.schema import daily_errors, daily_usage, hourly_usage, key_hourly_usage, requests
 
 START = datetime(2026, 3, 1, 22, 10, tzinfo=UTC)
 
@@ -51,7 +51,8 @@ def seeded_records(tenant: str, count: int = 300) -> list[RequestRecord]:
                 tier=tier,
                 escalated=tier == "large" and rng.random() < 0.5,
                 cache_status="miss" if tier else rng.choice(["exact", "semantic", "miss"]),
-                status=rng.choice([200, 200, 200, 429, 502]),
+                status=(status := rng.choice([200, 200, 200, 429, 502])),
+                error_code={200: None, 429: "rate_limit_exceeded", 502: rng.choice(["upstream_error", None])}[status],
                 prompt_tokens=rng.randrange(0, 500),
                 completion_tokens=rng.randrange(0, 200),
                 cost_usd=rng.random() / 100,
@@ -111,6 +112,23 @@ async def stored_rollup(
         return result
 
 
+def expected_errors(records: list[RequestRecord]) -> dict[tuple[Any, ...], int]:
+    counts: dict[tuple[Any, ...], int] = defaultdict(int)
+    for r in records:
+        if r.status >= 400:
+            counts[r.created_at.astimezone(UTC).date(), r.feature, r.status, r.error_code or ""] += 1
+    return dict(counts)
+
+
+async def stored_errors(engine: AsyncEngine, tenant: str) -> dict[tuple[Any, ...], int]:
+    async with engine.connect() as connection:
+        query = sa.select(daily_errors).where(daily_errors.c.tenant == tenant)
+        return {
+            (row.day, row.feature, row.status, row.error_code): row.requests
+            for row in (await connection.execute(query)).all()
+        }
+
+
 async def stored_key_usage(engine: AsyncEngine, key_ids: set[str]) -> dict[tuple[Any, ...], dict[str, Any]]:
     async with engine.connect() as connection:
         query = sa.select(key_hourly_usage).where(key_hourly_usage.c.key_id.in_(key_ids))
@@ -137,6 +155,7 @@ async def test_the_writer_rolls_up_by_utc_hour_and_key_with_latency_histograms(e
     assert_same(await stored_rollup(engine, tenant), expected_rollup(records))
     assert_same(await stored_rollup(engine, tenant, daily=True), expected_rollup(records, daily=True))
     assert_same(await stored_key_usage(engine, {f"{tenant}-a", f"{tenant}-b"}), expected_key_usage(records))
+    assert await stored_errors(engine, tenant) == expected_errors(records)
 
 
 async def test_a_request_counts_towards_its_utc_hour(engine: AsyncEngine) -> None:
@@ -181,6 +200,7 @@ async def test_revision_0003_rolls_up_the_requests_recorded_before_it(empty_url:
         assert_same(await stored_rollup(engine, tenant), expected_rollup(records))
         assert_same(await stored_rollup(engine, tenant, daily=True), expected_rollup(records, daily=True))
         assert_same(await stored_key_usage(engine, {f"{tenant}-a", f"{tenant}-b"}), expected_key_usage(records))
+        assert await stored_errors(engine, tenant) == expected_errors(records)
     finally:
         await engine.dispose()
 
