@@ -9,12 +9,12 @@ TEST_DATABASE_URL ?= postgresql+asyncpg://postgres@127.0.0.1:5432/test
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/0
 PYTEST_ARGS ?=
 
-.PHONY: run test venv models models-test services lint bench-engine bench-gateway bench-kernels clean
+.PHONY: run test venv models models-test services browser lint bench-engine bench-gateway bench-kernels bench-dashboard clean
 
 run: venv models
 	SLUICE_SERVER__ALLOW_ANONYMOUS=$${SLUICE_SERVER__ALLOW_ANONYMOUS:-true} $(BIN)/sluice serve
 
-test: venv services models-test
+test: venv services models-test browser
 	SLUICE_DATABASE__URL=$(TEST_DATABASE_URL) $(BIN)/sluice db upgrade
 	SLUICE_TEST_POSTGRES_URL=$(TEST_DATABASE_URL) SLUICE_TEST_REDIS_URL=$(TEST_REDIS_URL) \
 		$(BIN)/pytest $(PYTEST_ARGS)
@@ -37,6 +37,10 @@ models-test: venv
 services:
 	bash .ci/services.sh
 
+# The dashboard's browser test drives Debian's Chromium (Playwright downloads no browser here).
+browser:
+	test -x /usr/bin/chromium || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium)
+
 lint: venv
 	$(BIN)/ruff check .
 
@@ -48,6 +52,10 @@ bench-gateway: venv services
 
 bench-kernels: venv
 	$(BIN)/sluice bench kernels
+
+# Seeds 10M request rows into a scratch Postgres database (tens of minutes on a small machine).
+bench-dashboard: venv services
+	nice -n 19 $(BIN)/sluice bench dashboard
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache bench/results var

@@ -20,6 +20,7 @@ from engines.api.client import EngineClient
 from engines.api.errors import APIError, validation_error
 from gateway.assembly import build_client
 from gateway.config import Settings
+from gateway.controllers import dashboard
 from gateway.controllers.admin import AdminKeysController, provide_db
 from gateway.controllers.http import provide_gateway
 from gateway.controllers.openai import OpenAIController
@@ -128,10 +129,11 @@ def create_app(
                 gc.unfreeze()
 
     return Litestar(
-        route_handlers=[OpenAIController, AdminKeysController, OpsController],
+        route_handlers=[OpenAIController, AdminKeysController, OpsController, *dashboard.route_handlers],
         dependencies={
             "gateway": Provide(provide_gateway, sync_to_thread=False),
             "db": Provide(provide_db, sync_to_thread=False),
+            **dashboard.dependencies,
         },
         exception_handlers={Exception: handle_exception},
         lifespan=[lifespan],

@@ -163,7 +163,12 @@ def _jsonable(obj: object) -> object:
 
 # --- bench ------------------------------------------------------------------------------------
 
-BENCHMARKS = {"engine": "bench.engine", "gateway": "bench.gateway_overhead", "kernels": "bench.kernels"}
+BENCHMARKS = {
+    "engine": "bench.engine",
+    "gateway": "bench.gateway_overhead",
+    "kernels": "bench.kernels",
+    "dashboard": "bench.dashboard",
+}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

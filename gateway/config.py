@@ -108,6 +108,8 @@ class PolicyConfig(_Section):
     # Reserved: the response cache's mode; nothing reads it until the cache lands.
     cache: Literal["off", "exact", "semantic"] = "semantic"
     fallback: bool = True  # may the other tier serve when this one is down
+    # May prompts and answers of this feature be shown (dashboard: shadow-run disagreements)?
+    log_content: bool = False
 
 
 def _default_tiers() -> dict[str, TierConfig]:

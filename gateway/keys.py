@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import secrets
@@ -166,6 +167,26 @@ async def revoke_key(engine: AsyncEngine, key_id: str) -> bool:
             .values(revoked_at=datetime.now(UTC))
         )
     return result.rowcount == 1
+
+
+async def update_key_policy(engine: AsyncEngine, key_id: str, changes: Mapping[str, Any]) -> ApiKey | None:
+    """Set policy overrides of an active key; a None value removes that override (the feature's policy
+    applies again). Returns the updated key, or None when no active key has this id."""
+    if not key_id.isprintable() or len(key_id) > 36:
+        return None
+    set_values = validate_policy_overrides({name: value for name, value in changes.items() if value is not None})
+    removed = {name for name, value in changes.items() if value is None}
+    unknown = removed - set(PolicyConfig.__struct_fields__)
+    if unknown:
+        raise InvalidPolicy(f"policy: unknown field(s) {sorted(unknown)}")
+    async with engine.begin() as connection:
+        query = sa.select(api_keys).where(api_keys.c.id == key_id, api_keys.c.revoked_at.is_(None)).with_for_update()
+        row = (await connection.execute(query)).first()
+        if row is None:
+            return None
+        policy = {name: value for name, value in (row.policy or {}).items() if name not in removed} | set_values
+        await connection.execute(api_keys.update().where(api_keys.c.id == key_id).values(policy=policy))
+    return dataclasses.replace(_row_to_key(row), policy=policy)
 
 
 async def find_active_key(engine: AsyncEngine, secret: str) -> ApiKey | None:

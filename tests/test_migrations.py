@@ -11,7 +11,17 @@ from gateway.db import migrate
 from gateway.db.database import make_database, sqlite_path
 from gateway.db.schema import metadata
 
-TABLES = {"api_keys", "requests", "daily_usage", "router_versions", "eval_runs", "shadow_runs"}
+TABLES = {
+    "api_keys",
+    "requests",
+    "daily_usage",
+    "hourly_usage",
+    "key_hourly_usage",
+    "daily_errors",
+    "router_versions",
+    "eval_runs",
+    "shadow_runs",
+}
 
 
 def _same_literal_default(
@@ -64,7 +74,7 @@ def empty_url(request: pytest.FixtureRequest) -> str:
 
 
 def test_there_is_exactly_one_head() -> None:
-    assert migrate.head_revision() == "0002"
+    assert migrate.head_revision() == "0003"
 
 
 async def test_upgrade_creates_the_schema_exactly_as_declared(empty_url: str) -> None:

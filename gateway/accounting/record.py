@@ -7,6 +7,8 @@ from collections.abc import Iterable
 from datetime import UTC, date, datetime
 from typing import Any
 
+from gateway.db import histogram
+
 # daily_usage.tier is part of the primary key; requests no tier served (cache hits, rejections)
 # are rolled up under this name.
 NO_TIER = ""
@@ -79,11 +81,21 @@ class RequestRecord:
         """The UTC day the request is accounted to."""
         return as_utc(self.created_at).date()
 
+    @property
+    def hour(self) -> datetime:
+        """The start of the UTC hour the request is accounted to."""
+        return as_utc(self.created_at).replace(minute=0, second=0, microsecond=0)
+
 
 RECORD_FIELDS = tuple(field.name for field in dataclasses.fields(RequestRecord))
 
 
 ROLLUP_KEY = ("day", "tenant", "feature", "tier")
+HOURLY_KEY = ("hour", "tenant", "feature", "tier")
+KEY_USAGE_KEY = ("hour", "key_id")
+KEY_USAGE_COUNTERS = ("requests", "cost_usd")
+ERRORS_KEY = ("day", "tenant", "feature", "status", "error_code")
+HISTOGRAM_COLUMNS = tuple(name for metric in histogram.METRICS for name in histogram.COLUMNS[metric])
 
 
 def rollup_contribution(record: RequestRecord) -> tuple[tuple[date, str, str, str], tuple[int | float, ...]]:
@@ -104,18 +116,63 @@ def rollup_contribution(record: RequestRecord) -> tuple[tuple[date, str, str, st
     return key, counts
 
 
-def rollup_deltas(records: Iterable[RequestRecord]) -> list[dict[str, Any]]:
-    """What `records` add to `daily_usage`, one entry per (day, tenant, feature, tier)."""
-    sums: dict[tuple[date, str, str, str], list[int | float]] = {}
+def latency_buckets(record: RequestRecord) -> tuple[int, int]:
+    """The histogram buckets of the record's TTFT and mean ITL; -1 where it has none."""
+    ttft = -1 if record.ttft_ms is None else histogram.bucket_of(record.ttft_ms)
+    itl = -1 if record.itl_ms_mean is None else histogram.bucket_of(record.itl_ms_mean)
+    return ttft, itl
+
+
+def _usage_deltas(records: Iterable[RequestRecord], *, hourly: bool) -> list[dict[str, Any]]:
+    """Counters and latency histogram counts per (day or hour, tenant, feature, tier)."""
+    offset = len(ROLLUP_COUNTERS)
+    sums: dict[tuple[Any, ...], list[int | float]] = {}
     for record in records:
         key, counts = rollup_contribution(record)
+        if hourly:
+            key = (record.hour, *key[1:])
         total = sums.get(key)
         if total is None:
-            sums[key] = list(counts)
-        else:
-            for index, count in enumerate(counts):
-                total[index] += count
+            total = sums[key] = [0] * (offset + len(HISTOGRAM_COLUMNS))
+        for index, count in enumerate(counts):
+            total[index] += count
+        for metric_index, bucket in enumerate(latency_buckets(record)):
+            if bucket >= 0:
+                total[offset + metric_index * histogram.BUCKETS + bucket] += 1
+    names = (*(HOURLY_KEY if hourly else ROLLUP_KEY), *ROLLUP_COUNTERS, *HISTOGRAM_COLUMNS)
+    return [dict(zip(names, (*key, *total), strict=True)) for key, total in sums.items()]
+
+
+def rollup_deltas(records: Iterable[RequestRecord]) -> list[dict[str, Any]]:
+    """What `records` add to `daily_usage`, one entry per (day, tenant, feature, tier)."""
+    return _usage_deltas(records, hourly=False)
+
+
+def hourly_deltas(records: Iterable[RequestRecord]) -> list[dict[str, Any]]:
+    """What `records` add to `hourly_usage`, one entry per (hour, tenant, feature, tier)."""
+    return _usage_deltas(records, hourly=True)
+
+
+def key_usage_deltas(records: Iterable[RequestRecord]) -> list[dict[str, Any]]:
+    """What `records` made with a key add to `key_hourly_usage`, one entry per (hour, key)."""
+    sums: dict[tuple[datetime, str], list[float]] = {}
+    for record in records:
+        if record.key_id:
+            total = sums.setdefault((record.hour, record.key_id), [0, 0.0])
+            total[0] += 1
+            total[1] += float(record.cost_usd)
     return [
-        dict(zip(ROLLUP_KEY, key, strict=True)) | dict(zip(ROLLUP_COUNTERS, total, strict=True))
-        for key, total in sums.items()
+        {"hour": hour, "key_id": key_id, "requests": count, "cost_usd": cost}
+        for (hour, key_id), (count, cost) in sums.items()
     ]
+
+
+def error_deltas(records: Iterable[RequestRecord]) -> list[dict[str, Any]]:
+    """What the failed ones of `records` add to `daily_errors`, one entry per (day, tenant, feature,
+    status, error code)."""
+    counts: dict[tuple[Any, ...], int] = {}
+    for record in records:
+        if record.status >= 400:
+            key = (record.day, record.tenant, record.feature, record.status, record.error_code or "")
+            counts[key] = counts.get(key, 0) + 1
+    return [dict(zip((*ERRORS_KEY, "requests"), (*key, n), strict=True)) for key, n in counts.items()]

@@ -1,4 +1,5 @@
-"""The SQL writer: a batch of records into `requests`, and their rollups into `daily_usage`, in one
+"""The SQL writer: a batch of records into `requests`, and their rollups (`daily_usage`, `hourly_usage`,
+`key_hourly_usage`, `daily_errors`) in one
 transaction (on Postgres one statement, one round trip). Idempotent: a row already present is
 neither inserted nor counted again.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 import asyncpg
@@ -17,15 +19,24 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from gateway.accounting.record import (
+    ERRORS_KEY,
+    HISTOGRAM_COLUMNS,
+    HOURLY_KEY,
+    KEY_USAGE_COUNTERS,
+    KEY_USAGE_KEY,
     RECORD_FIELDS,
     ROLLUP_COUNTERS,
     ROLLUP_KEY,
     RequestRecord,
     as_utc,
+    error_deltas,
+    hourly_deltas,
+    key_usage_deltas,
+    latency_buckets,
     rollup_contribution,
     rollup_deltas,
 )
-from gateway.db.schema import daily_usage, requests
+from gateway.db.schema import daily_errors, daily_usage, hourly_usage, key_hourly_usage, requests
 
 logger = logging.getLogger("gateway.accounting")
 
@@ -38,35 +49,72 @@ def _insert(connection: AsyncConnection, table: sa.Table) -> postgresql.Insert |
     raise ValueError(f"accounting supports postgresql and sqlite, not {dialect}")
 
 
+def _postgres_rollup_cte(name: str, table: sa.Table, key: Sequence[str], sums: Sequence[str], where: str = "") -> str:
+    """A CTE of the write statement adding the inserted rows' contributions to one rollup table; `sums`
+    are summed, histogram columns counted by bucket."""
+    histograms = [column for column in HISTOGRAM_COLUMNS if column in table.c]
+    bucket_counts = [f"count(*) FILTER (WHERE {column[:-4]}_bucket = {int(column[-2:])})" for column in histograms]
+    columns = (*sums, *histograms)
+    keys = ", ".join(key)
+    return (
+        f"{name} AS (INSERT INTO {table.name} ({keys}, {', '.join(columns)})"
+        f" SELECT {keys}, {', '.join([f'sum({column})' for column in sums] + bucket_counts)}"
+        f" FROM contributions JOIN inserted USING (request_id){where} GROUP BY {keys}"
+        f" ON CONFLICT ({keys}) DO UPDATE SET "
+        + ", ".join(f"{column} = {table.name}.{column} + EXCLUDED.{column}" for column in columns)
+        + ")"
+    )
+
+
 def _postgres_write_batch_sql() -> str:
     """One statement: insert the rows not already present, and add the contributions of exactly the
     inserted ones to their rollups. One statement is one transaction and one round trip. Rows and
     contributions travel as two JSON parameters (msgspec encodes a row in about a microsecond;
     binding typed values costs the event loop far more), read back with the tables' own types."""
-    key = ", ".join(ROLLUP_KEY)
-    counters = ", ".join(ROLLUP_COUNTERS)
     contribution_types = ", ".join(
         f"{column.name} {column.type.compile(dialect=postgresql.dialect())}"
-        for column in (requests.c.request_id, *(daily_usage.c[name] for name in (*ROLLUP_KEY, *ROLLUP_COUNTERS)))
+        for column in (
+            requests.c.request_id,
+            *(daily_usage.c[name] for name in (*ROLLUP_KEY, *ROLLUP_COUNTERS)),
+            hourly_usage.c.hour,
+            key_hourly_usage.c.key_id,
+            daily_errors.c.status,
+            daily_errors.c.error_code,
+        )
     )
+    contribution_types += ", ttft_bucket integer, itl_bucket integer"
     return (
         f"WITH inserted AS (INSERT INTO requests ({', '.join(RECORD_FIELDS)})"
         f" SELECT {', '.join(RECORD_FIELDS)} FROM json_populate_recordset(NULL::requests, $1::json)"
         " ON CONFLICT (request_id) DO NOTHING RETURNING request_id),"
-        f" contributions AS (SELECT * FROM json_to_recordset($2::json) AS c({contribution_types})),"
-        f" rolled_up AS (INSERT INTO daily_usage ({key}, {counters})"
-        f" SELECT {key}, {', '.join(f'sum({name})' for name in ROLLUP_COUNTERS)}"
-        f" FROM contributions JOIN inserted USING (request_id) GROUP BY {key}"
-        f" ON CONFLICT ({key}) DO UPDATE SET "
-        + ", ".join(f"{name} = daily_usage.{name} + EXCLUDED.{name}" for name in ROLLUP_COUNTERS)
-        + ") SELECT count(*) FROM inserted"
+        f" contributions AS (SELECT * FROM json_to_recordset($2::json) AS c({contribution_types})), "
+        + _postgres_rollup_cte("rolled_up", daily_usage, ROLLUP_KEY, ROLLUP_COUNTERS)
+        + ", "
+        + _postgres_rollup_cte("hourly_rolled_up", hourly_usage, HOURLY_KEY, ROLLUP_COUNTERS)
+        + ", "
+        + _postgres_rollup_cte(
+            "keys_rolled_up", key_hourly_usage, KEY_USAGE_KEY, KEY_USAGE_COUNTERS, " WHERE key_id <> ''"
+        )
+        + ", "
+        + _postgres_rollup_cte("errors_rolled_up", daily_errors, ERRORS_KEY, ("requests",), " WHERE status >= 400")
+        + " SELECT count(*) FROM inserted"
     )
 
 
 _POSTGRES_WRITE_BATCH = _postgres_write_batch_sql()
 # One request's rollup contribution as sent to Postgres (a struct: msgspec encodes it in well under a µs).
 _Contribution = msgspec.defstruct(
-    "_Contribution", [("request_id", str), *((name, Any) for name in (*ROLLUP_KEY, *ROLLUP_COUNTERS))]
+    "_Contribution",
+    [
+        ("request_id", str),
+        *((name, Any) for name in (*ROLLUP_KEY, *ROLLUP_COUNTERS)),
+        ("hour", datetime),
+        ("key_id", str),
+        ("status", int),
+        ("error_code", str),
+        ("ttft_bucket", int),
+        ("itl_bucket", int),
+    ],
 )
 _json_encoder = msgspec.json.Encoder()
 
@@ -81,7 +129,16 @@ def _with_offset(record: RequestRecord) -> RequestRecord:
 
 def _contribution(record: RequestRecord) -> Any:
     key, counts = rollup_contribution(record)
-    return _Contribution(record.request_id, *key, *counts)
+    return _Contribution(
+        record.request_id,
+        *key,
+        *counts,
+        record.hour,
+        record.key_id or "",
+        record.status,
+        record.error_code or "",
+        *latency_buckets(record),
+    )
 
 
 async def _write_batch_postgres(connection: AsyncConnection, records: Sequence[RequestRecord]) -> int:
@@ -124,12 +181,22 @@ async def _write_batch(connection: AsyncConnection, by_id: dict[str, RequestReco
         )
         result = await connection.execute(statement, [record.row() for record in by_id.values()])
         inserted_ids = list(result.scalars())
-        deltas = rollup_deltas(by_id[request_id] for request_id in inserted_ids)
-        if deltas:
-            upsert = _insert(connection, daily_usage)
-            upsert = upsert.on_conflict_do_update(
-                index_elements=[daily_usage.c.day, daily_usage.c.tenant, daily_usage.c.feature, daily_usage.c.tier],
-                set_={name: daily_usage.c[name] + upsert.excluded[name] for name in ROLLUP_COUNTERS},
-            )
-            await connection.execute(upsert, deltas)
+        inserted = [by_id[request_id] for request_id in inserted_ids]
+        if inserted:
+            for table, key, deltas in (
+                (daily_usage, ROLLUP_KEY, rollup_deltas(inserted)),
+                (hourly_usage, HOURLY_KEY, hourly_deltas(inserted)),
+                (key_hourly_usage, KEY_USAGE_KEY, key_usage_deltas(inserted)),
+                (daily_errors, ERRORS_KEY, error_deltas(inserted)),
+            ):
+                if deltas:
+                    await connection.execute(_sqlite_upsert(connection, table, key), deltas)
     return len(inserted_ids)
+
+
+def _sqlite_upsert(connection: AsyncConnection, table: sa.Table, key: Sequence[str]) -> sqlite.Insert:
+    upsert = _insert(connection, table)
+    return upsert.on_conflict_do_update(
+        index_elements=[table.c[name] for name in key],
+        set_={column.name: column + upsert.excluded[column.name] for column in table.c if column.name not in key},
+    )

@@ -7,7 +7,7 @@ from datetime import datetime
 from typing import Any
 
 import msgspec
-from litestar import Controller, delete, get, post
+from litestar import Controller, delete, get, patch, post
 from litestar.connection import ASGIConnection
 from litestar.datastructures import State
 from litestar.di import NamedDependency
@@ -16,7 +16,7 @@ from litestar.params import FromPath, FromQuery, JSONBody
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from engines.api.errors import APIError, invalid
-from gateway.keys import ApiKey, InvalidPolicy, create_key, list_keys, revoke_key
+from gateway.keys import ApiKey, InvalidPolicy, create_key, list_keys, revoke_key, update_key_policy
 from gateway.pipeline import Gateway
 
 
@@ -49,6 +49,10 @@ class CreatedKeyResponse(KeyInfo, kw_only=True):
 class KeyList(msgspec.Struct, kw_only=True):
     data: list[KeyInfo]
     object: str = "list"
+
+
+class UpdateKeyRequest(msgspec.Struct, kw_only=True):
+    policy: dict[str, Any]  # overrides to set; a null removes that override (the feature's policy applies)
 
 
 class Revoked(msgspec.Struct, kw_only=True):
@@ -108,3 +112,24 @@ class AdminKeysController(Controller):
         if gateway.keys is not None:
             gateway.keys.forget(key_id)
         return Revoked(id=key_id)
+
+    @patch("/{key_id:str}", summary="Change a virtual key's policy overrides (limits, budgets)")
+    async def update(
+        self,
+        key_id: FromPath[str],
+        data: JSONBody[UpdateKeyRequest],
+        gateway: NamedDependency[Gateway],
+        db: NamedDependency[AsyncEngine],
+    ) -> KeyInfo:
+        unknown = [t for t in data.policy.get("allowed_tiers") or [] if t not in gateway.settings.tiers]
+        if unknown:
+            raise invalid(f"policy.allowed_tiers: unknown tier(s) {unknown}", "policy.allowed_tiers")
+        try:
+            updated = await update_key_policy(db, key_id, data.policy)
+        except InvalidPolicy as exc:
+            raise invalid(str(exc), "policy") from exc
+        if updated is None:
+            raise APIError(404, f"No active key with id {key_id}.", code="key_not_found", param="key_id")
+        if gateway.keys is not None:
+            gateway.keys.forget(key_id)
+        return KeyInfo.of(updated)

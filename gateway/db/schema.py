@@ -5,6 +5,18 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
+from gateway.db import histogram
+
+
+def _latency_histogram() -> list[sa.Column[int]]:
+    """TTFT and mean-ITL counts per bucket (gateway/db/histogram.py): percentiles from a rollup."""
+    return [
+        sa.Column(name, sa.Integer, nullable=False, server_default="0")
+        for metric in histogram.METRICS
+        for name in histogram.COLUMNS[metric]
+    ]
+
+
 metadata = sa.MetaData(
     naming_convention={
         "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -72,6 +84,17 @@ requests = sa.Table(
     sa.Index(None, "tenant", "feature", "created_at"),
     sa.Index(None, "tier", "created_at"),
     sa.Index(None, "key_id", "created_at"),
+    # The dashboard's error panel reads only failed requests: a partial index covering what it reads.
+    sa.Index(
+        "ix_requests_errors_created_at",
+        "created_at",
+        "tenant",
+        "feature",
+        "status",
+        "error_code",
+        postgresql_where=sa.text("status >= 400"),
+        sqlite_where=sa.text("status >= 400"),
+    ),
 )
 
 # Daily rollups per tenant and feature, maintained by the accounting writer.
@@ -92,10 +115,62 @@ daily_usage = sa.Table(
     sa.Column("cost_usd", sa.Float, nullable=False, server_default="0"),
     sa.Column("semantic_cache_hits", sa.Integer, nullable=False, server_default="0"),
     sa.Column("cost_saved_usd", sa.Float, nullable=False, server_default="0"),
+    *_latency_histogram(),
     # The primary key (day first) serves "all tenants over a date range"; these serve one tenant or
     # feature over a range, and one tier over a range.
     sa.Index(None, "tenant", "feature", "day"),
     sa.Index(None, "tier", "day"),
+)
+
+# The same rollup by UTC hour (ranges of up to two days are drawn by hour), maintained by the accounting
+# writer. Primary key (hour first): all tenants over a range; the indexes: one feature or one tenant.
+hourly_usage = sa.Table(
+    "hourly_usage",
+    metadata,
+    sa.Column("hour", sa.DateTime(timezone=True), primary_key=True),  # start of the UTC hour
+    sa.Column("tenant", sa.String(128), primary_key=True),
+    sa.Column("feature", sa.String(128), primary_key=True),
+    sa.Column("tier", sa.String(32), primary_key=True),
+    sa.Column("requests", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("errors", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("escalations", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("cache_hits", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("prompt_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("completion_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("cached_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("cost_usd", sa.Float, nullable=False, server_default="0"),
+    sa.Column("semantic_cache_hits", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("cost_saved_usd", sa.Float, nullable=False, server_default="0"),
+    *_latency_histogram(),
+    sa.Index(None, "feature", "hour"),
+    sa.Index(None, "tenant", "hour"),
+)
+
+# Requests and spend per key and UTC hour (requests made with a key only), maintained by the accounting
+# writer: top keys over a range (primary key, hour first) and one key's spend today and this month.
+key_hourly_usage = sa.Table(
+    "key_hourly_usage",
+    metadata,
+    sa.Column("hour", sa.DateTime(timezone=True), primary_key=True),
+    sa.Column("key_id", sa.String(36), primary_key=True),
+    sa.Column("requests", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("cost_usd", sa.Float, nullable=False, server_default="0"),
+    sa.Index(None, "key_id", "hour"),
+)
+
+# Failed requests per UTC day, tenant, feature, status and error code ("" when none was recorded),
+# maintained by the accounting writer: the dashboard's errors over ranges longer than two days.
+daily_errors = sa.Table(
+    "daily_errors",
+    metadata,
+    sa.Column("day", sa.Date, primary_key=True),
+    sa.Column("tenant", sa.String(128), primary_key=True),
+    sa.Column("feature", sa.String(128), primary_key=True),
+    sa.Column("status", sa.Integer, primary_key=True),
+    sa.Column("error_code", sa.String(64), primary_key=True),
+    sa.Column("requests", sa.Integer, nullable=False, server_default="0"),
+    sa.Index(None, "feature", "day"),
+    sa.Index(None, "tenant", "day"),
 )
 
 # Router artifacts that were trained (the files live on disk; this is their record).
