@@ -116,14 +116,14 @@ def cmd_db(args: argparse.Namespace) -> int:
 
 
 def _parse_policy(pairs: Sequence[str]) -> dict[str, object]:
-    from gateway.config import _parse_env_value
+    from gateway.config import parse_value
 
     policy: dict[str, object] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
             raise SystemExit(f"--set expects KEY=VALUE, got {pair!r}")
-        policy[key.strip()] = _parse_env_value(value.strip())
+        policy[key.strip()] = parse_value(value.strip())
     return policy
 
 

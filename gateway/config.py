@@ -168,7 +168,8 @@ class Settings(_Section):
         return Path(self.models.cache_dir).expanduser()
 
 
-def _parse_env_value(raw: str) -> Any:
+def parse_value(raw: str) -> Any:
+    """A value given as text (environment, `--set key=value`): a TOML literal when it parses, else the string."""
     try:
         return tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
@@ -190,7 +191,7 @@ def _apply_env(data: dict[str, Any], environ: dict[str, str]) -> None:
             if not isinstance(child, dict):
                 raise ConfigError(f"environment variable {name}: {part} is not a section")
             node = child
-        node[path[-1]] = _parse_env_value(raw)
+        node[path[-1]] = parse_value(raw)
 
 
 def _with_tier_defaults(data: dict[str, Any]) -> dict[str, Any]:
