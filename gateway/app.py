@@ -80,6 +80,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        if not settings.server.admin_key:
+            log.warning("admin API disabled: server.admin_key is empty (keys can be managed with `sluice keys`)")
         async with AsyncExitStack() as stack:
             db = make_engine(settings.database.url, pool_size=settings.database.pool_size)
             stack.push_async_callback(db.dispose)
