@@ -22,6 +22,25 @@ def _settings(args: argparse.Namespace):
 # --- serve ------------------------------------------------------------------------------------
 
 
+def anonymous_exposure(settings, host: str) -> str | None:
+    """Why serving on `host` would open an unauthenticated gateway to the network, or None."""
+    import ipaddress
+
+    server = settings.server
+    if not server.allow_anonymous or server.allow_anonymous_on_public_host:
+        return None
+    try:
+        loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if loopback:
+        return None
+    return (
+        f"server.allow_anonymous lets anyone who reaches {host} spend without a key; bind a loopback "
+        "address, or set server.allow_anonymous_on_public_host = true to mean it"
+    )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -31,6 +50,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     host = args.host or settings.server.host
     port = args.port or settings.server.port
+    if problem := anonymous_exposure(settings, host):
+        print(f"refusing to start: {problem}", file=sys.stderr)
+        return 2
     if settings.database.url.startswith("sqlite"):
         # The embedded database needs no operator: bring its schema up to date on start.
         upgrade(settings.database.url)

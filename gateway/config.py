@@ -36,8 +36,14 @@ class ServerConfig(_Section):
     admin_key: str = ""
     # With no key store entry, requests are refused unless this is true (local development).
     allow_anonymous: bool = False
+    # `sluice serve` refuses allow_anonymous on a non-loopback address unless this is also true.
+    allow_anonymous_on_public_host: bool = False
     anonymous_tenant: str = "local"
     anonymous_feature: str = "default"
+    # Limits of anonymous callers where their feature's policy sets none (0: no limit).
+    anonymous_rpm: int = 60
+    anonymous_tpm: int = 100_000
+    anonymous_spend_per_day_usd: float = 1.0
     default_tier: str = "small"
     # Where accounting rows wait while the database is unreachable.
     spool_dir: str = "var/spool"

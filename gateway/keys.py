@@ -96,6 +96,17 @@ def effective_policy(settings: Settings, feature: str, overrides: Mapping[str, A
     return msgspec.convert({**msgspec.to_builtins(base), **overrides}, PolicyConfig)
 
 
+def anonymous_policy(settings: Settings) -> PolicyConfig:
+    """The anonymous feature's policy, with the server's anonymous limits wherever it sets none:
+    an open gateway is never an unlimited one by default."""
+    server = settings.server
+    policy = settings.policy_for(server.anonymous_feature)
+    defaults = {"rpm": server.anonymous_rpm, "tpm": server.anonymous_tpm}
+    defaults["spend_per_day_usd"] = server.anonymous_spend_per_day_usd  # type: ignore[assignment]
+    missing = {name: value or None for name, value in defaults.items() if getattr(policy, name) is None}
+    return msgspec.structs.replace(policy, **missing) if missing else policy
+
+
 def _row_to_key(row: sa.Row[Any]) -> ApiKey:
     return ApiKey(
         id=row.id,

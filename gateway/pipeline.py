@@ -44,7 +44,7 @@ from gateway.config import PolicyConfig, Settings
 from gateway.cost import request_cost
 from gateway.counters import Charge, CounterStore, CountersUnavailable
 from gateway.errors import GatewayError, invalid_request, service_unavailable
-from gateway.keys import SECRET_PREFIX, KeyCache, KeyStoreUnavailable, effective_policy
+from gateway.keys import SECRET_PREFIX, KeyCache, KeyStoreUnavailable, anonymous_policy, effective_policy
 from gateway.metrics import Metrics
 from gateway.tiers import call_with_fallback, candidate_tiers, open_stream_with_fallback
 from router.decision import ModelNotAllowed, ModelNotFound, RouteDecision, decide
@@ -190,6 +190,13 @@ class Gateway:
         self.keys = keys
         self.clock = clock
         self._principals: dict[str, tuple[object, Principal]] = {}
+        server = settings.server
+        self._anonymous_principal = Principal(
+            key_id=None,
+            tenant=server.anonymous_tenant,
+            feature=server.anonymous_feature,
+            policy=anonymous_policy(settings),
+        )
         self._pending_charges: dict[str, Charge] = {}
         self._charging: asyncio.Task[None] | None = None
 
@@ -229,9 +236,7 @@ class Gateway:
         return principal
 
     def _anonymous(self) -> Principal:
-        server = self.settings.server
-        policy = self.settings.policy_for(server.anonymous_feature)
-        return Principal(key_id=None, tenant=server.anonymous_tenant, feature=server.anonymous_feature, policy=policy)
+        return self._anonymous_principal
 
     # -- serving --------------------------------------------------------------------------------
 

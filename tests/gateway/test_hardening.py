@@ -5,9 +5,14 @@ from __future__ import annotations
 import logging
 
 import msgspec
+import pytest
 
+from gateway import cli
+from gateway.cli import anonymous_exposure
+from gateway.config import load_settings
+from gateway.keys import anonymous_policy
 from tests.gateway.conftest import make_settings
-from tests.gateway.test_http_api import assert_openai_error, serve
+from tests.gateway.test_http_api import CHAT, assert_openai_error, serve
 
 
 async def test_an_empty_admin_key_disables_the_admin_api_and_says_so_at_start(tiers, sqlite_url, caplog):
@@ -18,3 +23,40 @@ async def test_an_empty_admin_key_disables_the_admin_api_and_says_so_at_start(ti
             assert any("admin API disabled" in r.getMessage() for r in caplog.records)
             response = await client.get("/admin/keys/", headers={"Authorization": "Bearer "})
             assert_openai_error(response, 403, "admin_disabled")
+
+
+@pytest.mark.parametrize(
+    ("host", "forced", "refused"),
+    [
+        ("127.0.0.1", False, False),
+        ("::1", False, False),
+        ("localhost", False, False),
+        ("0.0.0.0", False, True),
+        ("10.1.2.3", False, True),
+        ("gateway.internal", False, True),
+        ("0.0.0.0", True, False),
+    ],
+)
+def test_serve_refuses_anonymous_access_on_a_public_address_unless_forced(host, forced, refused, tmp_path):
+    config = tmp_path / "sluice.toml"
+    config.write_text(f"[server]\nallow_anonymous = true\nallow_anonymous_on_public_host = {str(forced).lower()}\n")
+    settings = load_settings(config, environ={})
+    assert (anonymous_exposure(settings, host) is not None) == refused
+    if refused:  # the command exits before anything is served or migrated
+        assert cli.main(["--config", str(config), "serve", "--host", host, "--port", "1"]) == 2
+
+
+def test_anonymous_callers_get_default_limits_unless_their_policy_sets_its_own():
+    settings = load_settings(environ={})
+    policy = anonymous_policy(settings)
+    assert (policy.rpm, policy.tpm, policy.spend_per_day_usd) == (60, 100_000, 1.0)
+    own = load_settings(environ={"SLUICE_POLICIES__DEFAULT__RPM": "5", "SLUICE_SERVER__ANONYMOUS_TPM": "0"})
+    assert (anonymous_policy(own).rpm, anonymous_policy(own).tpm) == (5, None)
+
+
+async def test_the_anonymous_limit_refuses_over_http(tiers, sqlite_url):
+    settings = make_settings(database_url=sqlite_url)
+    server = msgspec.structs.replace(settings.server, anonymous_rpm=2)
+    async with serve(msgspec.structs.replace(settings, server=server), tiers, []) as client:
+        statuses = [(await client.post("/v1/chat/completions", json=CHAT)).status_code for _ in range(3)]
+    assert statuses == [200, 200, 429]
