@@ -139,4 +139,5 @@ def create_app(
         lifespan=[lifespan],
         openapi_config=OpenAPIConfig(title="Sluice", version="0.1.0", path="/openapi"),
         logging_config=None,
+        request_max_body_size=settings.server.max_body_bytes,
     )

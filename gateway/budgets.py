@@ -7,6 +7,8 @@ refused naming both counts; too large a `max_tokens` is clamped and the response
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 
 from engines.client import EngineClient
@@ -18,9 +20,38 @@ from gateway.errors import GatewayError
 Request = ChatCompletionRequest | CompletionRequest
 
 
+# Prompts longer than this many characters are tokenised on a worker thread: a megabyte prompt
+# takes the tokenizer tens of milliseconds, during which no other request would move.
+OFFLOAD_PROMPT_CHARS = 16_384
+
+
 def count_prompt_tokens(client: EngineClient, request: Request) -> int:
     """The one way prompt tokens are counted before a request runs."""
     return client.count_prompt_tokens(request)
+
+
+async def count_prompt_tokens_off_loop(client: EngineClient, request: Request) -> int:
+    """`count_prompt_tokens`, on a worker thread when the prompt is large."""
+    if prompt_chars(request) <= OFFLOAD_PROMPT_CHARS:
+        return count_prompt_tokens(client, request)
+    return await asyncio.to_thread(count_prompt_tokens, client, request)
+
+
+def prompt_chars(request: Request) -> int:
+    """Characters of prompt text (token ids count one each): a cheap size, read before tokenising."""
+    if isinstance(request, ChatCompletionRequest):
+        total = 0
+        for message in request.messages:
+            content = message.content
+            if isinstance(content, str):
+                total += len(content)
+            elif content:
+                total += sum(len(part.text or "") for part in content)
+        return total
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(item) if isinstance(item, str | list) else 1 for item in prompt)
 
 
 def check_prompt_length(prompt_tokens: int, policy: PolicyConfig) -> None:

@@ -47,6 +47,8 @@ class ServerConfig(_Section):
     default_tier: str = "small"
     # Where accounting rows wait while the database is unreachable.
     spool_dir: str = "var/spool"
+    # Larger request bodies are refused with 413 before they are read in full.
+    max_body_bytes: int = 16 * 1024 * 1024
 
 
 class DatabaseConfig(_Section):

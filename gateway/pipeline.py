@@ -39,7 +39,14 @@ from engines.protocol import (
 )
 from engines.serving import OpenAIError, _chat_decoding, _completion_decoding
 from gateway.accounting import RequestRecord
-from gateway.budgets import check_prompt_length, clamp_output, count_prompt_tokens, limits_of, refusal
+from gateway.budgets import (
+    check_prompt_length,
+    clamp_output,
+    count_prompt_tokens,
+    count_prompt_tokens_off_loop,
+    limits_of,
+    refusal,
+)
 from gateway.config import PolicyConfig, Settings
 from gateway.cost import request_cost
 from gateway.counters import Charge, CounterStore, CountersUnavailable
@@ -286,7 +293,7 @@ class Gateway:
                 param="model",
             ) from exc
 
-        prompt_tokens = count_prompt_tokens(self.clients[state.route.tier], request)
+        prompt_tokens = await count_prompt_tokens_off_loop(self.clients[state.route.tier], request)
         state.counted_prompt_tokens = prompt_tokens
         check_prompt_length(prompt_tokens, policy)
         request, clamped = clamp_output(request, policy)
@@ -444,12 +451,17 @@ class Gateway:
             return
         state.finished = True
         principal = state.principal
+        if principal is None:
+            # Refused before anyone was known (a bad or missing key): a metric, not a row, so that
+            # unauthenticated traffic cannot fill the accounting table.
+            self.metrics.count_unauthenticated(error_code or str(status))
+            return
         record = RequestRecord(
             request_id=state.request_id,
-            tenant=principal.tenant if principal else "",
-            feature=principal.feature if principal else "",
+            tenant=principal.tenant,
+            feature=principal.feature,
             created_at=state.created_at,
-            key_id=principal.key_id if principal else None,
+            key_id=principal.key_id,
             endpoint=state.endpoint,
             model_requested=_printable(state.model_requested)[:128],
             route=state.route.tier if state.route else None,
@@ -471,7 +483,7 @@ class Gateway:
         )
         self.record_sink(record)
         self.metrics.observe(record)
-        if state.admitted and principal is not None and (record.completion_tokens or record.cost_usd):
+        if state.admitted and (record.completion_tokens or record.cost_usd):
             self._charge(principal.subject, Charge(record.completion_tokens, record.cost_usd))
 
     def _charge(self, subject: str, charge: Charge) -> None:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import msgspec
 import pytest
 
 from gateway import cli
+from gateway.budgets import OFFLOAD_PROMPT_CHARS
 from gateway.cli import anonymous_exposure
 from gateway.config import load_settings
-from gateway.keys import anonymous_policy
+from gateway.keys import anonymous_policy, new_secret
 from tests.gateway.conftest import make_settings
 from tests.gateway.test_http_api import CHAT, assert_openai_error, serve
 
@@ -60,3 +62,47 @@ async def test_the_anonymous_limit_refuses_over_http(tiers, sqlite_url):
     async with serve(msgspec.structs.replace(settings, server=server), tiers, []) as client:
         statuses = [(await client.post("/v1/chat/completions", json=CHAT)).status_code for _ in range(3)]
     assert statuses == [200, 200, 429]
+
+
+async def test_unauthenticated_requests_are_a_metric_not_accounting_rows(tiers, sqlite_url):
+    records: list = []
+    settings = make_settings(database_url=sqlite_url, allow_anonymous=False)
+    async with serve(settings, tiers, records) as client:
+        for headers in ({}, {"authorization": "Bearer sk-sluice-wrong"}, {"authorization": f"Bearer {new_secret()}"}):
+            assert_openai_error(await client.post("/v1/chat/completions", json=CHAT, headers=headers), 401)
+        metrics = (await client.get("/metrics")).text
+    assert records == []
+    assert 'sluice_unauthenticated_requests_total{code="invalid_api_key"} 3.0' in metrics
+
+
+async def test_the_body_size_limit_is_a_config_key(tiers, sqlite_url):
+    settings = make_settings(database_url=sqlite_url)
+    settings = msgspec.structs.replace(settings, server=msgspec.structs.replace(settings.server, max_body_bytes=2048))
+    big = {**CHAT, "messages": [{"role": "user", "content": "x" * 4096}]}
+    async with serve(settings, tiers, []) as client:
+        assert_openai_error(await client.post("/v1/chat/completions", json=big), 413, "request_too_large")
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+    assert load_settings(environ={"SLUICE_SERVER__MAX_BODY_BYTES": "1024"}).server.max_body_bytes == 1024
+
+
+async def test_a_large_prompt_is_tokenised_off_the_event_loop(tiers, sqlite_url):
+    on_loop: list[tuple[bool, bool]] = []  # (a large prompt, counted on the event loop)
+    count = tiers["small"].count_prompt_tokens
+
+    def counting(request):
+        large = len(request.messages[0].content) > OFFLOAD_PROMPT_CHARS
+        try:
+            on_loop.append((large, asyncio.get_running_loop() is not None))
+        except RuntimeError:  # a worker thread runs no event loop
+            on_loop.append((large, False))
+        return count(request)
+
+    tiers["small"].count_prompt_tokens = counting
+    small = {**CHAT, "messages": [{"role": "user", "content": "short prompt"}]}
+    large = {**CHAT, "messages": [{"role": "user", "content": "word " * OFFLOAD_PROMPT_CHARS}]}
+    async with serve(make_settings(database_url=sqlite_url, max_prompt_tokens=10**6), tiers, []) as client:
+        assert (await client.post("/v1/chat/completions", json=small)).status_code == 200
+        assert (await client.post("/v1/chat/completions", json=large)).status_code == 200
+    # The gateway's own count (the first of each prompt; the scripted tier counts again to report usage).
+    assert next(entry for entry in on_loop if entry[0]) == (True, False)
+    assert all(loop for large, loop in on_loop if not large)
