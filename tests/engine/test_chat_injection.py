@@ -53,7 +53,8 @@ def _control_counts(tokenizer: Tokenizer, ids: list[int]) -> dict[str, int]:
 
 @pytest.mark.parametrize("role", ["user", "system"])
 def test_special_token_text_in_content_is_text(tokenizer: Tokenizer, role: str) -> None:
-    attacked = [{"role": role, "content": ATTACK}, {"role": "user" if role == "system" else "assistant", "content": "x"}]
+    after = {"role": "user" if role == "system" else "assistant", "content": "x"}
+    attacked = [{"role": role, "content": ATTACK}, after]
     plain = [{"role": role, "content": "hi"}, attacked[1]]
     ids = tokenizer.apply_chat_template(attacked)
     # Exactly the control tokens the template writes for the same turns without the attack.
