@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -26,6 +27,8 @@ from engines.serving import OpenAIError, OpenAIServing, chat_prompt_token_ids, c
 if TYPE_CHECKING:
     from engines.tiers import TierSpec
     from engines.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class EngineUnavailable(Exception):
@@ -141,8 +144,10 @@ def _raise_for_status(status_code: int, body: bytes, base_url: str) -> None:
     try:
         detail = _error_decoder.decode(body).error
     except msgspec.MsgspecError:
+        # Not an OpenAI error (a proxy's HTML page, a stack trace): its text stays out of the answer.
+        logger.warning("%s answered %d with a non-OpenAI body: %r", base_url, status_code, body[:200])
         raise OpenAIError(
-            f"upstream {status_code}: {body[:500].decode(errors='replace')}", status_code=status_code
+            f"The upstream refused the request ({status_code}) without an OpenAI error body.", status_code=status_code
         ) from None
     raise OpenAIError.from_detail(detail, status_code)
 

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import hmac
 import logging
+import secrets
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
@@ -53,14 +54,22 @@ def _openai_error_handler(_: Request, exc: OpenAIError) -> Response[bytes]:
     return _error_response(exc.status_code, exc.detail)
 
 
-def _http_error_handler(_: Request, exc: HTTPException) -> Response[bytes]:
-    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return _error_response(exc.status_code, ErrorDetail(message=exc.detail, type=kind))
+def _http_error_handler(request: Request, exc: HTTPException) -> Response[bytes]:
+    if exc.status_code >= 500:
+        return _internal_error_handler(request, exc)
+    return _error_response(exc.status_code, ErrorDetail(message=exc.detail, type="invalid_request_error"))
+
+
+def _internal_error(exc: BaseException, what: str) -> ErrorDetail:
+    """The error a client sees for a failure of ours: an id to quote, never the exception's text
+    (paths, addresses, internals); the log line under that id has the details."""
+    error_id = f"err-{secrets.token_hex(8)}"
+    logger.error("%s (%s)", what, error_id, exc_info=exc)
+    return ErrorDetail(message=f"The engine failed ({error_id}).", type="server_error", code="internal_error")
 
 
 def _internal_error_handler(_: Request, exc: Exception) -> Response[bytes]:
-    logger.exception("unhandled error", exc_info=exc)
-    return _error_response(500, ErrorDetail(message=f"internal error: {type(exc).__name__}", type="server_error"))
+    return _error_response(500, _internal_error(exc, "unhandled error"))
 
 
 async def _sse(
@@ -84,8 +93,7 @@ async def _sse(
         except OpenAIError as exc:  # the status line is already sent; report in-band, as OpenAI does
             yield sse_event(exc.response())
         except Exception as exc:
-            logger.exception("stream failed", exc_info=exc)
-            yield sse_event(ErrorResponse(error=ErrorDetail(message=f"internal error: {exc}", type="server_error")))
+            yield sse_event(ErrorResponse(error=_internal_error(exc, "stream failed")))
         finally:
             await stream.aclose()
         yield SSE_DONE

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import runpy
 import sys
 from collections.abc import Callable, Sequence
@@ -81,7 +82,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
     spec = importlib.import_module(f"engines.{args.tier}.spec").SPEC
     if args.model:
         spec = dataclasses.replace(spec, model=args.model)
-    run_engine_server(spec, host=args.host, port=args.port)
+    run_engine_server(spec, host=args.host, port=args.port, api_key=args.api_key or None)
     return 0
 
 
@@ -210,6 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--host", default="127.0.0.1")
     engine.add_argument("--port", type=int, default=8100)
     engine.add_argument("--model", help="override the tier's model: demo model name or path")
+    engine.add_argument(
+        "--api-key",
+        default=os.environ.get("ENGINE_API_KEY", ""),
+        help="require `Authorization: Bearer <key>` on the OpenAI routes (default: $ENGINE_API_KEY; the "
+        "gateway sends tiers.<name>.api_key)",
+    )
     engine.set_defaults(handler=cmd_engine)
 
     models = sub.add_parser("models", help="demo models shipped as PyPI wheels")

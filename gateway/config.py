@@ -34,6 +34,9 @@ class ServerConfig(_Section):
     port: int = 8000
     # Admin API key (`Authorization: Bearer <admin_key>`); empty disables the admin API.
     admin_key: str = ""
+    # When set, /metrics and the OpenAPI schema (/openapi) require `Bearer <key>` (or the admin key).
+    metrics_key: str = ""
+    openapi_key: str = ""
     # With no key store entry, requests are refused unless this is true (local development).
     allow_anonymous: bool = False
     # `sluice serve` refuses allow_anonymous on a non-loopback address unless this is also true.

@@ -173,8 +173,13 @@ def validate(request: Request) -> None:
         _completion_decoding(request)
 
 
-def _from_tier_error(exc: OpenAIError) -> GatewayError:
+def _from_tier_error(exc: OpenAIError, request_id: str) -> GatewayError:
     d = exc.detail
+    if exc.status_code >= 500 or d.type == "server_error":
+        # The tier's internals are not the client's business: logged under the request id instead.
+        log.error("request %s: the tier failed: %s", request_id, d.message)
+        message = f"The model tier failed to handle the request (request id {request_id})."
+        return GatewayError(500, message, code="tier_error", error_type="server_error")
     return GatewayError(exc.status_code, d.message, code=d.code, param=d.param, error_type=d.type)
 
 
@@ -257,7 +262,7 @@ class Gateway:
         try:
             return await self._serve_or_raise(state, request)
         except OpenAIError as exc:
-            error = _from_tier_error(exc)
+            error = _from_tier_error(exc, state.request_id)
             self.finish(state, error.status, error.code)
             raise error from exc
         except GatewayError as exc:
@@ -390,7 +395,7 @@ class Gateway:
             yield SSE_DONE
         except Exception as exc:
             # Headers are sent: the failure can only be told in the stream, the way OpenAI does.
-            if isinstance(exc, OpenAIError):
+            if isinstance(exc, OpenAIError) and exc.detail.type != "server_error":
                 detail = exc.detail
             elif isinstance(exc, EngineUnavailable):
                 detail = ErrorDetail(
@@ -398,9 +403,10 @@ class Gateway:
                     type="service_unavailable_error",
                     code="tier_unavailable",
                 )
-            else:
-                log.exception("stream from tier %s failed", state.tier)
-                detail = ErrorDetail(message="The stream failed.", type="server_error", code="stream_failed")
+            else:  # ours or the tier's internals: logged under the request id, never sent
+                log.error("stream of request %s from tier %s failed", state.request_id, state.tier, exc_info=exc)
+                message = f"The stream failed (request id {state.request_id})."
+                detail = ErrorDetail(message=message, type="server_error", code="stream_failed")
             error_code = detail.code or "stream_failed"
             yield sse_event(ErrorResponse(error=detail))
         finally:

@@ -8,12 +8,13 @@ import logging
 import msgspec
 import pytest
 
+from engines.serving import OpenAIError
 from gateway import cli
 from gateway.budgets import OFFLOAD_PROMPT_CHARS
 from gateway.cli import anonymous_exposure
 from gateway.config import load_settings
 from gateway.keys import anonymous_policy, new_secret
-from tests.gateway.conftest import make_settings
+from tests.gateway.conftest import ADMIN_KEY, make_settings
 from tests.gateway.test_http_api import CHAT, assert_openai_error, serve
 
 
@@ -106,3 +107,50 @@ async def test_a_large_prompt_is_tokenised_off_the_event_loop(tiers, sqlite_url)
     # The gateway's own count (the first of each prompt; the scripted tier counts again to report usage).
     assert next(entry for entry in on_loop if entry[0]) == (True, False)
     assert all(loop for large, loop in on_loop if not large)
+
+
+SECRET = "/srv/sluice/secret.toml at 10.0.0.7:5432"
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [RuntimeError(SECRET), OpenAIError(SECRET, status_code=500, type="server_error")],
+    ids=["exception", "tier-500"],
+)
+async def test_internal_failures_answer_a_request_id_never_their_text(tiers, sqlite_url, failure):
+    async def broken(request):
+        raise failure
+
+    tiers["small"].chat = broken
+    async with serve(make_settings(database_url=sqlite_url), tiers, []) as client:
+        response = await client.post("/v1/chat/completions", json=CHAT, headers={"x-request-id": "trace-1"})
+    error = assert_openai_error(response, 500)
+    assert SECRET not in response.text and "RuntimeError" not in response.text
+    assert "(request id trace-1." in error["message"]
+
+
+async def test_a_stream_failing_midway_reports_a_request_id_never_the_text(tiers, sqlite_url):
+    original = tiers["small"].chat_stream
+
+    async def failing(request):
+        async for chunk in original(request):
+            yield chunk
+            raise RuntimeError(SECRET)
+
+    tiers["small"].chat_stream = failing
+    async with serve(make_settings(database_url=sqlite_url), tiers, []) as client:
+        response = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert "The stream failed (request id req-" in response.text and SECRET not in response.text
+
+
+@pytest.mark.parametrize(("path", "setting"), [("/metrics", "metrics_key"), ("/openapi/openapi.json", "openapi_key")])
+async def test_metrics_and_the_openapi_schema_can_require_a_credential(tiers, sqlite_url, path, setting):
+    settings = make_settings(database_url=sqlite_url)
+    async with serve(settings, tiers, []) as client:
+        assert (await client.get(path)).status_code == 200  # open by default
+    locked = msgspec.structs.replace(settings, server=msgspec.structs.replace(settings.server, **{setting: "ops"}))
+    async with serve(locked, tiers, []) as client:
+        assert_openai_error(await client.get(path), 401, "invalid_api_key")
+        assert_openai_error(await client.get(path, headers={"authorization": "Bearer nope"}), 401)
+        assert (await client.get(path, headers={"authorization": "Bearer ops"})).status_code == 200
+        assert (await client.get(path, headers={"authorization": f"Bearer {ADMIN_KEY}"})).status_code == 200
