@@ -23,8 +23,9 @@ from typing import Any
 import anyio
 import msgspec
 
-from engines.client import EngineClient, EngineUnavailable
-from engines.protocol import (
+from engines.api.client import EngineClient, EngineUnavailable
+from engines.api.errors import APIError, service_unavailable
+from engines.api.protocol import (
     SSE_DONE,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -37,7 +38,7 @@ from engines.protocol import (
     sse_event,
     wants_stream_usage,
 )
-from engines.serving import OpenAIError, _chat_decoding, _completion_decoding
+from engines.api.rules import check_request
 from gateway.accounting import RequestRecord
 from gateway.budgets import (
     check_prompt_length,
@@ -50,7 +51,6 @@ from gateway.budgets import (
 from gateway.config import PolicyConfig, Settings
 from gateway.cost import request_cost
 from gateway.counters import Charge, CounterStore, CountersUnavailable
-from gateway.errors import GatewayError, invalid_request, service_unavailable
 from gateway.keys import SECRET_PREFIX, KeyCache, KeyStoreUnavailable, anonymous_policy, effective_policy
 from gateway.metrics import Metrics
 from gateway.tiers import call_with_fallback, candidate_tiers, open_stream_with_fallback
@@ -159,28 +159,14 @@ def request_ids(incoming: str | None) -> tuple[str, str]:
     return own, own
 
 
-def validate(request: Request) -> None:
-    """Refuse a bad request before anything is spent, with the engines' own rules (one definition:
-    an in-process tier applies the same ones, an HTTP upstream may be less strict)."""
-    if request.stream_options is not None and not request.stream:
-        raise invalid_request("`stream_options` is only allowed when `stream` is true", "stream_options")
-    # engines.serving keeps these two private for now; they are its one definition of the rules.
-    if isinstance(request, ChatCompletionRequest):
-        if not request.messages:
-            raise invalid_request("`messages` must contain at least one message", "messages", "empty_array")
-        _chat_decoding(request)
-    else:
-        _completion_decoding(request)
-
-
-def _from_tier_error(exc: OpenAIError, request_id: str) -> GatewayError:
-    d = exc.detail
-    if exc.status_code >= 500 or d.type == "server_error":
-        # The tier's internals are not the client's business: logged under the request id instead.
-        log.error("request %s: the tier failed: %s", request_id, d.message)
-        message = f"The model tier failed to handle the request (request id {request_id})."
-        return GatewayError(500, message, code="tier_error", error_type="server_error")
-    return GatewayError(exc.status_code, d.message, code=d.code, param=d.param, error_type=d.type)
+def _hide_internals(exc: APIError, request_id: str) -> APIError:
+    """A tier's own failure (`server_error`: its internals, paths, addresses) becomes a 500 that names
+    the request id, the details going to the log; refusals and our 503s pass unchanged."""
+    if exc.type != "server_error":
+        return exc
+    log.error("request %s: the tier failed: %s", request_id, exc.message)
+    message = f"The model tier failed to handle the request (request id {request_id})."
+    return APIError(500, message, code="tier_error", type="server_error")
 
 
 class Gateway:
@@ -219,7 +205,7 @@ class Gateway:
         if not authorization:
             if server.allow_anonymous:
                 return self._anonymous()
-            raise GatewayError(
+            raise APIError(
                 401,
                 "You didn't provide an API key. Send it as `Authorization: Bearer sk-sluice-...`.",
                 code="invalid_api_key",
@@ -238,7 +224,7 @@ class Gateway:
             if server.allow_anonymous and scheme.lower() == "bearer" and not secret.startswith(SECRET_PREFIX):
                 # Local development: SDKs insist on sending some key; a non-Sluice one means anonymous.
                 return self._anonymous()
-            raise GatewayError(401, "Incorrect API key provided.", code="invalid_api_key")
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
         cached = self._principals.get(key.id)
         if cached is not None and cached[0] is key:
             return cached[1]
@@ -261,12 +247,12 @@ class Gateway:
     async def _serve(self, state: RequestState, request: Request) -> Reply:
         try:
             return await self._serve_or_raise(state, request)
-        except OpenAIError as exc:
-            error = _from_tier_error(exc, state.request_id)
-            self.finish(state, error.status, error.code)
+        except APIError as exc:
+            error = _hide_internals(exc, state.request_id)
+            self.finish(state, error.status_code, error.code)
+            if error is exc:
+                raise
             raise error from exc
-        except GatewayError as exc:
-            self.finish(state, exc.status, exc.code)
             raise
         except asyncio.CancelledError:
             # The client left (the HTTP layer cancels us): the tier's work was cancelled with us.
@@ -280,18 +266,18 @@ class Gateway:
         policy = principal.policy
         state.model_requested = request.model
         state.stream = request.stream
-        validate(request)
+        check_request(request)
         try:
             state.route = decide(request.model, self.clients, policy.allowed_tiers, self.settings.server.default_tier)
         except ModelNotFound as exc:
-            raise GatewayError(
+            raise APIError(
                 404,
                 f"The model `{request.model}` does not exist. GET /v1/models lists the models.",
                 code="model_not_found",
                 param="model",
             ) from exc
         except ModelNotAllowed as exc:
-            raise GatewayError(
+            raise APIError(
                 403,
                 f"This key may not use the model `{request.model}` (allowed tiers: {', '.join(policy.allowed_tiers)}).",
                 code="model_not_allowed",
@@ -395,7 +381,7 @@ class Gateway:
             yield SSE_DONE
         except Exception as exc:
             # Headers are sent: the failure can only be told in the stream, the way OpenAI does.
-            if isinstance(exc, OpenAIError) and exc.detail.type != "server_error":
+            if isinstance(exc, APIError) and exc.type != "server_error":
                 detail = exc.detail
             elif isinstance(exc, EngineUnavailable):
                 detail = ErrorDetail(

@@ -8,7 +8,7 @@ import logging
 import msgspec
 import pytest
 
-from engines.serving import OpenAIError
+from engines.api.errors import APIError
 from gateway import cli
 from gateway.budgets import OFFLOAD_PROMPT_CHARS
 from gateway.cli import anonymous_exposure
@@ -114,7 +114,7 @@ SECRET = "/srv/sluice/secret.toml at 10.0.0.7:5432"
 
 @pytest.mark.parametrize(
     "failure",
-    [RuntimeError(SECRET), OpenAIError(SECRET, status_code=500, type="server_error")],
+    [RuntimeError(SECRET), APIError(500, SECRET, type="server_error")],
     ids=["exception", "tier-500"],
 )
 async def test_internal_failures_answer_a_request_id_never_their_text(tiers, sqlite_url, failure):
