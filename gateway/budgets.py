@@ -14,8 +14,9 @@ import msgspec
 from engines.api.client import EngineClient
 from engines.api.errors import APIError
 from engines.api.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.config import PolicyConfig
-from gateway.counters import Admission, Limits
+from gateway.config import PolicyConfig, Settings
+from gateway.cost import request_cost
+from gateway.counters import Admission, Charge, Limits
 
 Request = ChatCompletionRequest | CompletionRequest
 
@@ -75,6 +76,50 @@ def clamp_output(request: Request, policy: PolicyConfig) -> tuple[Request, bool]
     if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
         return msgspec.structs.replace(request, max_completion_tokens=cap), True
     return msgspec.structs.replace(request, max_tokens=cap), asked is not None
+
+
+def prompt_count(request: Request) -> int:
+    """How many prompts a request carries: a completions prompt may be a list of them."""
+    if isinstance(request, ChatCompletionRequest):
+        return 1
+    prompt = request.prompt
+    if isinstance(prompt, str) or not prompt or all(isinstance(item, int) for item in prompt):
+        return 1
+    return len(prompt)
+
+
+def worst_case_output(request: Request) -> int:
+    """The most completion tokens a request (its output limit already clamped) may produce."""
+    return (request.output_limit() or 0) * request.n * prompt_count(request)
+
+
+def check_amplification(request: Request, policy: PolicyConfig) -> None:
+    """One request may not fan out beyond the policy: prompt lists and total output are bounded."""
+    prompts = prompt_count(request)
+    if prompts > policy.max_prompts_per_request:
+        raise APIError(
+            400,
+            f"The prompt list has {prompts} prompts, more than this key's limit of {policy.max_prompts_per_request}.",
+            code="too_many_prompts",
+            param="prompt",
+        )
+    output = worst_case_output(request)
+    if output > policy.max_request_output_tokens:
+        raise APIError(
+            400,
+            f"This request may produce {output} tokens (max_tokens × n × prompts), more than this key's limit of "
+            f"{policy.max_request_output_tokens}. Lower `max_tokens` or `n`.",
+            code="output_too_large",
+            param="n",
+        )
+
+
+def reservation(settings: Settings, tiers: list[str], request: Request, prompt_tokens: int) -> Charge:
+    """What admission counts before the request runs: its worst-case output, priced at the dearest
+    tier that may serve it (fallback may move it)."""
+    output = worst_case_output(request)
+    cost = max(request_cost(settings.tiers[tier], prompt_tokens, output, 0) for tier in tiers)
+    return Charge(completion_tokens=output, cost_usd=cost)
 
 
 def limits_of(policy: PolicyConfig) -> Limits:

@@ -106,7 +106,10 @@ class PolicyConfig(_Section):
 
     allowed_tiers: list[str] = msgspec.field(default_factory=lambda: ["small", "large"])
     max_prompt_tokens: int = 8192
-    max_output_tokens: int = 1024
+    max_output_tokens: int = 1024  # per choice (`max_tokens` is clamped to it)
+    # All the output one request may cause: max_tokens × n × prompts (no amplification).
+    max_request_output_tokens: int = 16384
+    max_prompts_per_request: int = 16  # length of a /v1/completions prompt list
     spend_per_day_usd: float | None = None
     spend_per_month_usd: float | None = None
     rpm: int | None = None

@@ -41,12 +41,14 @@ from engines.api.protocol import (
 from engines.api.rules import check_request
 from gateway.accounting import RequestRecord
 from gateway.budgets import (
+    check_amplification,
     check_prompt_length,
     clamp_output,
     count_prompt_tokens,
     count_prompt_tokens_off_loop,
     limits_of,
     refusal,
+    reservation,
 )
 from gateway.config import PolicyConfig, Settings
 from gateway.cost import request_cost
@@ -69,6 +71,8 @@ CLIENT_CLOSED_REQUEST = 499  # recorded status of a request whose client left be
 # later, and a round trip per request (a loopback send costs more CPU than the rest of a charge) is
 # spared at any load.
 CHARGE_COALESCE_S = 0.02
+CHARGE_RETRY_S = 1.0  # a settlement Redis refused is kept and tried again this often
+DRAIN_TIMEOUT_S = 5.0  # shutdown waits this long for settlements before reporting them lost
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +105,9 @@ class RequestState:
     route: RouteDecision | None = None
     tier: str | None = None
     fallback: bool = False
-    admitted: bool = False  # counted by the limits, so its spend is charged
+    admitted: bool = False  # counted by the limits, so its spend is settled
+    admitted_at: float = 0.0  # the clock at admission: its settlement goes to the same windows
+    reserved: Charge = field(default_factory=Charge)  # counted at admission, settled at `finish`
     counted_prompt_tokens: int = 0  # as counted before the call; usage replaces it when it comes
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -195,7 +201,7 @@ class Gateway:
             feature=server.anonymous_feature,
             policy=anonymous_policy(settings),
         )
-        self._pending_charges: dict[str, Charge] = {}
+        self._pending_charges: dict[tuple[str, float], Charge] = {}  # (subject, minute start) → charge
         self._charging: asyncio.Task[None] | None = None
 
     # -- authentication -----------------------------------------------------------------------
@@ -288,9 +294,13 @@ class Gateway:
         state.counted_prompt_tokens = prompt_tokens
         check_prompt_length(prompt_tokens, policy)
         request, clamped = clamp_output(request, policy)
+        check_amplification(request, policy)
+        candidates = candidate_tiers(state.route.tier, policy, self.clients)
+        reserve = reservation(self.settings, candidates, request, prompt_tokens)
         limits = limits_of(policy)
+        now = self.clock()
         try:
-            admission = await self.counters.admit(principal.subject, limits, prompt_tokens, self.clock())
+            admission = await self.counters.admit(principal.subject, limits, prompt_tokens, now, reserve)
         except CountersUnavailable as exc:
             # Fail closed: without the shared counters no limit or budget could hold.
             raise service_unavailable(
@@ -298,7 +308,7 @@ class Gateway:
             ) from exc
         if not admission.admitted:
             raise refusal(admission, limits)
-        state.admitted = True
+        state.admitted, state.admitted_at, state.reserved = True, now, reserve
 
         headers = {
             "x-request-id": state.response_id or state.request_id,
@@ -307,7 +317,6 @@ class Gateway:
         }
         if clamped:
             headers["x-sluice-max-tokens-clamped"] = str(policy.max_output_tokens)
-        candidates = candidate_tiers(state.route.tier, policy, self.clients)
         if request.stream:
             return await self._stream(state, request, candidates, headers)
 
@@ -475,30 +484,71 @@ class Gateway:
         )
         self.record_sink(record)
         self.metrics.observe(record)
-        if state.admitted and (record.completion_tokens or record.cost_usd):
-            self._charge(principal.subject, Charge(record.completion_tokens, record.cost_usd))
+        if state.admitted:
+            self._settle(state, principal.subject, status)
 
-    def _charge(self, subject: str, charge: Charge) -> None:
-        """Queue a charge. One task writes them; charges arriving within CHARGE_COALESCE_S, or while it
-        waits on a round trip, go together in the next one."""
-        pending = self._pending_charges.get(subject)
-        self._pending_charges[subject] = charge if pending is None else pending + charge
+    def _settle(self, state: RequestState, subject: str, status: int) -> None:
+        """Replace the request's reservation by what it cost. A non-streamed request whose client
+        left keeps its reservation: its tier was cancelled midway, and what it had produced by then
+        is not known, so the worst case is what it is charged."""
+        if status == CLIENT_CLOSED_REQUEST and not state.stream and state.tier is None:
+            return
+        produced = Charge(state.completion_tokens, state.cost_usd)
+        if produced != state.reserved:
+            self._charge(subject, produced - state.reserved, state.admitted_at)
+
+    def _charge(self, subject: str, charge: Charge, at: float) -> None:
+        """Queue a charge to the windows of time `at`. One task writes them; charges arriving within
+        CHARGE_COALESCE_S, or while it waits on a round trip, go together in the next one."""
+        key = (subject, float(int(at // 60) * 60))
+        pending = self._pending_charges.get(key)
+        self._pending_charges[key] = charge if pending is None else pending + charge
         if self._charging is None or self._charging.done():
             self._charging = asyncio.get_running_loop().create_task(self._write_charges())
 
     async def _write_charges(self) -> None:
+        """Write queued charges; those the counters refuse (Redis down) are kept and tried again
+        every CHARGE_RETRY_S until they are applied: a settlement is never only logged."""
         await asyncio.sleep(CHARGE_COALESCE_S)
         while self._pending_charges:
             charges, self._pending_charges = self._pending_charges, {}
-            try:
-                await self.counters.charge_many(charges, self.clock())
-            except CountersUnavailable:
-                log.exception("spend of %d subjects could not be charged", len(charges))
+            by_window: dict[float, dict[str, Charge]] = {}
+            for (subject, at), charge in charges.items():
+                by_window.setdefault(at, {})[subject] = charge
+            for at, group in by_window.items():
+                try:
+                    await self.counters.charge_many(group, at)
+                except CountersUnavailable as exc:
+                    log.warning("spend of %d subjects kept until the counters answer: %s", len(group), exc)
+                    for subject, charge in group.items():
+                        self._charge_later((subject, at), charge)
+            if self._pending_charges and self._unapplied_since_failure(charges):
+                await asyncio.sleep(CHARGE_RETRY_S)
 
-    async def drain(self) -> None:
-        """Wait until queued charges are written (shutdown; tests that read counters)."""
-        while self._charging is not None and not self._charging.done():
-            await self._charging
+    def _charge_later(self, key: tuple[str, float], charge: Charge) -> None:
+        pending = self._pending_charges.get(key)
+        self._pending_charges[key] = charge if pending is None else pending + charge
+
+    def _unapplied_since_failure(self, attempted: Mapping[tuple[str, float], Charge]) -> bool:
+        return any(key in self._pending_charges for key in attempted)
+
+    @property
+    def unsettled(self) -> dict[tuple[str, float], Charge]:
+        """Charges queued or kept through a counters outage, not yet applied."""
+        return dict(self._pending_charges)
+
+    async def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+        """Wait until queued charges are written (shutdown; tests that read counters). Charges still
+        unapplied after `timeout_s` (the counters stayed down) are logged with their amounts."""
+        task = self._charging
+        if task is None or task.done():
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout_s)
+        except TimeoutError:
+            task.cancel()
+            for (subject, at), charge in self._pending_charges.items():
+                log.error("unapplied spend at shutdown: %s at %.0f: %s", subject, at, charge)
 
 
 def _chunk_texts(chunk: Chunk) -> list[str]:
