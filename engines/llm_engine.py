@@ -25,7 +25,7 @@ from engines.detokenizer import IncrementalDetokenizer
 from engines.loader import Checkpoint, load_checkpoint
 from engines.model_runner import ModelRunner, kv_block_bytes
 from engines.models import model_class
-from engines.outputs import RequestOutput
+from engines.outputs import EngineOverloaded, RequestOutput
 from engines.quantization import quantize_model, resolve_quantization
 from engines.sampler import sample
 from engines.sampling_params import SamplingParams
@@ -49,6 +49,7 @@ class EngineStats:
     prefix_cache_queries_tokens: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hit_tokens: int
     num_generated_tokens_total: int
+    num_aborted_total: int = 0  # requests dropped before they finished (client gone, step failed)
 
 
 def physical_core_count() -> int:
@@ -136,6 +137,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._requests: dict[str, Sequence] = {}
         self._num_generated_tokens_total = 0
+        self._num_aborted_total = 0
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -181,6 +183,7 @@ class LLMEngine:
         seq = self._requests.pop(request_id, None)
         if seq is not None:
             self.scheduler.finish(seq, "abort")
+            self._num_aborted_total += 1
         return seq
 
     def abort_all(self) -> list[str]:
@@ -233,6 +236,7 @@ class LLMEngine:
             prefix_cache_queries_tokens=self.scheduler.prefix_cache_queries_tokens,
             prefix_cache_hit_tokens=self.scheduler.prefix_cache_hit_tokens,
             num_generated_tokens_total=self._num_generated_tokens_total,
+            num_aborted_total=self._num_aborted_total,
         )
 
 
@@ -270,6 +274,8 @@ class AsyncLLMEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | BaseException]]] = {}
         self._stopped = False
         self._stats = engine.stats()
+        # Streams open at once: those running plus a bounded waiting queue.
+        self.capacity = engine.config.max_num_seqs + engine.config.max_num_waiting
         self._thread = threading.Thread(target=self._run, name="sluice-engine-step", daemon=True)
         self._thread.start()
 
@@ -296,6 +302,8 @@ class AsyncLLMEngine:
                 raise RuntimeError("the engine is shut down")
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
+            if len(self._streams) >= self.capacity:
+                raise EngineOverloaded(f"{len(self._streams)} requests running or queued (capacity {self.capacity})")
             self._streams[request_id] = (loop, queue)
             self._submit(lambda: self._add(request_id, list(prompt_token_ids), params))
         finished = False

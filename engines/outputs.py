@@ -3,6 +3,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class EngineOverloaded(Exception):
+    """The engine's queue is full: a request is refused now rather than queued without bound."""
+
+
 @dataclass
 class TokenLogprob:
     """The chosen token's log-probability and the top alternatives, from the unmodified distribution."""

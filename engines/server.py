@@ -53,7 +53,9 @@ def _error_response(status_code: int, detail: ErrorDetail) -> Response[bytes]:
 
 
 def _api_error_handler(_: Request, exc: APIError) -> Response[bytes]:
-    return _error_response(exc.status_code, exc.detail)
+    response = _error_response(exc.status_code, exc.detail)
+    response.headers.update(exc.headers)  # Retry-After of a 503
+    return response
 
 
 def _http_error_handler(request: Request, exc: HTTPException) -> Response[bytes]:

@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engines.api.errors import APIError
+from engines.api.errors import APIError, service_unavailable
 from engines.api.prompts import PromptTokenizer, chat_prompt_token_ids, completion_prompts, count_prompt_tokens
 from engines.api.protocol import (
     AssistantMessage,
@@ -37,7 +37,7 @@ from engines.api.protocol import (
     now,
 )
 from engines.api.rules import Decoding, check_request, check_token_ids, decoding, max_tokens_for
-from engines.outputs import RequestOutput
+from engines.outputs import EngineOverloaded, RequestOutput
 from engines.outputs import TokenLogprob as EngineTokenLogprob
 from engines.sampling_params import SamplingParams
 
@@ -221,6 +221,8 @@ class OpenAIServing:
                 yield calls[position], output
         except ValueError as exc:  # the engine refuses requests it can never schedule
             raise APIError(400, str(exc), code="invalid_request") from exc
+        except EngineOverloaded as exc:  # backpressure: the client retries, or the gateway falls back
+            raise service_unavailable("The engine is at capacity. Retry shortly.", "engine_overloaded") from exc
         finally:
             await outputs.aclose()
 

@@ -8,7 +8,7 @@ import logging
 import msgspec
 import pytest
 
-from engines.api.errors import APIError
+from engines.api.errors import APIError, service_unavailable
 from gateway import cli
 from gateway.budgets import OFFLOAD_PROMPT_CHARS
 from gateway.cli import anonymous_exposure
@@ -154,3 +154,32 @@ async def test_metrics_and_the_openapi_schema_can_require_a_credential(tiers, sq
         assert_openai_error(await client.get(path, headers={"authorization": "Bearer nope"}), 401)
         assert (await client.get(path, headers={"authorization": "Bearer ops"})).status_code == 200
         assert (await client.get(path, headers={"authorization": f"Bearer {ADMIN_KEY}"})).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "param"),
+    [
+        ({"model": "sluice", "prompt": ["a"] * 17, "max_tokens": 1}, "too_many_prompts", "prompt"),
+        ({"model": "sluice", "prompt": ["a"] * 4, "max_tokens": 1024, "n": 8}, "output_too_large", "n"),
+    ],
+)
+async def test_one_request_cannot_fan_out_beyond_the_policy(tiers, sqlite_url, body, code, param):
+    async with serve(make_settings(database_url=sqlite_url), tiers, []) as client:
+        assert_openai_error(await client.post("/v1/completions", json=body), 400, code, param)
+        # Within the bounds: 16 prompts × 1 token, and 2 prompts × 8 choices × 1024 tokens.
+        fine = {**body, "prompt": ["a"] * (16 if code == "too_many_prompts" else 2)}
+        assert (await client.post("/v1/completions", json=fine)).status_code == 200
+
+
+async def test_a_tier_at_capacity_falls_back_then_answers_503_with_retry_after(tiers, sqlite_url):
+    async def overloaded(request):
+        raise service_unavailable("The engine is at capacity. Retry shortly.", "engine_overloaded")
+
+    tiers["small"].chat = overloaded
+    async with serve(make_settings(database_url=sqlite_url), tiers, []) as client:
+        served = await client.post("/v1/chat/completions", json=CHAT)
+        assert served.status_code == 200 and served.headers["x-sluice-tier"] == "large"
+        tiers["large"].chat = overloaded
+        refused = await client.post("/v1/chat/completions", json=CHAT)
+    assert_openai_error(refused, 503, "tier_unavailable")
+    assert int(refused.headers["retry-after"]) > 0
