@@ -12,6 +12,7 @@ import logging
 import os
 import random
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from engines.detokenizer import IncrementalDetokenizer
 from engines.loader import Checkpoint, load_checkpoint
 from engines.model_runner import ModelRunner, kv_block_bytes
 from engines.models import model_class
-from engines.outputs import EngineOverloaded, RequestOutput
+from engines.outputs import EngineOverloaded, EngineStepFailed, RequestOutput
 from engines.quantization import quantize_model, resolve_quantization
 from engines.sampler import sample
 from engines.sampling_params import SamplingParams
@@ -254,6 +255,9 @@ def _delta(seq: Sequence, token_id: int, text: str, logprob: object) -> RequestO
     )
 
 
+UNHEALTHY_AFTER_FAILURE_S = 5.0  # a failed step marks the engine unhealthy this long (health checks, fallback)
+
+
 class AsyncLLMEngine:
     """Runs an LLMEngine's step loop on one dedicated thread and streams outputs to asyncio consumers.
 
@@ -274,6 +278,7 @@ class AsyncLLMEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | BaseException]]] = {}
         self._stopped = False
         self._stats = engine.stats()
+        self._failed_at = float("-inf")  # monotonic time of the latest failed step
         # Streams open at once: those running plus a bounded waiting queue.
         self.capacity = engine.config.max_num_seqs + engine.config.max_num_waiting
         self._thread = threading.Thread(target=self._run, name="sluice-engine-step", daemon=True)
@@ -332,6 +337,11 @@ class AsyncLLMEngine:
         """Statistics as of the end of the latest step."""
         return self._stats
 
+    @property
+    def healthy(self) -> bool:
+        """False for a while after a step failed: callers send work elsewhere meanwhile."""
+        return time.monotonic() - self._failed_at >= UNHEALTHY_AFTER_FAILURE_S
+
     async def shutdown(self) -> None:
         """Stop the step thread; streams still open end with an abort delta."""
         with self._condition:
@@ -383,14 +393,15 @@ class AsyncLLMEngine:
                 if self._stopped:
                     return
                 commands, self._commands = self._commands, []
-            for command in commands:
-                command()
             try:
+                for command in commands:
+                    command()
                 outputs = self.engine.step()
-            except Exception as exc:  # keep serving others: fail every in-flight request, free its blocks
-                logger.exception("engine step failed")
+            except Exception:  # the loop lives on: fail every in-flight request cleanly, free its blocks
+                logger.exception("engine step failed; failing the requests in flight")
+                self._failed_at = time.monotonic()
                 for request_id in self.engine.abort_all():
-                    self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"))
+                    self._deliver(request_id, EngineStepFailed("the engine step failed"))
                 outputs = []
             for output in outputs:
                 self._deliver(output.request_id, output)

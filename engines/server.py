@@ -151,8 +151,11 @@ async def list_models(serving: NamedDependency[OpenAIServing]) -> ModelList:
 
 
 @get("/healthz")
-async def healthz() -> dict[str, str]:
-    return {"status": "ok"}
+async def healthz(serving: NamedDependency[OpenAIServing]) -> Response[bytes]:
+    # Unhealthy for a while after a failed step: load balancers and the gateway send work elsewhere.
+    if not getattr(serving.engine, "healthy", True):
+        return Response(b'{"status":"unhealthy"}', status_code=503, media_type=JSON)
+    return Response(b'{"status":"ok"}', media_type=JSON)
 
 
 @get("/metrics")

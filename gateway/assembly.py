@@ -38,4 +38,4 @@ def build_client(name: str, tier: TierConfig, settings: Settings) -> EngineClien
         max_num_batched_tokens=tier.max_num_batched_tokens,
         max_model_len=tier.max_model_len,
     )
-    return build_in_process_client(spec, cache_dir=cache_dir)
+    return build_in_process_client(spec, cache_dir=cache_dir, deadline_s=tier.read_timeout_s)
