@@ -181,7 +181,12 @@ def _jsonable(obj: object) -> object:
 
 # --- bench ------------------------------------------------------------------------------------
 
-BENCHMARKS = {"engine": "bench.engine", "gateway": "bench.gateway_overhead", "kernels": "bench.kernels"}
+BENCHMARKS = {
+    "engine": "bench.engine",
+    "gateway": "bench.gateway_overhead",
+    "kernels": "bench.kernels",
+    "load": "bench.load",
+}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
