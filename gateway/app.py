@@ -24,7 +24,13 @@ from gateway.controllers.admin import AdminKeysController, bearer_key, provide_d
 from gateway.controllers.http import provide_gateway
 from gateway.controllers.openai import OpenAIController
 from gateway.controllers.ops import OpsController
-from gateway.counters import CounterStore, InProcessCounterStore, LocalFallbackCounterStore, RedisCounterStore
+from gateway.counters import (
+    CircuitBreakerCounterStore,
+    CounterStore,
+    InProcessCounterStore,
+    LocalFallbackCounterStore,
+    RedisCounterStore,
+)
 from gateway.db.engine import make_engine
 from gateway.keys import DEFAULT_KEY_CACHE_TTL_S, KeyCache
 from gateway.metrics import Metrics
@@ -110,7 +116,8 @@ def create_app(
                 stack.push_async_callback(redis.aclose)
                 shared = RedisCounterStore(redis, redis_prefix)
                 stack.push_async_callback(shared.aclose)
-                counters = shared if settings.redis.when_unavailable == "refuse" else LocalFallbackCounterStore(shared)
+                refuse = settings.redis.when_unavailable == "refuse"
+                counters = CircuitBreakerCounterStore(shared) if refuse else LocalFallbackCounterStore(shared)
             else:
                 counters = InProcessCounterStore()
             clients = tiers

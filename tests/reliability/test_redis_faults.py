@@ -12,7 +12,7 @@ import pytest
 from redis.asyncio import Redis
 
 from engines.api.errors import APIError
-from gateway.counters import RedisCounterStore
+from gateway.counters import CircuitBreakerCounterStore, RedisCounterStore
 from gateway.metrics import Metrics
 from gateway.pipeline import Gateway
 from tests.gateway.conftest import chat, make_settings, start
@@ -73,3 +73,35 @@ async def test_a_settlement_while_redis_is_blackholed_is_kept_and_applied_later(
         await gateway.counters.aclose()  # type: ignore[attr-defined]
         await redis.aclose()
     assert spent == pytest.approx(records[0].cost_usd) == pytest.approx(0.008)
+
+
+async def test_a_blackholed_redis_is_refused_fast_behind_the_circuit_breaker(private_redis: PrivateRedis):
+    redis = Redis.from_url(private_redis.url, socket_timeout=0.3)
+    records: list = []
+    tiers = {"small": ScriptedTier("small"), "large": ScriptedTier("large")}
+    breaker = CircuitBreakerCounterStore(RedisCounterStore(redis, "breaker"), open_for_s=1.0)
+    gateway = Gateway(make_settings(rpm=1000), tiers, breaker, records.append, Metrics())
+
+    async def status() -> int:
+        try:
+            await gateway.chat(await start(gateway), chat())
+            return 200
+        except APIError as exc:
+            return exc.status_code
+
+    try:
+        assert await status() == 200
+        subprocess.run(["redis-cli", "-p", str(private_redis.port), "CLIENT", "PAUSE", "1200", "ALL"], check=True)
+        began = time.monotonic()
+        assert await status() == 503  # this one waits out the read timeout (0.3 s) ...
+        first = time.monotonic() - began
+        began = time.monotonic()
+        assert await asyncio.gather(*(status() for _ in range(50))) == [503] * 50
+        rest = time.monotonic() - began  # ... the next fifty are refused at once
+        assert breaker.is_open and rest < first
+        await asyncio.sleep(1.5)  # Redis answers again and the window has passed: one probe closes it
+        assert await status() == 200 and not breaker.is_open
+    finally:
+        await breaker.aclose()
+        await redis.aclose()
+    assert len(records) == 53  # every request accounted, refused or served
