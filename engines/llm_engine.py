@@ -403,6 +403,7 @@ class AsyncLLMEngine:
                 for request_id in self.engine.abort_all():
                     self._deliver(request_id, EngineStepFailed("the engine step failed"))
                 outputs = []
+            # Before delivering: a consumer that has an output sees statistics that count it.
+            self._stats = self.engine.stats()
             for output in outputs:
                 self._deliver(output.request_id, output)
-            self._stats = self.engine.stats()

@@ -31,7 +31,7 @@ from gateway.counters import (
     LocalFallbackCounterStore,
     RedisCounterStore,
 )
-from gateway.db.engine import make_engine
+from gateway.db.database import make_database
 from gateway.keys import DEFAULT_KEY_CACHE_TTL_S, KeyCache
 from gateway.metrics import Metrics
 from gateway.pipeline import Gateway, RecordSink, RequestState, request_ids
@@ -95,7 +95,7 @@ def create_app(
         if not settings.server.admin_key:
             log.warning("admin API disabled: server.admin_key is empty (keys can be managed with `sluice keys`)")
         async with AsyncExitStack() as stack:
-            db = make_engine(settings.database.url, pool_size=settings.database.pool_size)
+            db = make_database(settings.database.url, pool_size=settings.database.pool_size)
             stack.push_async_callback(db.dispose)
             sink = record_sink
             if sink is None:

@@ -129,7 +129,7 @@ async def test_internal_failures_answer_a_request_id_never_their_text(tiers, sql
     assert "(request id trace-1." in error["message"]
 
 
-async def test_a_stream_failing_midway_reports_a_request_id_never_the_text(tiers, sqlite_url):
+async def test_a_stream_failing_midway_reports_an_error_id_never_the_text(tiers, sqlite_url):
     original = tiers["small"].chat_stream
 
     async def failing(request):
@@ -140,7 +140,7 @@ async def test_a_stream_failing_midway_reports_a_request_id_never_the_text(tiers
     tiers["small"].chat_stream = failing
     async with serve(make_settings(database_url=sqlite_url), tiers, []) as client:
         response = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
-    assert "The stream failed (request id req-" in response.text and SECRET not in response.text
+    assert "The stream failed (err-" in response.text and SECRET not in response.text
 
 
 @pytest.mark.parametrize(("path", "setting"), [("/metrics", "metrics_key"), ("/openapi/openapi.json", "openapi_key")])

@@ -23,9 +23,9 @@ def tiers() -> dict[str, ScriptedTier]:
 
 @pytest.fixture
 async def two_tenants(postgres_url):
-    from gateway.db.engine import make_engine
+    from gateway.db.database import make_database
 
-    db = make_engine(postgres_url)
+    db = make_database(postgres_url)
     try:
         a = await create_key(db, tenant="tenant-a", feature="f", policy={"spend_per_day_usd": 2.0})
         b = await create_key(db, tenant="tenant-b", feature="f", policy={"spend_per_day_usd": 2.0})
