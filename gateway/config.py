@@ -118,6 +118,16 @@ class PolicyConfig(_Section):
     fallback: bool = True  # may the other tier serve when this one is down
 
 
+class TenantConfig(_Section):
+    """Limits of a whole tenant, beside each key's: every key of the tenant counts against them, so a
+    key revoked and re-created does not start a fresh budget."""
+
+    spend_per_day_usd: float | None = None
+    spend_per_month_usd: float | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+
+
 def _default_tiers() -> dict[str, TierConfig]:
     return {
         "small": TierConfig(
@@ -147,6 +157,8 @@ class Settings(_Section):
     tiers: dict[str, TierConfig] = msgspec.field(default_factory=dict)
     # Feature name → policy. "default" applies to features not listed.
     policies: dict[str, PolicyConfig] = msgspec.field(default_factory=lambda: {"default": PolicyConfig()})
+    # Tenant name → limits over all its keys (tenants not listed: none beyond their keys').
+    tenants: dict[str, TenantConfig] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.tiers:
@@ -247,7 +259,7 @@ def load_settings(path: str | os.PathLike[str] | None = None, environ: dict[str,
     _with_tier_defaults(data)
     _apply_env(data, environ)
     # Tables of named entries are checked one by one so that errors name the entry.
-    for section, kind in (("tiers", TierConfig), ("policies", PolicyConfig)):
+    for section, kind in (("tiers", TierConfig), ("policies", PolicyConfig), ("tenants", TenantConfig)):
         entries = data.get(section)
         if isinstance(entries, dict):
             for name, entry in entries.items():

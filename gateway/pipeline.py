@@ -51,7 +51,7 @@ from gateway.budgets import (
 from gateway.charges import ChargeBatcher
 from gateway.config import PolicyConfig, Settings
 from gateway.cost import request_cost
-from gateway.counters import Charge, CounterStore, CountersUnavailable
+from gateway.counters import Charge, CounterStore, CountersUnavailable, Limits
 from gateway.fallback import Served, call_with_fallback, candidate_tiers, open_stream_with_fallback
 from gateway.keys import KeyCache
 from gateway.metrics import Metrics
@@ -86,6 +86,7 @@ class RequestState:
     fallback: bool = False
     admitted: bool = False  # counted by the limits, so its spend is settled
     admitted_at: float = 0.0  # the clock at admission: its settlement goes to the same windows
+    tenant_admitted: bool = False  # also counted against its tenant's limits
     reserved: Charge = field(default_factory=Charge)  # counted at admission, settled at `finish`
     counted_prompt_tokens: int = 0  # as counted before the call; usage replaces it when it comes
     prompt_tokens: int = 0
@@ -220,20 +221,32 @@ class Gateway:
         check_amplification(request, policy)
         reserve = reservation(self.settings, candidates, request, state.counted_prompt_tokens)
         now = self.clock()
-        await self._count(state.principal, state.counted_prompt_tokens, now, reserve)
+        await self._count(state.principal.subject, limits_of(policy), state.counted_prompt_tokens, now, reserve)
         state.admitted, state.admitted_at, state.reserved = True, now, reserve
+        await self._count_tenant(state, now)
         headers = {"x-request-id": state.response_id or state.request_id, "x-sluice-cache": "miss",
                    "x-sluice-escalated": "false"}  # fmt: skip
         if clamped:
             headers["x-sluice-max-tokens-clamped"] = str(policy.max_output_tokens)
         return request, headers
 
-    async def _count(self, principal: Principal, prompt_tokens: int, now: float, reserve: Charge) -> None:
+    async def _count_tenant(self, state: RequestState, now: float) -> None:
+        """The tenant's own limits, over all its keys (a second round trip, only for tenants with
+        limits). Refused there, the key's reservation is handed back by the request's settlement."""
+        assert state.principal is not None
+        tenant = self.settings.tenants.get(state.principal.tenant)
+        if tenant is None or state.principal.key_id is None:
+            return
+        limits = Limits(tenant.rpm, tenant.tpm, tenant.spend_per_day_usd, tenant.spend_per_month_usd)
+        await self._count(tenant_subject(state.principal.tenant), limits, state.counted_prompt_tokens, now,
+                          state.reserved)  # fmt: skip
+        state.tenant_admitted = True
+
+    async def _count(self, subject: str, limits: Limits, prompt_tokens: int, now: float, reserve: Charge) -> None:
         """Admit the request against its rate limits and budgets, counting it and reserving its worst
         case (one atomic round trip)."""
-        limits = limits_of(principal.policy)
         try:
-            admission = await self.counters.admit(principal.subject, limits, prompt_tokens, now, reserve)
+            admission = await self.counters.admit(subject, limits, prompt_tokens, now, reserve)
         except CountersUnavailable as exc:
             # Fail closed: without the shared counters no limit or budget could hold.
             raise service_unavailable(
@@ -367,6 +380,14 @@ class Gateway:
         produced = Charge(state.completion_tokens, state.cost_usd)
         if produced != state.reserved:
             self.charges.charge(subject, produced - state.reserved, state.admitted_at)
+            if state.tenant_admitted and state.principal is not None:
+                self.charges.charge(tenant_subject(state.principal.tenant), produced - state.reserved,
+                                    state.admitted_at)  # fmt: skip
+
+
+def tenant_subject(tenant: str) -> str:
+    """Whose counters a tenant's own limits use (never a key id: those are UUIDs)."""
+    return f"tenant:{tenant}"
 
 
 def _hide_internals(exc: APIError, request_id: str) -> APIError:

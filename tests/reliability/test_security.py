@@ -74,3 +74,34 @@ async def test_no_secret_or_prompt_text_reaches_the_logs(tiers, postgres_url, tw
     logged = "\n".join(record.getMessage() + str(record.exc_info or "") for record in caplog.records)
     for secret in (a.secret, ADMIN_KEY, PROMPT_TEXT):
         assert secret not in logged
+
+
+async def test_a_tenant_budget_holds_across_its_keys_even_a_recreated_one(tiers, postgres_url):
+    import msgspec
+
+    from gateway.config import TenantConfig
+    from gateway.db.database import make_database
+    from gateway.keys import revoke_key
+
+    db = make_database(postgres_url)
+    try:
+        first = await create_key(db, tenant="tenant-t", feature="f")
+        second = await create_key(db, tenant="tenant-t", feature="f")
+        settings = make_settings(
+            database_url=postgres_url, allow_anonymous=False, tier_prices=PRICE, max_output_tokens=2
+        )
+        settings = msgspec.structs.replace(settings, tenants={"tenant-t": TenantConfig(spend_per_day_usd=2.0)})
+        body = {**CHAT, "max_tokens": 2}  # reserves $2, produces $2
+        async with serve(settings, tiers, []) as client:
+            def auth(key):
+                return {"authorization": f"Bearer {key.secret}"}
+
+            assert (await client.post("/v1/chat/completions", json=body, headers=auth(first))).status_code == 200
+            await client.app.state.gateway.drain()
+            assert_openai_error(await client.post("/v1/chat/completions", json=body, headers=auth(second)), 429)
+            await revoke_key(db, first.key.id)
+            recreated = await create_key(db, tenant="tenant-t", feature="f")
+            response = await client.post("/v1/chat/completions", json=body, headers=auth(recreated))
+            assert_openai_error(response, 429, "budget_exceeded")  # no fresh budget for a new key
+    finally:
+        await db.dispose()
