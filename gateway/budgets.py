@@ -13,13 +13,10 @@ import msgspec
 
 from engines.api.client import EngineClient
 from engines.api.errors import APIError
-from engines.api.protocol import ChatCompletionRequest, CompletionRequest
+from engines.api.protocol import ChatCompletionRequest, Request
 from gateway.config import PolicyConfig, Settings
 from gateway.cost import request_cost
 from gateway.counters import Admission, Charge, Limits
-
-Request = ChatCompletionRequest | CompletionRequest
-
 
 # Prompts longer than this many characters are tokenised on a worker thread: a megabyte prompt
 # takes the tokenizer tens of milliseconds, during which no other request would move.

@@ -25,8 +25,9 @@ import yaml
 from gateway.config import load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
-# ../shared/data beside the repository; SLUICE_SHARED_DATA names it elsewhere (a git worktree).
-SHARED_DATA = Path(os.environ.get("SLUICE_SHARED_DATA") or ROOT.parent / "shared" / "data")
+# ../shared/data beside the repository; $SHARED_DATA names it elsewhere (a git worktree). Not SLUICE_*:
+# every SLUICE_* variable is read as configuration.
+SHARED_DATA = Path(os.environ.get("SHARED_DATA") or ROOT.parent / "shared" / "data")
 COMPOSE_SPEC = SHARED_DATA / "compose" / "compose-spec.json"
 RAW = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 LAPTOP_CORES, LAPTOP_MEMORY = 2, 16 << 30

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 from collections.abc import AsyncGenerator
 from typing import Any
 
 import pytest
 from litestar.testing import AsyncTestClient
 
-from engines.api.client import _raise_for_status
+from engines.api.client import HttpEngineClient
 from engines.api.errors import APIError
+from engines.api.protocol import ChatCompletionRequest, ChatMessage
 from engines.server import create_engine_app
 from gateway.cli import build_parser
 
@@ -46,16 +49,44 @@ async def test_an_engine_failure_answers_an_error_id_not_its_text() -> None:
 
 
 @pytest.mark.parametrize("body", [b"<html>nginx: " + SECRET.encode() + b"</html>", b"Traceback ... " + SECRET.encode()])
-def test_a_non_json_upstream_error_body_is_not_echoed(body: bytes) -> None:
-    with pytest.raises(APIError) as caught:
-        _raise_for_status(400, body, "http://engine-small:8100")
+async def test_a_non_json_upstream_error_body_is_not_echoed(body: bytes) -> None:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1 << 16)
+        writer.write(b"HTTP/1.1 400 Bad Request\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    client = HttpEngineClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", "m")
+    try:
+        with pytest.raises(APIError) as caught:
+            await client.chat(ChatCompletionRequest(model="m", messages=[ChatMessage(role="user", content="hi")]))
+    finally:
+        await client.close()
+        server.close()
     assert SECRET not in caught.value.message and caught.value.status_code == 400
 
 
+def _no_sluice_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sluice engine` reads SLUICE_* configuration; the test run's own SLUICE_TEST_* is not any."""
+    for name in [n for n in os.environ if n.startswith("SLUICE_") or n == "ENGINE_API_KEY"]:
+        monkeypatch.delenv(name)
+
+
 def test_sluice_engine_takes_an_api_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_sluice_environment(monkeypatch)
     args = build_parser().parse_args(["engine", "--tier", "small", "--api-key", "engine-secret"])
     assert args.api_key == "engine-secret"
     served: dict[str, Any] = {}
     monkeypatch.setattr("engines.server.run_engine_server", lambda spec, **kwargs: served.update(kwargs))
     assert args.handler(args) == 0
     assert served["api_key"] == "engine-secret"
+
+
+def test_sluice_engine_requires_the_key_the_gateway_sends_the_tier(monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_sluice_environment(monkeypatch)
+    monkeypatch.setenv("SLUICE_TIERS__SMALL__API_KEY", "tier-secret")
+    served: dict[str, Any] = {}
+    monkeypatch.setattr("engines.server.run_engine_server", lambda spec, **kwargs: served.update(kwargs))
+    args = build_parser().parse_args(["engine", "--tier", "small"])
+    assert args.handler(args) == 0
+    assert served["api_key"] == "tier-secret"
