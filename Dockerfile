@@ -29,7 +29,7 @@ COPY migrations ./migrations
 COPY bench ./bench
 # Editable, so that migrations/ (scripts and templates, not Python modules) stay beside the code.
 RUN pip install --no-deps -e . && useradd --create-home --uid 10001 sluice \
-    && mkdir -p /models /app/var && chown sluice:sluice /models /app/var
+    && mkdir -p /models /app/var/spool && chown -R sluice:sluice /models /app/var
 USER sluice
 
 EXPOSE 8000 8100

@@ -44,6 +44,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None: derive from kv_cache_bytes
     kv_cache_bytes: int = 1 << 30
     max_num_seqs: int = 32  # running sequences per step
+    # Requests queued beyond the running ones; more are refused at once (backpressure, 503 +
+    # Retry-After) instead of queueing without bound.
+    max_num_waiting: int = 256
     max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
     max_model_len: int = 4096
     enable_prefix_caching: bool = True

@@ -12,6 +12,7 @@ import logging
 import os
 import random
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from engines.detokenizer import IncrementalDetokenizer
 from engines.loader import Checkpoint, load_checkpoint
 from engines.model_runner import ModelRunner, kv_block_bytes
 from engines.models import model_class
-from engines.outputs import RequestOutput
+from engines.outputs import EngineOverloaded, EngineStepFailed, RequestOutput
 from engines.quantization import quantize_model, resolve_quantization
 from engines.sampler import sample
 from engines.sampling_params import SamplingParams
@@ -49,6 +50,7 @@ class EngineStats:
     prefix_cache_queries_tokens: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hit_tokens: int
     num_generated_tokens_total: int
+    num_aborted_total: int = 0  # requests dropped before they finished (client gone, step failed)
 
 
 def physical_core_count() -> int:
@@ -136,6 +138,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._requests: dict[str, Sequence] = {}
         self._num_generated_tokens_total = 0
+        self._num_aborted_total = 0
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -181,6 +184,7 @@ class LLMEngine:
         seq = self._requests.pop(request_id, None)
         if seq is not None:
             self.scheduler.finish(seq, "abort")
+            self._num_aborted_total += 1
         return seq
 
     def abort_all(self) -> list[str]:
@@ -233,6 +237,7 @@ class LLMEngine:
             prefix_cache_queries_tokens=self.scheduler.prefix_cache_queries_tokens,
             prefix_cache_hit_tokens=self.scheduler.prefix_cache_hit_tokens,
             num_generated_tokens_total=self._num_generated_tokens_total,
+            num_aborted_total=self._num_aborted_total,
         )
 
 
@@ -248,6 +253,9 @@ def _delta(seq: Sequence, token_id: int, text: str, logprob: object) -> RequestO
         num_cached_tokens=seq.num_cached_tokens,
         num_output_tokens=seq.num_output_tokens,
     )
+
+
+UNHEALTHY_AFTER_FAILURE_S = 5.0  # a failed step marks the engine unhealthy this long (health checks, fallback)
 
 
 class AsyncLLMEngine:
@@ -270,6 +278,9 @@ class AsyncLLMEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | BaseException]]] = {}
         self._stopped = False
         self._stats = engine.stats()
+        self._failed_at = float("-inf")  # monotonic time of the latest failed step
+        # Streams open at once: those running plus a bounded waiting queue.
+        self.capacity = engine.config.max_num_seqs + engine.config.max_num_waiting
         self._thread = threading.Thread(target=self._run, name="sluice-engine-step", daemon=True)
         self._thread.start()
 
@@ -296,6 +307,8 @@ class AsyncLLMEngine:
                 raise RuntimeError("the engine is shut down")
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
+            if len(self._streams) >= self.capacity:
+                raise EngineOverloaded(f"{len(self._streams)} requests running or queued (capacity {self.capacity})")
             self._streams[request_id] = (loop, queue)
             self._submit(lambda: self._add(request_id, list(prompt_token_ids), params))
         finished = False
@@ -323,6 +336,11 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         """Statistics as of the end of the latest step."""
         return self._stats
+
+    @property
+    def healthy(self) -> bool:
+        """False for a while after a step failed: callers send work elsewhere meanwhile."""
+        return time.monotonic() - self._failed_at >= UNHEALTHY_AFTER_FAILURE_S
 
     async def shutdown(self) -> None:
         """Stop the step thread; streams still open end with an abort delta."""
@@ -375,14 +393,15 @@ class AsyncLLMEngine:
                 if self._stopped:
                     return
                 commands, self._commands = self._commands, []
-            for command in commands:
-                command()
             try:
+                for command in commands:
+                    command()
                 outputs = self.engine.step()
-            except Exception as exc:  # keep serving others: fail every in-flight request, free its blocks
-                logger.exception("engine step failed")
+            except Exception:  # the loop lives on: fail every in-flight request cleanly, free its blocks
+                logger.exception("engine step failed; failing the requests in flight")
+                self._failed_at = time.monotonic()
                 for request_id in self.engine.abort_all():
-                    self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"))
+                    self._deliver(request_id, EngineStepFailed("the engine step failed"))
                 outputs = []
             # Before delivering: a consumer that has an output sees statistics that count it.
             self._stats = self.engine.stats()

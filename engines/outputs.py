@@ -3,6 +3,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class EngineOverloaded(Exception):
+    """The engine's queue is full: a request is refused now rather than queued without bound."""
+
+
+class EngineStepFailed(RuntimeError):
+    """The engine's step raised: every request in flight fails with this (the details are logged)."""
+
+
 @dataclass
 class TokenLogprob:
     """The chosen token's log-probability and the top alternatives, from the unmodified distribution."""

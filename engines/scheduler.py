@@ -14,8 +14,8 @@ The scheduler is also the one place that decides, for each step, which sequences
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -61,7 +61,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Sequence] = []  # in admission order: the last one is preempted first
         self.num_preempted_total = 0
         self.prefix_cache_queries_tokens = 0
@@ -176,3 +176,36 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preempted_total += 1
+
+
+class WaitingQueue:
+    """Sequences waiting for admission, first in first out, with O(1) removal from anywhere (an
+    abort of a queued request costs the same however long the queue is). A preempted sequence goes
+    back to the front."""
+
+    def __init__(self) -> None:
+        self._seqs: OrderedDict[int, Sequence] = OrderedDict()
+
+    def append(self, seq: Sequence) -> None:
+        self._seqs[id(seq)] = seq
+
+    def appendleft(self, seq: Sequence) -> None:
+        self._seqs[id(seq)] = seq
+        self._seqs.move_to_end(id(seq), last=False)
+
+    def popleft(self) -> Sequence:
+        return self._seqs.popitem(last=False)[1]
+
+    def remove(self, seq: Sequence) -> None:
+        del self._seqs[id(seq)]
+
+    def __getitem__(self, index: int) -> Sequence:
+        if index != 0:
+            raise IndexError("only the head of the waiting queue is read")
+        return next(iter(self._seqs.values()))
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(list(self._seqs.values()))

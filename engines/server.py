@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import hmac
 import logging
+import secrets
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
@@ -51,17 +52,27 @@ def _error_response(status_code: int, detail: ErrorDetail) -> Response[bytes]:
 
 
 def _api_error_handler(_: Request, exc: APIError) -> Response[bytes]:
-    return _error_response(exc.status_code, exc.detail)
+    response = _error_response(exc.status_code, exc.detail)
+    response.headers.update(exc.headers)  # Retry-After of a 503
+    return response
 
 
-def _http_error_handler(_: Request, exc: HTTPException) -> Response[bytes]:
-    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return _error_response(exc.status_code, ErrorDetail(message=exc.detail, type=kind))
+def _http_error_handler(request: Request, exc: HTTPException) -> Response[bytes]:
+    if exc.status_code >= 500:
+        return _internal_error_handler(request, exc)
+    return _error_response(exc.status_code, ErrorDetail(message=exc.detail, type="invalid_request_error"))
+
+
+def _internal_error(exc: BaseException, what: str) -> ErrorDetail:
+    """The error a client sees for a failure of ours: an id to quote, never the exception's text
+    (paths, addresses, internals); the log line under that id has the details."""
+    error_id = f"err-{secrets.token_hex(8)}"
+    logger.error("%s (%s)", what, error_id, exc_info=exc)
+    return ErrorDetail(message=f"The engine failed ({error_id}).", type="server_error", code="internal_error")
 
 
 def _internal_error_handler(_: Request, exc: Exception) -> Response[bytes]:
-    logger.exception("unhandled error", exc_info=exc)
-    return _error_response(500, ErrorDetail(message=f"internal error: {type(exc).__name__}", type="server_error"))
+    return _error_response(500, _internal_error(exc, "unhandled error"))
 
 
 async def _sse(stream: AsyncGenerator[ChatCompletionChunk | Completion, None], include_usage: bool) -> Stream:
@@ -123,8 +134,11 @@ async def list_models(serving: NamedDependency[OpenAIServing]) -> ModelList:
 
 
 @get("/healthz")
-async def healthz() -> dict[str, str]:
-    return {"status": "ok"}
+async def healthz(serving: NamedDependency[OpenAIServing]) -> Response[bytes]:
+    # Unhealthy for a while after a failed step: load balancers and the gateway send work elsewhere.
+    if not getattr(serving.engine, "healthy", True):
+        return Response(b'{"status":"unhealthy"}', status_code=503, media_type=JSON)
+    return Response(b'{"status":"ok"}', media_type=JSON)
 
 
 @get("/metrics")

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from engines.api.errors import APIError
+from engines.api.client import EngineUnavailable
+from engines.api.errors import APIError, service_unavailable
 from engines.api.prompts import PromptTokenizer, chat_prompt_token_ids, completion_prompts, count_prompt_tokens
 from engines.api.protocol import (
     AssistantMessage,
@@ -40,7 +41,7 @@ from engines.api.protocol import (
     now,
 )
 from engines.api.rules import Decoding, check_token_ids, decoding, max_tokens_for
-from engines.outputs import RequestOutput
+from engines.outputs import EngineOverloaded, EngineStepFailed, RequestOutput
 from engines.outputs import TokenLogprob as EngineTokenLogprob
 from engines.sampling_params import SamplingParams
 
@@ -224,6 +225,8 @@ class OpenAIServing:
                 yield calls[position], output
         except ValueError as exc:  # the engine refuses requests it can never schedule
             raise APIError(400, str(exc), code="invalid_request") from exc
+        except EngineOverloaded as exc:  # backpressure: the client retries, or the gateway falls back
+            raise service_unavailable("The engine is at capacity. Retry shortly.", "engine_overloaded") from exc
         finally:
             await outputs.aclose()
 
@@ -423,39 +426,74 @@ def is_usage_chunk(chunk: ChatCompletionChunk | Completion) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
+_ResultT = TypeVar("_ResultT")
+_ChunkT = TypeVar("_ChunkT")
+
+
 class InProcessEngineClient:
     """A tier whose engine runs in this process (an `engines.api.client.EngineClient`). The client
     owns the engine: `close()` shuts it down.
 
     Streams end with a usage-only chunk (`choices: []`) whatever `stream_options` says."""
 
-    def __init__(self, serving: OpenAIServing) -> None:
+    def __init__(self, serving: OpenAIServing, deadline_s: float | None = None) -> None:
         self.serving = serving
         self.model_name = serving.model_name
+        self.deadline_s = deadline_s  # a request (a whole stream too) ends by then, however busy the engine
 
     def count_prompt_tokens(self, request: ChatCompletionRequest | CompletionRequest) -> int:
         return self.serving.count_prompt_tokens(request)
 
     async def chat(self, request: ChatCompletionRequest) -> ChatCompletion:
-        return await self.serving.chat(request)
+        return await self._call(self.serving.chat(request))
 
     def chat_stream(self, request: ChatCompletionRequest) -> AsyncGenerator[ChatCompletionChunk, None]:
-        return self.serving.chat_stream(request)
+        return self._stream(self.serving.chat_stream(request))
 
     async def complete(self, request: CompletionRequest) -> Completion:
-        return await self.serving.complete(request)
+        return await self._call(self.serving.complete(request))
 
     def complete_stream(self, request: CompletionRequest) -> AsyncGenerator[Completion, None]:
-        return self.serving.complete_stream(request)
+        return self._stream(self.serving.complete_stream(request))
 
     async def ready(self) -> bool:
-        return True
+        return bool(getattr(self.serving.engine, "healthy", True))
+
+    async def _call(self, work: Coroutine[Any, Any, _ResultT]) -> _ResultT:
+        """`work` within the deadline; a failed or unhealthy engine is unavailable (the gateway may
+        fall back), never a 500."""
+        if not await self.ready():
+            work.close()
+            raise EngineUnavailable(f"{self.model_name}: the engine is recovering from a failed step")
+        try:
+            async with asyncio.timeout(self.deadline_s):
+                return await work
+        except TimeoutError as exc:
+            raise EngineUnavailable(f"{self.model_name}: no answer within {self.deadline_s} s") from exc
+        except EngineStepFailed as exc:
+            raise EngineUnavailable(f"{self.model_name}: {exc}") from exc
+
+    async def _stream(self, chunks: AsyncGenerator[_ChunkT, None]) -> AsyncGenerator[_ChunkT, None]:
+        try:
+            if not await self.ready():
+                raise EngineUnavailable(f"{self.model_name}: the engine is recovering from a failed step")
+            async with asyncio.timeout(self.deadline_s):
+                async for chunk in chunks:
+                    yield chunk
+        except TimeoutError as exc:
+            raise EngineUnavailable(f"{self.model_name}: the stream ran past {self.deadline_s} s") from exc
+        except EngineStepFailed as exc:
+            raise EngineUnavailable(f"{self.model_name}: {exc}") from exc
+        finally:
+            await chunks.aclose()
 
     async def close(self) -> None:
         await self.serving.engine.shutdown()
 
 
-def build_in_process_client(spec: TierSpec, cache_dir: str | None = None) -> InProcessEngineClient:
+def build_in_process_client(
+    spec: TierSpec, cache_dir: str | None = None, deadline_s: float | None = None
+) -> InProcessEngineClient:
     """Load the tier's model (slow: seconds to a minute; run it in a thread from async code) and wrap
     it as a client. The engine steps on its own thread; any event loop may consume its streams."""
     from engines.llm_engine import AsyncLLMEngine, LLMEngine
@@ -463,4 +501,4 @@ def build_in_process_client(spec: TierSpec, cache_dir: str | None = None) -> InP
 
     async_engine = AsyncLLMEngine(LLMEngine(spec.engine_config(cache_dir)))
     metrics = EngineMetrics(spec.served_name, async_engine.stats, async_engine.engine.precision())
-    return InProcessEngineClient(OpenAIServing(async_engine, spec.served_name, metrics=metrics))
+    return InProcessEngineClient(OpenAIServing(async_engine, spec.served_name, metrics=metrics), deadline_s)

@@ -9,6 +9,8 @@ what the model was trained on.
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
@@ -46,6 +48,8 @@ class Tokenizer:
         self.eos_token_ids: list[int] = _eos_token_ids(backend, chat_template, eos_token_id, extra_eos_token_ids)
         self._byte_level = "ByteLevel" in repr(backend.decoder)
         self._compiled_template: jinja2.Template | None = None
+        self._control_text: re.Pattern[str] | None = None  # built on first use
+        self._text_backend: tokenizers.Tokenizer | None = None
 
     # -- constructors ---------------------------------------------------------------------------
 
@@ -159,11 +163,58 @@ class Tokenizer:
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
         """Token ids of the rendered chat prompt. Special tokens written by the template
-        (`<|im_start|>`) become their single ids; no BOS is added beyond what the template writes."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        (`<|im_start|>`) become their single ids; no BOS is added beyond what the template writes.
+
+        Special-token text inside the messages is tokenised as text, never as the control token, so
+        a user cannot close their turn and open a system one by typing `<|im_end|>`: each such text
+        is swapped for a placeholder nobody can guess before rendering, and encoded as plain text in
+        its place. Messages without such text encode exactly as their rendered prompt does."""
+        injected: list[str] = []
+        marker = f"\ue000{secrets.token_hex(8)}:"
+        shielded = [_shield(message, self._control_pattern(), marker, injected) for message in messages]
+        text = self.render_chat(shielded, add_generation_prompt)
+        if not injected:
+            return self.encode(text, add_special_tokens=False)
+        ids: list[int] = []
+        for index, part in enumerate(re.split(f"{re.escape(marker)}(\\d+)\ue001", text)):
+            if index % 2 == 0:
+                ids += self.encode(part, add_special_tokens=False) if part else []
+            else:
+                ids += self._as_text(injected[int(part)])
+        return ids
+
+    def _control_pattern(self) -> re.Pattern[str]:
+        if self._control_text is None:
+            texts = sorted((self.backend.id_to_token(i) or "" for i in self._special_ids), key=len, reverse=True)
+            self._control_text = re.compile("|".join(re.escape(t) for t in texts if t) or "(?!)")
+        return self._control_text
+
+    def _as_text(self, text: str) -> list[int]:
+        """`text` with special-token strings encoded as ordinary text."""
+        if self._text_backend is None:
+            self._text_backend = tokenizers.Tokenizer.from_str(self.backend.to_str())
+            self._text_backend.encode_special_tokens = True
+        return self._text_backend.encode(text, add_special_tokens=False).ids
 
     def _token_text_or_empty(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
+
+
+def _shield(value: Any, control: re.Pattern[str], marker: str, injected: list[str]) -> Any:
+    """`value` (a message, or anything in it) with each control-token text replaced by
+    `marker<index>\ue001`, the text appended to `injected`."""
+    if isinstance(value, str):
+
+        def swap(match: re.Match[str]) -> str:
+            injected.append(match.group(0))
+            return f"{marker}{len(injected) - 1}\ue001"
+
+        return control.sub(swap, value)
+    if isinstance(value, Mapping):
+        return {key: _shield(item, control, marker, injected) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_shield(item, control, marker, injected) for item in value]
+    return value
 
 
 def _eos_token_ids(

@@ -10,7 +10,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from litestar import Litestar, Request, Response
+from litestar import Litestar, Request, Response, Router
 from litestar.di import Provide
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
@@ -21,20 +21,26 @@ from engines.api.errors import APIError, validation_error
 from gateway.assembly import build_client
 from gateway.config import Settings
 from gateway.controllers import dashboard
-from gateway.controllers.admin import AdminKeysController, provide_db
+from gateway.controllers.admin import AdminKeysController, bearer_key, provide_db
 from gateway.controllers.http import provide_gateway
 from gateway.controllers.openai import OpenAIController
 from gateway.controllers.ops import OpsController
-from gateway.counters import CounterStore, InProcessCounterStore, LocalFallbackCounterStore, RedisCounterStore
+from gateway.counters import (
+    CircuitBreakerCounterStore,
+    CounterStore,
+    InProcessCounterStore,
+    LocalFallbackCounterStore,
+    RedisCounterStore,
+)
 from gateway.db.database import make_database
 from gateway.keys import DEFAULT_KEY_CACHE_TTL_S, KeyCache
 from gateway.metrics import Metrics
-from gateway.pipeline import Gateway, RecordSink, RequestState
+from gateway.pipeline import Gateway, RecordSink, RequestState, request_ids
 
 log = logging.getLogger("sluice.gateway")
 
 
-def _as_gateway_error(exc: Exception) -> APIError:
+def _as_gateway_error(exc: Exception, request_id: str) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ValidationException):
@@ -50,16 +56,22 @@ def _as_gateway_error(exc: Exception) -> APIError:
         if exc.status_code == 400 and "JSON" in exc.detail:
             return APIError(400, f"The request body is not valid JSON: {exc.detail}", code="invalid_json")
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
-        return APIError(exc.status_code, exc.detail, code=code, headers=exc.headers)
-    log.exception("unhandled error", exc_info=exc)
-    return APIError(500, "The gateway failed to handle the request.", code="internal_error")
+        if exc.status_code < 500:
+            return APIError(exc.status_code, exc.detail, code=code, headers=exc.headers)
+    # Ours to fix, not the client's: its text (paths, addresses, internals) goes to the log under
+    # the request id, and the client gets only that id to quote.
+    log.error("unhandled error in request %s", request_id, exc_info=exc)
+    return APIError(
+        500, f"The gateway failed to handle the request (request id {request_id}).", code="internal_error"
+    )
 
 
 def handle_exception(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
     """Every failure as an OpenAI error body, recorded once when the request had started a record."""
-    error = _as_gateway_error(exc)
-    headers = dict(error.headers)
     state: RequestState | None = request.state.get("sluice")
+    request_id = state.request_id if state is not None else request_ids(request.headers.get("x-request-id"))[0]
+    error = _as_gateway_error(exc, request_id)
+    headers = dict(error.headers)
     if state is not None:
         headers["x-request-id"] = state.response_id or state.request_id
         gateway: Gateway | None = request.app.state.get("gateway")
@@ -81,6 +93,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        if not settings.server.admin_key:
+            log.warning("admin API disabled: server.admin_key is empty (keys can be managed with `sluice keys`)")
         async with AsyncExitStack() as stack:
             db = make_database(settings.database.url, pool_size=settings.database.pool_size)
             stack.push_async_callback(db.dispose)
@@ -103,7 +117,8 @@ def create_app(
                 stack.push_async_callback(redis.aclose)
                 shared = RedisCounterStore(redis, redis_prefix)
                 stack.push_async_callback(shared.aclose)
-                counters = shared if settings.redis.when_unavailable == "refuse" else LocalFallbackCounterStore(shared)
+                refuse = settings.redis.when_unavailable == "refuse"
+                counters = CircuitBreakerCounterStore(shared) if refuse else LocalFallbackCounterStore(shared)
             else:
                 counters = InProcessCounterStore()
             clients = tiers
@@ -137,6 +152,11 @@ def create_app(
         },
         exception_handlers={Exception: handle_exception},
         lifespan=[lifespan],
-        openapi_config=OpenAPIConfig(title="Sluice", version="0.1.0", path="/openapi"),
+        openapi_config=OpenAPIConfig(
+            title="Sluice",
+            version="0.1.0",
+            openapi_router=Router("/openapi", route_handlers=[], guards=[bearer_key("openapi_key")]),
+        ),
         logging_config=None,
+        request_max_body_size=settings.server.max_body_bytes,
     )

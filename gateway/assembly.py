@@ -39,7 +39,7 @@ def build_client(name: str, tier: TierConfig, settings: Settings) -> EngineClien
             connect_timeout=tier.connect_timeout_s,
             read_timeout=tier.read_timeout_s,
         )
-    return build_in_process_client(engine_spec(name, tier), cache_dir=cache_dir)
+    return build_in_process_client(engine_spec(name, tier), cache_dir=cache_dir, deadline_s=tier.read_timeout_s)
 
 
 def engine_spec(name: str, tier: TierConfig) -> TierSpec:

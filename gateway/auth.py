@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from engines.api.errors import APIError, service_unavailable
 from gateway.config import PolicyConfig, Settings
-from gateway.keys import SECRET_PREFIX, ApiKey, KeyCache, KeyStoreUnavailable, effective_policy
+from gateway.keys import SECRET_PREFIX, ApiKey, KeyCache, KeyStoreUnavailable, anonymous_policy, effective_policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +35,13 @@ class Authenticator:
         self.keys = keys
         # A key's principal, kept while the key cache returns the same key object.
         self._principals: dict[str, tuple[ApiKey, Principal]] = {}
+        server = settings.server
+        self._anonymous = Principal(
+            key_id=None,
+            tenant=server.anonymous_tenant,
+            feature=server.anonymous_feature,
+            policy=anonymous_policy(settings),  # with default limits: an open gateway is not an unlimited one
+        )
 
     async def authenticate(self, authorization: str | None) -> Principal:
         if not authorization:
@@ -72,6 +79,4 @@ class Authenticator:
         return principal
 
     def anonymous(self) -> Principal:
-        server = self.settings.server
-        policy = self.settings.policy_for(server.anonymous_feature)
-        return Principal(key_id=None, tenant=server.anonymous_tenant, feature=server.anonymous_feature, policy=policy)
+        return self._anonymous

@@ -7,18 +7,49 @@ refused naming both counts; too large a `max_tokens` is clamped and the response
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 
 from engines.api.client import EngineClient
 from engines.api.errors import APIError
 from engines.api.protocol import ChatCompletionRequest, Request
-from gateway.config import PolicyConfig
-from gateway.counters import Admission, Limits
+from gateway.config import PolicyConfig, Settings
+from gateway.cost import request_cost
+from gateway.counters import Admission, Charge, Limits
+
+# Prompts longer than this many characters are tokenised on a worker thread: a megabyte prompt
+# takes the tokenizer tens of milliseconds, during which no other request would move.
+OFFLOAD_PROMPT_CHARS = 16_384
 
 
 def count_prompt_tokens(client: EngineClient, request: Request) -> int:
     """The one way prompt tokens are counted before a request runs."""
     return client.count_prompt_tokens(request)
+
+
+async def count_prompt_tokens_off_loop(client: EngineClient, request: Request) -> int:
+    """`count_prompt_tokens`, on a worker thread when the prompt is large."""
+    if prompt_chars(request) <= OFFLOAD_PROMPT_CHARS:
+        return count_prompt_tokens(client, request)
+    return await asyncio.to_thread(count_prompt_tokens, client, request)
+
+
+def prompt_chars(request: Request) -> int:
+    """Characters of prompt text (token ids count one each): a cheap size, read before tokenising."""
+    if isinstance(request, ChatCompletionRequest):
+        total = 0
+        for message in request.messages:
+            content = message.content
+            if isinstance(content, str):
+                total += len(content)
+            elif content:
+                total += sum(len(part.text or "") for part in content)
+        return total
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(item) if isinstance(item, str | list) else 1 for item in prompt)
 
 
 def check_prompt_length(prompt_tokens: int, policy: PolicyConfig) -> None:
@@ -42,6 +73,50 @@ def clamp_output(request: Request, policy: PolicyConfig) -> tuple[Request, bool]
     if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
         return msgspec.structs.replace(request, max_completion_tokens=cap), True
     return msgspec.structs.replace(request, max_tokens=cap), asked is not None
+
+
+def prompt_count(request: Request) -> int:
+    """How many prompts a request carries: a completions prompt may be a list of them."""
+    if isinstance(request, ChatCompletionRequest):
+        return 1
+    prompt = request.prompt
+    if isinstance(prompt, str) or not prompt or all(isinstance(item, int) for item in prompt):
+        return 1
+    return len(prompt)
+
+
+def worst_case_output(request: Request) -> int:
+    """The most completion tokens a request (its output limit already clamped) may produce."""
+    return (request.output_limit() or 0) * request.n * prompt_count(request)
+
+
+def check_amplification(request: Request, policy: PolicyConfig) -> None:
+    """One request may not fan out beyond the policy: prompt lists and total output are bounded."""
+    prompts = prompt_count(request)
+    if prompts > policy.max_prompts_per_request:
+        raise APIError(
+            400,
+            f"The prompt list has {prompts} prompts, more than this key's limit of {policy.max_prompts_per_request}.",
+            code="too_many_prompts",
+            param="prompt",
+        )
+    output = worst_case_output(request)
+    if output > policy.max_request_output_tokens:
+        raise APIError(
+            400,
+            f"This request may produce {output} tokens (max_tokens × n × prompts), more than this key's limit of "
+            f"{policy.max_request_output_tokens}. Lower `max_tokens` or `n`.",
+            code="output_too_large",
+            param="n",
+        )
+
+
+def reservation(settings: Settings, tiers: list[str], request: Request, prompt_tokens: int) -> Charge:
+    """What admission counts before the request runs: its worst-case output, priced at the dearest
+    tier that may serve it (fallback may move it)."""
+    output = worst_case_output(request)
+    cost = max(request_cost(settings.tiers[tier], prompt_tokens, output, 0) for tier in tiers)
+    return Charge(completion_tokens=output, cost_usd=cost)
 
 
 def limits_of(policy: PolicyConfig) -> Limits:

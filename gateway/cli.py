@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import runpy
 import sys
 from collections.abc import Callable, Sequence
@@ -22,6 +23,25 @@ def _settings(args: argparse.Namespace):
 # --- serve ------------------------------------------------------------------------------------
 
 
+def anonymous_exposure(settings, host: str) -> str | None:
+    """Why serving on `host` would open an unauthenticated gateway to the network, or None."""
+    import ipaddress
+
+    server = settings.server
+    if not server.allow_anonymous or server.allow_anonymous_on_public_host:
+        return None
+    try:
+        loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if loopback:
+        return None
+    return (
+        f"server.allow_anonymous lets anyone who reaches {host} spend without a key; bind a loopback "
+        "address, or set server.allow_anonymous_on_public_host = true to mean it"
+    )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -31,6 +51,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     host = args.host or settings.server.host
     port = args.port or settings.server.port
+    if problem := anonymous_exposure(settings, host):
+        print(f"refusing to start: {problem}", file=sys.stderr)
+        return 2
     if settings.database.url.startswith("sqlite"):
         # The embedded database needs no operator: bring its schema up to date on start.
         upgrade(settings.database.url)
@@ -64,7 +87,9 @@ def cmd_engine(args: argparse.Namespace) -> int:
     spec = engine_spec(args.tier, tier)
     if args.model:
         spec = spec.replace(model=args.model)
-    run_engine_server(spec, host=args.host, port=args.port, cache_dir=str(settings.models_cache_dir))
+    # The key the gateway sends this tier (tiers.<name>.api_key) is the key the server requires.
+    api_key = args.api_key or tier.api_key or None
+    run_engine_server(spec, host=args.host, port=args.port, cache_dir=str(settings.models_cache_dir), api_key=api_key)
     return 0
 
 
@@ -168,6 +193,7 @@ BENCHMARKS = {
     "gateway": "bench.gateway_overhead",
     "kernels": "bench.kernels",
     "dashboard": "bench.dashboard",
+    "load": "bench.load",
 }
 
 
@@ -198,6 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--host", default="127.0.0.1")
     engine.add_argument("--port", type=int, default=8100)
     engine.add_argument("--model", help="override the tier's model: demo model name or path")
+    engine.add_argument(
+        "--api-key",
+        default=os.environ.get("ENGINE_API_KEY", ""),
+        help="require `Authorization: Bearer <key>` on the OpenAI routes (default: $ENGINE_API_KEY, else "
+        "tiers.<name>.api_key, the key the gateway sends the tier)",
+    )
     engine.set_defaults(handler=cmd_engine)
 
     models = sub.add_parser("models", help="demo models shipped as PyPI wheels")

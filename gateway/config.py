@@ -34,13 +34,24 @@ class ServerConfig(_Section):
     port: int = 8000
     # Admin API key (`Authorization: Bearer <admin_key>`); empty disables the admin API.
     admin_key: str = ""
+    # When set, /metrics and the OpenAPI schema (/openapi) require `Bearer <key>` (or the admin key).
+    metrics_key: str = ""
+    openapi_key: str = ""
     # With no key store entry, requests are refused unless this is true (local development).
     allow_anonymous: bool = False
+    # `sluice serve` refuses allow_anonymous on a non-loopback address unless this is also true.
+    allow_anonymous_on_public_host: bool = False
     anonymous_tenant: str = "local"
     anonymous_feature: str = "default"
+    # Limits of anonymous callers where their feature's policy sets none (0: no limit).
+    anonymous_rpm: int = 60
+    anonymous_tpm: int = 100_000
+    anonymous_spend_per_day_usd: float = 1.0
     default_tier: str = "small"
     # Where accounting rows wait while the database is unreachable.
     spool_dir: str = "var/spool"
+    # Larger request bodies are refused with 413 before they are read in full.
+    max_body_bytes: int = 16 * 1024 * 1024
 
 
 class DatabaseConfig(_Section):
@@ -100,7 +111,10 @@ class PolicyConfig(_Section):
 
     allowed_tiers: list[str] = msgspec.field(default_factory=lambda: ["small", "large"])
     max_prompt_tokens: int = 8192
-    max_output_tokens: int = 1024
+    max_output_tokens: int = 1024  # per choice (`max_tokens` is clamped to it)
+    # All the output one request may cause: max_tokens × n × prompts (no amplification).
+    max_request_output_tokens: int = 16384
+    max_prompts_per_request: int = 16  # length of a /v1/completions prompt list
     spend_per_day_usd: float | None = None
     spend_per_month_usd: float | None = None
     rpm: int | None = None
@@ -110,6 +124,16 @@ class PolicyConfig(_Section):
     fallback: bool = True  # may the other tier serve when this one is down
     # May prompts and answers of this feature be shown (dashboard: shadow-run disagreements)?
     log_content: bool = False
+
+
+class TenantConfig(_Section):
+    """Limits of a whole tenant, beside each key's: every key of the tenant counts against them, so a
+    key revoked and re-created does not start a fresh budget."""
+
+    spend_per_day_usd: float | None = None
+    spend_per_month_usd: float | None = None
+    rpm: int | None = None
+    tpm: int | None = None
 
 
 def _default_tiers() -> dict[str, TierConfig]:
@@ -141,6 +165,8 @@ class Settings(_Section):
     tiers: dict[str, TierConfig] = msgspec.field(default_factory=dict)
     # Feature name → policy. "default" applies to features not listed.
     policies: dict[str, PolicyConfig] = msgspec.field(default_factory=lambda: {"default": PolicyConfig()})
+    # Tenant name → limits over all its keys (tenants not listed: none beyond their keys').
+    tenants: dict[str, TenantConfig] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.tiers:
@@ -242,7 +268,7 @@ def load_settings(path: str | os.PathLike[str] | None = None, environ: dict[str,
     _with_tier_defaults(data)
     _apply_env(data, environ)
     # Tables of named entries are checked one by one so that errors name the entry.
-    for section, kind in (("tiers", TierConfig), ("policies", PolicyConfig)):
+    for section, kind in (("tiers", TierConfig), ("policies", PolicyConfig), ("tenants", TenantConfig)):
         entries = data.get(section)
         if isinstance(entries, dict):
             for name, entry in entries.items():

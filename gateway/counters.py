@@ -2,10 +2,12 @@
 
 One subject (a virtual key) has four counters: requests and tokens in the current minute, and
 USD spent in the current UTC day and month. `admit` checks every limit and, only if all pass,
-counts the request and its prompt tokens, atomically, in one round trip (a Lua script in Redis, so
-several gateway replicas share one limit). `charge` adds what the request actually produced
-(completion tokens, cost) once it is known; it runs after the response, off the request path, and
-`charge_many` applies the charges of many requests in one round trip.
+counts the request, its prompt tokens and its *reservation* (the most output and USD it may cost),
+atomically, in one round trip (a Lua script in Redis, so several gateway replicas share one limit).
+Once the request is over `charge_many` settles it: it adds the difference between what was produced
+and what was reserved (usually negative), for many requests in one round trip. So N concurrent
+requests cannot overspend together: each one's worst case is counted before it runs, and a budget is
+exceeded by at most the reservation of the request admitted last below it.
 
 Windows are fixed (the minute, the UTC day, the UTC month), so `Retry-After` is exact: the
 seconds until the window that refused the request ends.
@@ -53,6 +55,9 @@ class Charge:
 
     def __add__(self, other: Charge) -> Charge:
         return Charge(self.completion_tokens + other.completion_tokens, self.cost_usd + other.cost_usd)
+
+    def __sub__(self, other: Charge) -> Charge:
+        return Charge(self.completion_tokens - other.completion_tokens, self.cost_usd - other.cost_usd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +128,9 @@ def _utc_day(day_number: int) -> tuple[str, str, int, int]:
 
 
 class CounterStore(Protocol):
-    async def admit(self, subject: str, limits: Limits, prompt_tokens: int, now: float) -> Admission: ...
+    async def admit(
+        self, subject: str, limits: Limits, prompt_tokens: int, now: float, reserve: Charge = Charge()
+    ) -> Admission: ...
 
     async def charge_many(self, charges: Mapping[str, Charge], now: float) -> None: ...
 
@@ -137,7 +144,8 @@ def _limit_arg(value: float | None) -> str:
 
 
 # KEYS: requests-this-minute, tokens-this-minute, spend-today, spend-this-month.
-# ARGV: rpm, tpm, prompt tokens, day budget, month budget, minute TTL (limits < 0: unlimited).
+# ARGV: rpm, tpm, prompt tokens, day budget, month budget, minute TTL (limits < 0: unlimited),
+# reserved output tokens, reserved USD, day TTL, month TTL.
 # Returns 0 when admitted, else the 1-based index of the refusing limit in _REASONS.
 _ADMIT_LUA = """
 local rpm, tpm, prompt = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -148,20 +156,28 @@ if day_budget >= 0 and tonumber(redis.call('GET', KEYS[3]) or '0') >= day_budget
 if month_budget >= 0 and tonumber(redis.call('GET', KEYS[4]) or '0') >= month_budget then return 4 end
 redis.call('INCR', KEYS[1])
 redis.call('EXPIRE', KEYS[1], ARGV[6])
-if prompt > 0 then
-  redis.call('INCRBY', KEYS[2], prompt)
+local tokens = prompt + tonumber(ARGV[7])
+if tokens > 0 then
+  redis.call('INCRBY', KEYS[2], tokens)
   redis.call('EXPIRE', KEYS[2], ARGV[6])
+end
+if tonumber(ARGV[8]) > 0 then
+  redis.call('INCRBYFLOAT', KEYS[3], ARGV[8])
+  redis.call('EXPIRE', KEYS[3], ARGV[9])
+  redis.call('INCRBYFLOAT', KEYS[4], ARGV[8])
+  redis.call('EXPIRE', KEYS[4], ARGV[10])
 end
 return 0
 """
 
 # KEYS: tokens-this-minute, spend-today, spend-this-month. ARGV: tokens, cost, minute/day/month TTLs.
+# A settlement is usually negative (less was produced than reserved).
 _CHARGE_LUA = """
-if tonumber(ARGV[1]) > 0 then
+if tonumber(ARGV[1]) ~= 0 then
   redis.call('INCRBY', KEYS[1], ARGV[1])
   redis.call('EXPIRE', KEYS[1], ARGV[3])
 end
-if tonumber(ARGV[2]) > 0 then
+if tonumber(ARGV[2]) ~= 0 then
   redis.call('INCRBYFLOAT', KEYS[2], ARGV[2])
   redis.call('EXPIRE', KEYS[2], ARGV[4])
   redis.call('INCRBYFLOAT', KEYS[3], ARGV[2])
@@ -196,7 +212,9 @@ class RedisCounterStore:
             return [await script(keys=keys, args=args) for keys, args in calls]
         return await self._multiplexed.run_scripts(script, calls)
 
-    async def admit(self, subject: str, limits: Limits, prompt_tokens: int, now: float) -> Admission:
+    async def admit(
+        self, subject: str, limits: Limits, prompt_tokens: int, now: float, reserve: Charge = Charge()
+    ) -> Admission:
         w = Windows.at(now)
         args = [
             _limit_arg(limits.rpm),
@@ -205,6 +223,9 @@ class RedisCounterStore:
             _limit_arg(limits.spend_per_day_usd),
             _limit_arg(limits.spend_per_month_usd),
             _WINDOW_TTL_S,
+            reserve.completion_tokens,
+            repr(reserve.cost_usd),
+            *_spend_ttls(w),
         ]
         try:
             (reply,) = await self._run_scripts(self._admit, [(list(self._keys(subject, w)), args)])
@@ -222,7 +243,7 @@ class RedisCounterStore:
 
     async def charge_many(self, charges: Mapping[str, Charge], now: float) -> None:
         w = Windows.at(now)
-        ttls = [_WINDOW_TTL_S, math.ceil(w.day_left_s) + 3600, math.ceil(w.month_left_s) + 3600]
+        ttls = [_WINDOW_TTL_S, *_spend_ttls(w)]
         calls: list[tuple[list[str], list[Any]]] = []
         for subject, charge in charges.items():
             _, tokens, day, month = self._keys(subject, w)
@@ -239,6 +260,10 @@ class RedisCounterStore:
         except (RedisError, OSError) as exc:
             raise CountersUnavailable(str(exc) or type(exc).__name__) from exc
         return float(values[0] or 0), float(values[1] or 0)
+
+
+def _spend_ttls(w: Windows) -> list[int]:
+    return [math.ceil(w.day_left_s) + 3600, math.ceil(w.month_left_s) + 3600]
 
 
 class InProcessCounterStore:
@@ -262,7 +287,9 @@ class InProcessCounterStore:
             current = {str(w.minute), w.day, w.month}
             self._counts = {k: v for k, v in self._counts.items() if k.rsplit(":", 1)[1] in current}
 
-    async def admit(self, subject: str, limits: Limits, prompt_tokens: int, now: float) -> Admission:
+    async def admit(
+        self, subject: str, limits: Limits, prompt_tokens: int, now: float, reserve: Charge = Charge()
+    ) -> Admission:
         w = Windows.at(now)
         requests, tokens, day, month = self._keys(subject, w)
         get = self._counts.get
@@ -280,7 +307,9 @@ class InProcessCounterStore:
                 return Admission(name, w.retry_after(name))
         self._expire(w)
         self._counts[requests] = get(requests, 0) + 1
-        self._counts[tokens] = get(tokens, 0) + prompt_tokens
+        self._counts[tokens] = get(tokens, 0) + prompt_tokens + reserve.completion_tokens
+        self._counts[day] = get(day, 0.0) + reserve.cost_usd
+        self._counts[month] = get(month, 0.0) + reserve.cost_usd
         return Admission(None)
 
     async def charge_many(self, charges: Mapping[str, Charge], now: float) -> None:
@@ -315,8 +344,10 @@ class LocalFallbackCounterStore:
     def using_local(self) -> bool:
         return time.monotonic() < self._local_until
 
-    async def admit(self, subject: str, limits: Limits, prompt_tokens: int, now: float) -> Admission:
-        return await self._either(lambda store: store.admit(subject, limits, prompt_tokens, now))
+    async def admit(
+        self, subject: str, limits: Limits, prompt_tokens: int, now: float, reserve: Charge = Charge()
+    ) -> Admission:
+        return await self._either(lambda store: store.admit(subject, limits, prompt_tokens, now, reserve))
 
     async def charge_many(self, charges: Mapping[str, Charge], now: float) -> None:
         await self._either(lambda store: store.charge_many(charges, now))
@@ -337,3 +368,57 @@ class LocalFallbackCounterStore:
         if time.monotonic() >= self._local_until:
             logger.warning("Redis unreachable (%s): counting limits and budgets in this replica for now", exc)
         self._local_until = time.monotonic() + self.retry_interval_s
+
+
+class CircuitBreakerCounterStore:
+    """`shared` (Redis) behind a circuit breaker, for `when_unavailable = "refuse"`: after a failure
+    every call is refused at once for `open_for_s` seconds, then one call probes Redis while the others
+    keep being refused; a probe that succeeds closes the circuit. So while Redis is down or silent,
+    requests get their 503 in microseconds instead of each waiting out a connect or read timeout."""
+
+    def __init__(self, shared: CounterStore, open_for_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
+        self.shared = shared
+        self.open_for_s = open_for_s
+        self.clock = clock
+        self._open_until = float("-inf")
+        self._probing = False
+        self._last_error = ""
+
+    @property
+    def is_open(self) -> bool:
+        return self._probing or self.clock() < self._open_until
+
+    async def admit(
+        self, subject: str, limits: Limits, prompt_tokens: int, now: float, reserve: Charge = Charge()
+    ) -> Admission:
+        return await self._guarded(lambda: self.shared.admit(subject, limits, prompt_tokens, now, reserve))
+
+    async def charge_many(self, charges: Mapping[str, Charge], now: float) -> None:
+        await self._guarded(lambda: self.shared.charge_many(charges, now))
+
+    async def spent(self, subject: str, now: float) -> tuple[float, float]:
+        return await self._guarded(lambda: self.shared.spent(subject, now))
+
+    async def aclose(self) -> None:
+        aclose = getattr(self.shared, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+    async def _guarded(self, call: Callable[[], Awaitable[_T]]) -> _T:
+        if self.is_open:
+            raise CountersUnavailable(f"circuit open after: {self._last_error}")
+        probe = self.clock() >= self._open_until > float("-inf")  # the first call after the open window
+        self._probing = probe
+        try:
+            result = await call()
+        except CountersUnavailable as exc:
+            if self.clock() >= self._open_until:
+                logger.warning("Redis unreachable (%s): refusing for %.1f s before probing again", exc, self.open_for_s)
+            self._last_error = str(exc)
+            self._open_until = self.clock() + self.open_for_s
+            raise
+        finally:
+            if probe:
+                self._probing = False
+        self._open_until = float("-inf")
+        return result

@@ -1,7 +1,7 @@
 """Fallback: which tiers to try for a request, and trying them in turn when one is down.
 
-A tier that is down or times out (`EngineUnavailable`) is replaced by the other tiers the key may
-use, in configuration order, when its policy allows fallback; when none can serve, the request
+A tier that is down, times out (`EngineUnavailable`) or is at capacity (503) is replaced by the other
+tiers the key may use, in configuration order, when its policy allows fallback; when none can serve, the request
 gets a 503 with `Retry-After`.
 """
 
@@ -26,6 +26,11 @@ def candidate_tiers(primary: str, policy: PolicyConfig, tiers: Mapping[str, obje
     return [primary, *(t for t in tiers if t != primary and t in policy.allowed_tiers)]
 
 
+def _unavailable(exc: Exception) -> bool:
+    """Down, or refusing for now: an in-process tier at capacity answers 503 (backpressure)."""
+    return isinstance(exc, EngineUnavailable) or (isinstance(exc, APIError) and exc.status_code == 503)
+
+
 def unavailable(tried: list[str]) -> APIError:
     return service_unavailable(
         f"No tier could serve the request (tried {', '.join(tried)}). Retry later.", "tier_unavailable"
@@ -45,7 +50,9 @@ async def call_with_fallback(
     for tier in candidates:
         try:
             return Served(tier, tier != candidates[0], await call(tier, clients[tier]))
-        except EngineUnavailable:
+        except (EngineUnavailable, APIError) as exc:
+            if not _unavailable(exc):
+                raise
             continue
     raise unavailable(candidates)
 
@@ -59,8 +66,10 @@ async def open_stream_with_fallback(
         stream = open_stream(clients[tier])
         try:
             first = await anext(stream)
-        except EngineUnavailable:
+        except (EngineUnavailable, APIError) as exc:
             await close(stream)
+            if not _unavailable(exc):
+                raise
             continue
         except BaseException:
             await close(stream)

@@ -7,15 +7,21 @@ per secret per TTL. An expired entry is still answered while one background read
 so no request waits on the database for a secret it has seen: a revocation made elsewhere takes
 effect within `DEFAULT_KEY_CACHE_TTL_S` seconds plus one database read (at once on the replica
 that revoked it).
+
+Unauthenticated traffic stays cheap: a secret not of the shape `new_secret` makes is refused without
+a read, and a well-formed one is looked up only when its display prefix belongs to an active key.
+The set of active prefixes is read at most once per `PREFIX_REFRESH_S` however many unknown secrets
+arrive (a flood of random keys costs a handful of reads a second, not one each); a key created a
+moment ago waits at most that long for the next read, and is never refused for it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import hashlib
 import logging
+import re
 import secrets
 import time
 import uuid
@@ -37,6 +43,8 @@ SECRET_PREFIX = "sk-sluice-"
 DISPLAY_PREFIX_LEN = 14  # "sk-sluice-" plus four random characters: enough to recognise a key
 DEFAULT_KEY_CACHE_TTL_S = 2.0
 _MAX_CACHED_SECRETS = 100_000
+PREFIX_REFRESH_S = 0.25
+_SECRET_SHAPE = re.compile(re.escape(SECRET_PREFIX) + r"[A-Za-z0-9_-]{43}")  # token_urlsafe(32)
 
 
 class KeyStoreUnavailable(Exception):
@@ -95,6 +103,17 @@ def effective_policy(settings: Settings, feature: str, overrides: Mapping[str, A
     if not overrides:
         return base
     return msgspec.convert({**msgspec.to_builtins(base), **overrides}, PolicyConfig)
+
+
+def anonymous_policy(settings: Settings) -> PolicyConfig:
+    """The anonymous feature's policy, with the server's anonymous limits wherever it sets none:
+    an open gateway is never an unlimited one by default."""
+    server = settings.server
+    policy = settings.policy_for(server.anonymous_feature)
+    defaults = {"rpm": server.anonymous_rpm, "tpm": server.anonymous_tpm}
+    defaults["spend_per_day_usd"] = server.anonymous_spend_per_day_usd  # type: ignore[assignment]
+    missing = {name: value or None for name, value in defaults.items() if getattr(policy, name) is None}
+    return msgspec.structs.replace(policy, **missing) if missing else policy
 
 
 def _row_to_key(row: sa.Row[Any]) -> ApiKey:
@@ -187,6 +206,10 @@ async def update_key_policy(engine: AsyncEngine, key_id: str, changes: Mapping[s
         policy = {name: value for name, value in (row.policy or {}).items() if name not in removed} | set_values
         await connection.execute(api_keys.update().where(api_keys.c.id == key_id).values(policy=policy))
     return dataclasses.replace(_row_to_key(row), policy=policy)
+async def active_prefixes(engine: AsyncEngine) -> set[str]:
+    query = sa.select(api_keys.c.prefix).where(api_keys.c.revoked_at.is_(None)).distinct()
+    async with engine.connect() as connection:
+        return set((await connection.execute(query)).scalars())
 
 
 async def find_active_key(engine: AsyncEngine, secret: str) -> ApiKey | None:
@@ -207,8 +230,14 @@ class KeyCache:
     clock: Callable[[], float] = time.monotonic
     _entries: dict[str, tuple[float, ApiKey | None]] = field(default_factory=dict)
     _refreshing: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    _prefixes: set[str] = field(default_factory=set)
+    _prefixes_read_at: float = float("-inf")
+    _prefix_reads: int = 0  # reads begun
+    _reading_prefixes: asyncio.Task[None] | None = None
 
     async def lookup(self, secret: str) -> ApiKey | None:
+        if _SECRET_SHAPE.fullmatch(secret) is None:
+            return None  # no key has this shape: nothing to read
         digest = hash_secret(secret)  # the cache, too, holds no plain secrets
         entry = self._entries.get(digest)
         if entry is not None:
@@ -218,21 +247,40 @@ class KeyCache:
                 task.add_done_callback(lambda _: self._refreshing.pop(digest, None))
             return entry[1]
         try:
+            if not await self._prefix_is_active(secret[:DISPLAY_PREFIX_LEN]):
+                return None
             key = await find_active_key(self.engine, secret)
         except (sa.exc.SQLAlchemyError, OSError) as exc:
             raise KeyStoreUnavailable(str(exc)) from exc
         self._remember(digest, key)
         return key
 
+    async def _prefix_is_active(self, prefix: str) -> bool:
+        """Whether an active key has this prefix, as of a read made after this call began."""
+        seen = self._prefix_reads
+        while prefix not in self._prefixes and self._prefix_reads == seen:  # no read begun since we came
+            if self._reading_prefixes is None or self._reading_prefixes.done():
+                self._reading_prefixes = asyncio.create_task(self._read_prefixes(), name="key-prefixes")
+            await asyncio.shield(self._reading_prefixes)  # one caller leaving does not cancel the others' read
+        return prefix in self._prefixes
+
+    async def _read_prefixes(self) -> None:
+        wait = self._prefixes_read_at + PREFIX_REFRESH_S - self.clock()
+        if wait > 0:
+            await asyncio.sleep(min(wait, PREFIX_REFRESH_S))
+        self._prefixes_read_at = self.clock()
+        self._prefix_reads += 1
+        self._prefixes = await active_prefixes(self.engine)
+
     async def refreshed(self) -> None:
         """Wait for the background refreshes under way (tests; shutdown)."""
         await asyncio.gather(*self._refreshing.values(), return_exceptions=True)
 
     async def aclose(self) -> None:
-        for task in list(self._refreshing.values()):
+        tasks = [t for t in (*self._refreshing.values(), self._reading_prefixes) if t is not None]
+        for task in tasks:
             task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.refreshed()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def forget(self, key_id: str) -> None:
         """Drop a key at once (it was revoked through this replica)."""

@@ -37,6 +37,12 @@ class Metrics:
         self.fallbacks = Counter(
             "sluice_fallbacks", "Requests served by another tier because theirs was down", ["tier"], registry=r
         )
+        self.unauthenticated = Counter(
+            "sluice_unauthenticated_requests",
+            "Requests refused before a caller was known (no accounting row), by error code",
+            ["code"],
+            registry=r,
+        )
         self.in_flight = Gauge("sluice_in_flight_requests", "Requests being served, by tier", ["tier"], registry=r)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
@@ -47,6 +53,9 @@ class Metrics:
         if child is None:
             child = self._children[key] = metric.labels(*labels)
         return child
+
+    def count_unauthenticated(self, code: str) -> None:
+        self._child(self.unauthenticated, code).inc()
 
     def in_flight_of(self, tier: str) -> Any:
         return self._child(self.in_flight, tier)

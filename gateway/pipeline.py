@@ -13,6 +13,7 @@ not, the client still there or gone.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
@@ -36,11 +37,20 @@ from engines.api.protocol import (
 from engines.api.rules import check_request
 from gateway.accounting import RequestRecord
 from gateway.auth import Authenticator, Principal
-from gateway.budgets import check_prompt_length, clamp_output, count_prompt_tokens, limits_of, refusal
+from gateway.budgets import (
+    check_amplification,
+    check_prompt_length,
+    clamp_output,
+    count_prompt_tokens,
+    count_prompt_tokens_off_loop,
+    limits_of,
+    refusal,
+    reservation,
+)
 from gateway.charges import ChargeBatcher
 from gateway.config import PolicyConfig, Settings
 from gateway.cost import request_cost
-from gateway.counters import Charge, CounterStore, CountersUnavailable
+from gateway.counters import Charge, CounterStore, CountersUnavailable, Limits
 from gateway.fallback import Served, call_with_fallback, candidate_tiers, open_stream_with_fallback
 from gateway.keys import KeyCache
 from gateway.metrics import Metrics
@@ -48,6 +58,8 @@ from gateway.relay import EventStream, StreamAccount, relay
 from router.decision import ModelNotAllowed, ModelNotFound, RouteDecision, decide
 
 RecordSink = Callable[[RequestRecord], None]
+
+log = logging.getLogger("sluice.gateway")
 
 UNIQUE_SUFFIX_LEN = 12
 MAX_CLIENT_REQUEST_ID_LEN = 64 - 1 - UNIQUE_SUFFIX_LEN  # the `requests.request_id` column holds 64
@@ -69,7 +81,10 @@ class RequestState:
     route: RouteDecision | None = None
     tier: str | None = None
     fallback: bool = False
-    admitted: bool = False  # counted by the limits, so its spend is charged
+    admitted: bool = False  # counted by the limits, so its spend is settled
+    admitted_at: float = 0.0  # the clock at admission: its settlement goes to the same windows
+    tenant_admitted: bool = False  # also counted against its tenant's limits
+    reserved: Charge = field(default_factory=Charge)  # counted at admission, settled at `finish`
     counted_prompt_tokens: int = 0  # as counted before the call; usage replaces it when it comes
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -133,9 +148,13 @@ class Gateway:
     async def complete(self, state: RequestState, request: CompletionRequest) -> Reply:
         return await self._serve(state, request)
 
-    async def drain(self) -> None:
+    async def drain(self, timeout_s: float | None = None) -> None:
         """Wait until queued charges are written (shutdown; tests that read counters)."""
-        await self.charges.drain()
+        await self.charges.drain() if timeout_s is None else await self.charges.drain(timeout_s)
+
+    @property
+    def unsettled(self) -> dict[tuple[str, float], Charge]:
+        return self.charges.unsettled
 
     # -- the steps ------------------------------------------------------------------------------
 
@@ -143,8 +162,11 @@ class Gateway:
         try:
             return await self._handle(state, request)
         except APIError as exc:
-            self.finish(state, exc.status_code, exc.code)
-            raise
+            error = _hide_internals(exc, state.request_id)
+            self.finish(state, error.status_code, error.code)
+            if error is exc:
+                raise
+            raise error from exc
         except asyncio.CancelledError:
             # The client left (the HTTP layer cancels us): the tier's work was cancelled with us.
             self.finish(state, CLIENT_CLOSED_REQUEST, "client_disconnected")
@@ -154,8 +176,8 @@ class Gateway:
         policy = self._begin(state, request)
         check_request(request)
         state.route = self._route(request, policy)
-        request, headers = await self._admit(state, request)
         candidates = candidate_tiers(state.route.tier, policy, self.clients)
+        request, headers = await self._admit(state, request, candidates)
         if request.stream:
             return await self._stream(state, request, candidates, headers)
         return await self._answer(state, request, candidates, headers)
@@ -185,26 +207,43 @@ class Gateway:
                 param="model",
             ) from exc
 
-    async def _admit(self, state: RequestState, request: Request) -> tuple[Request, dict[str, str]]:
+    async def _admit(self, state: RequestState, request: Request,
+                     candidates: list[str]) -> tuple[Request, dict[str, str]]:  # fmt: skip
         """Budgets, then the counters: the request as it may run, and the reply's first headers."""
         assert state.principal is not None and state.route is not None
         policy = state.principal.policy
-        state.counted_prompt_tokens = count_prompt_tokens(self.clients[state.route.tier], request)
+        state.counted_prompt_tokens = await count_prompt_tokens_off_loop(self.clients[state.route.tier], request)
         check_prompt_length(state.counted_prompt_tokens, policy)
         request, clamped = clamp_output(request, policy)
-        await self._count(state.principal, state.counted_prompt_tokens)
-        state.admitted = True
+        check_amplification(request, policy)
+        reserve = reservation(self.settings, candidates, request, state.counted_prompt_tokens)
+        now = self.clock()
+        await self._count(state.principal.subject, limits_of(policy), state.counted_prompt_tokens, now, reserve)
+        state.admitted, state.admitted_at, state.reserved = True, now, reserve
+        await self._count_tenant(state, now)
         headers = {"x-request-id": state.response_id or state.request_id, "x-sluice-cache": "miss",
                    "x-sluice-escalated": "false"}  # fmt: skip
         if clamped:
             headers["x-sluice-max-tokens-clamped"] = str(policy.max_output_tokens)
         return request, headers
 
-    async def _count(self, principal: Principal, prompt_tokens: int) -> None:
-        """Admit the request against its rate limits and budgets, counting it (one atomic round trip)."""
-        limits = limits_of(principal.policy)
+    async def _count_tenant(self, state: RequestState, now: float) -> None:
+        """The tenant's own limits, over all its keys (a second round trip, only for tenants with
+        limits). Refused there, the key's reservation is handed back by the request's settlement."""
+        assert state.principal is not None
+        tenant = self.settings.tenants.get(state.principal.tenant)
+        if tenant is None or state.principal.key_id is None:
+            return
+        limits = Limits(tenant.rpm, tenant.tpm, tenant.spend_per_day_usd, tenant.spend_per_month_usd)
+        await self._count(tenant_subject(state.principal.tenant), limits, state.counted_prompt_tokens, now,
+                          state.reserved)  # fmt: skip
+        state.tenant_admitted = True
+
+    async def _count(self, subject: str, limits: Limits, prompt_tokens: int, now: float, reserve: Charge) -> None:
+        """Admit the request against its rate limits and budgets, counting it and reserving its worst
+        case (one atomic round trip)."""
         try:
-            admission = await self.counters.admit(principal.subject, limits, prompt_tokens, self.clock())
+            admission = await self.counters.admit(subject, limits, prompt_tokens, now, reserve)
         except CountersUnavailable as exc:
             # Fail closed: without the shared counters no limit or budget could hold.
             raise service_unavailable(
@@ -318,12 +357,44 @@ class Gateway:
         if state.finished:
             return
         state.finished = True
+        if state.principal is None:
+            # Refused before anyone was known (a bad or missing key): a metric, not a row, so that
+            # unauthenticated traffic cannot fill the accounting table.
+            self.metrics.count_unauthenticated(error_code or str(status))
+            return
         record = record_of(state, status, error_code)
         self.record_sink(record)
         self.metrics.observe(record)
-        principal = state.principal
-        if state.admitted and principal is not None and (record.completion_tokens or record.cost_usd):
-            self.charges.charge(principal.subject, Charge(record.completion_tokens, record.cost_usd))
+        if state.admitted:
+            self._settle(state, state.principal.subject, status)
+
+    def _settle(self, state: RequestState, subject: str, status: int) -> None:
+        """Replace the request's reservation by what it cost. A non-streamed request whose client
+        left keeps its reservation: its tier was cancelled midway, and what it had produced by then
+        is not known, so the worst case is what it is charged."""
+        if status == CLIENT_CLOSED_REQUEST and not state.stream and state.tier is None:
+            return
+        produced = Charge(state.completion_tokens, state.cost_usd)
+        if produced != state.reserved:
+            self.charges.charge(subject, produced - state.reserved, state.admitted_at)
+            if state.tenant_admitted and state.principal is not None:
+                self.charges.charge(tenant_subject(state.principal.tenant), produced - state.reserved,
+                                    state.admitted_at)  # fmt: skip
+
+
+def tenant_subject(tenant: str) -> str:
+    """Whose counters a tenant's own limits use (never a key id: those are UUIDs)."""
+    return f"tenant:{tenant}"
+
+
+def _hide_internals(exc: APIError, request_id: str) -> APIError:
+    """A tier's own failure (`server_error`: its internals, paths, addresses) becomes a 500 that names
+    the request id, the details going to the log; refusals and our 503s pass unchanged."""
+    if exc.type != "server_error":
+        return exc
+    log.error("request %s: the tier failed: %s", request_id, exc.message)
+    message = f"The model tier failed to handle the request (request id {request_id})."
+    return APIError(500, message, code="tier_error", type="server_error")
 
 
 def record_of(state: RequestState, status: int, error_code: str | None) -> RequestRecord:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Protocol, TypeVar
 
@@ -27,6 +28,8 @@ from engines.api.protocol import (
     StreamOptions,
     encode,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class EngineUnavailable(Exception):
@@ -95,7 +98,10 @@ def _raise_for_status(status_code: int, body: bytes, base_url: str) -> None:
     try:
         detail = _error_decoder.decode(body).error
     except msgspec.MsgspecError:
-        raise APIError(status_code, f"upstream {status_code}: {body[:500].decode(errors='replace')}") from None
+        # Not an OpenAI error (a proxy's HTML page, a stack trace): its text stays out of the answer.
+        logger.warning("%s answered %d with a non-OpenAI body: %r", base_url, status_code, body[:200])
+        message = f"The upstream refused the request ({status_code}) without an OpenAI error body."
+        raise APIError(status_code, message) from None
     raise APIError.from_detail(detail, status_code)
 
 

@@ -44,6 +44,14 @@ class ReadTimeout(HttpClientError):
     """The upstream sent nothing for read_timeout seconds."""
 
 
+class PoolTimeout(HttpClientError):
+    """Every connection stayed busy for the whole connection-wait timeout."""
+
+
+class DeadlineExceeded(HttpClientError):
+    """The whole request (send, head and body) took longer than its total deadline."""
+
+
 class RemoteProtocolError(HttpClientError):
     """The connection closed mid-response, or the upstream sent something that is not HTTP/1.1."""
 
@@ -244,6 +252,8 @@ class HttpPool:
         connect_timeout: float = 2.0,
         read_timeout: float = 120.0,
         max_connections: int = 256,
+        pool_timeout: float = 5.0,
+        total_timeout: float = 600.0,
     ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -253,7 +263,9 @@ class HttpPool:
         self.ssl = parts.scheme == "https"
         self.prefix = parts.path.rstrip("/")
         self.connect_timeout = connect_timeout
-        self.read_timeout = read_timeout
+        self.read_timeout = read_timeout  # the most silence between bytes
+        self.pool_timeout = pool_timeout  # the longest wait for a free connection
+        self.total_timeout = total_timeout  # the longest a whole `request` may take, bytes trickling or not
         authority = parts.netloc.rsplit("@", 1)[-1]
         # Every request carries the same headers: encoded once, here.
         fixed = {"host": authority, "user-agent": "sluice", **{k.lower(): v for k, v in (headers or {}).items()}}
@@ -302,7 +314,11 @@ class HttpPool:
         """Send a request and wait for the response head. The caller must `close()` the response."""
         if self._closed:
             raise RuntimeError("the pool is closed")
-        await self._slots.acquire()
+        try:
+            async with asyncio.timeout(self.pool_timeout):
+                await self._slots.acquire()
+        except TimeoutError as exc:
+            raise PoolTimeout(f"no free connection to {self.host}:{self.port} within {self.pool_timeout} s") from exc
         connection: _Connection | None = None
         try:
             connection = await self._send(self._request_bytes(method, path, body))
@@ -317,9 +333,13 @@ class HttpPool:
         return Response(self, connection)
 
     async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
-        """Send a request and read the whole response: (status, body)."""
-        response = await self.open(method, path, body)
-        return response.status, await response.read()
+        """Send a request and read the whole response: (status, body), within the total deadline."""
+        try:
+            async with asyncio.timeout(self.total_timeout):
+                response = await self.open(method, path, body)
+                return response.status, await response.read()
+        except TimeoutError as exc:
+            raise DeadlineExceeded(f"{method} {path} took longer than {self.total_timeout} s") from exc
 
     async def close(self) -> None:
         """Close the idle connections; connections in use close when their response is closed."""

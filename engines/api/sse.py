@@ -9,6 +9,7 @@ with `data: [DONE]`, or, when it fails after the status line was sent, with an i
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Protocol
 
@@ -57,15 +58,18 @@ async def sse_events(
 
 
 def stream_error(exc: Exception) -> ErrorDetail:
-    """What a client is told about a stream that failed midway."""
-    if isinstance(exc, APIError):
+    """What a client is told about a stream that failed midway. A failure of ours or of the tier's
+    internals (`server_error`) is told as an id to quote, never its text (paths, addresses): the log
+    line under that id has the details."""
+    if isinstance(exc, APIError) and exc.type != "server_error":
         return exc.detail
     if isinstance(exc, EngineUnavailable):
         return ErrorDetail(
             message="The tier stopped answering mid-stream.", type="service_unavailable_error", code="tier_unavailable"
         )
-    log.exception("stream failed", exc_info=exc)
-    return ErrorDetail(message="The stream failed.", type="server_error", code="stream_failed")
+    error_id = f"err-{secrets.token_hex(8)}"
+    log.error("stream failed (%s)", error_id, exc_info=exc)
+    return ErrorDetail(message=f"The stream failed ({error_id}).", type="server_error", code="stream_failed")
 
 
 async def close(stream: AsyncIterator[object]) -> None:

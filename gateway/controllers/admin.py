@@ -13,6 +13,7 @@ from litestar.datastructures import State
 from litestar.di import NamedDependency
 from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, FromQuery, JSONBody
+from litestar.types import Guard
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from engines.api.errors import APIError, invalid
@@ -67,6 +68,26 @@ async def admin_only(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRout
     scheme, _, secret = (connection.headers.get("authorization") or "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(secret.strip().encode(), admin_key.encode()):
         raise APIError(401, "The admin API needs `Authorization: Bearer <admin key>`.", code="invalid_api_key")
+
+
+def bearer_key(setting: str) -> Guard:
+    """A guard requiring `Authorization: Bearer <server.<setting>>` (or the admin key) when that
+    setting is not empty; an empty one leaves the route open."""
+
+    async def guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+        server = connection.app.state.gateway.settings.server
+        required = getattr(server, setting)
+        if not required:
+            return
+        scheme, _, secret = (connection.headers.get("authorization") or "").partition(" ")
+        given = secret.strip().encode()
+        if scheme.lower() != "bearer" or not any(
+            key and hmac.compare_digest(given, key.encode()) for key in (required, server.admin_key)
+        ):
+            message = f"This endpoint needs `Authorization: Bearer <server.{setting}>`."
+            raise APIError(401, message, code="invalid_api_key")
+
+    return guard
 
 
 def provide_db(state: State) -> AsyncEngine:

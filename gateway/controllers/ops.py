@@ -8,6 +8,7 @@ import msgspec
 from litestar import Controller, Response, get
 from litestar.di import NamedDependency
 
+from gateway.controllers.admin import bearer_key
 from gateway.metrics import CONTENT_TYPE
 from gateway.pipeline import Gateway
 
@@ -35,6 +36,6 @@ class OpsController(Controller):
         status = "ok" if all(ready) else "degraded" if any(ready) else "down"
         return Response(Health(status=status, tiers=tiers), status_code=503 if status == "down" else 200)
 
-    @get("/metrics", summary="Prometheus metrics")
+    @get("/metrics", summary="Prometheus metrics", guards=[bearer_key("metrics_key")])
     async def metrics(self, gateway: NamedDependency[Gateway]) -> Response[bytes]:
         return Response(gateway.metrics.render(), media_type=CONTENT_TYPE)

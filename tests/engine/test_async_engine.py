@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from engines.llm_engine import AsyncLLMEngine
+from engines.llm_engine import AsyncLLMEngine, EngineStats
+from engines.outputs import EngineOverloaded
 from engines.sampling_params import SamplingParams
 from tests.engine.conftest import TinyModel, generated_ids, make_engine
 
@@ -19,6 +20,18 @@ async def async_engine(tiny_llama: TinyModel) -> AsyncIterator[AsyncLLMEngine]:
     engine = AsyncLLMEngine(make_engine(tiny_llama))
     yield engine
     await engine.shutdown()
+
+
+async def assert_cut_short(engine: AsyncLLMEngine, before: EngineStats, aborted: int, max_tokens: int) -> None:
+    """The requests were aborted, not run to their end: an abort that does nothing would still
+    leave the engine idle once the requests finish on their own (and stale statistics look idle)."""
+    for _ in range(500):
+        if engine.stats().num_aborted_total - before.num_aborted_total >= aborted:
+            break
+        await asyncio.sleep(0.01)
+    after = engine.stats()
+    assert after.num_aborted_total - before.num_aborted_total == aborted
+    assert after.num_generated_tokens_total - before.num_generated_tokens_total < aborted * max_tokens // 2
 
 
 async def wait_until_idle(engine: AsyncLLMEngine) -> None:
@@ -57,15 +70,18 @@ async def test_concurrent_requests_each_get_their_own_stream(async_engine: Async
 
 
 async def test_a_consumer_that_stops_iterating_aborts_its_request(async_engine: AsyncLLMEngine) -> None:
+    before = async_engine.stats()
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     stream = async_engine.generate("r", PROMPT, params)
     async for _ in stream:
         break
     await stream.aclose()
     await wait_until_idle(async_engine)
+    await assert_cut_short(async_engine, before, aborted=1, max_tokens=200)
 
 
 async def test_a_cancelled_consumer_aborts_its_request(async_engine: AsyncLLMEngine) -> None:
+    before = async_engine.stats()
     started = asyncio.Event()
 
     async def consume() -> None:
@@ -79,6 +95,7 @@ async def test_a_cancelled_consumer_aborts_its_request(async_engine: AsyncLLMEng
     with pytest.raises(asyncio.CancelledError):
         await task
     await wait_until_idle(async_engine)
+    await assert_cut_short(async_engine, before, aborted=1, max_tokens=200)
 
 
 async def test_abort_ends_the_stream_with_an_abort_delta(async_engine: AsyncLLMEngine) -> None:
@@ -89,6 +106,7 @@ async def test_abort_ends_the_stream_with_an_abort_delta(async_engine: AsyncLLME
         if len(outputs) == 2:
             await async_engine.abort("r")
     assert outputs[-1].finished and outputs[-1].finish_reason == "abort"
+    assert len(outputs) < 50  # cut short of its 200 tokens
     await wait_until_idle(async_engine)
 
 
@@ -106,3 +124,21 @@ async def test_streams_still_open_at_shutdown_end_with_an_abort_delta(tiny_llama
     rest = [output async for output in stream]
     assert not first.finished
     assert rest[-1].finish_reason == "abort"
+
+
+async def test_a_full_queue_refuses_at_once_instead_of_queueing_without_bound(tiny_llama: TinyModel) -> None:
+    engine = AsyncLLMEngine(make_engine(tiny_llama, max_num_seqs=1, max_num_waiting=1))
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    try:
+        running, waiting = engine.generate("a", PROMPT, params), engine.generate("b", PROMPT, params)
+        await anext(running)
+        pending = asyncio.ensure_future(anext(waiting))  # queued behind "a"
+        await asyncio.sleep(0)
+        with pytest.raises(EngineOverloaded):
+            await anext(engine.generate("c", PROMPT, params))
+        await running.aclose()  # room again: "b" runs, and a new request is taken
+        await pending
+        await waiting.aclose()
+        assert [o async for o in engine.generate("d", PROMPT, SamplingParams(max_tokens=2))][-1].finished
+    finally:
+        await engine.shutdown()

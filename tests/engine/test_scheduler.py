@@ -121,3 +121,25 @@ def test_finish_frees_blocks_of_running_and_waiting_sequences() -> None:
     assert not scheduler.has_unfinished()
     assert scheduler.block_manager.num_free_blocks == 16
     assert a.status is SequenceStatus.FINISHED and a.finish_reason == "abort"
+
+
+def test_the_waiting_queue_removes_from_anywhere_and_keeps_its_order() -> None:
+    from engines.scheduler import WaitingQueue
+
+    queue = WaitingQueue()
+    seqs = [object() for _ in range(5)]
+    for seq in seqs:
+        queue.append(seq)  # type: ignore[arg-type]
+    queue.remove(seqs[2])  # an abort of a queued request: no scan of the queue
+    preempted = object()
+    queue.appendleft(preempted)  # type: ignore[arg-type]  # back to the front
+    front = queue[0]
+    assert front is preempted
+    assert list(queue)[1:] == [seqs[0], seqs[1], seqs[3], seqs[4]]
+    assert queue.popleft() is front and len(queue) == 4 and queue
+    try:
+        queue[1]
+    except IndexError:
+        pass
+    else:
+        raise AssertionError("only the head is readable")

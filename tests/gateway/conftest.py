@@ -32,7 +32,15 @@ def make_settings(
     tiers = {name: msgspec.structs.replace(tier, **(tier_prices or {})) for name, tier in base.tiers.items()}
     return msgspec.structs.replace(
         base,
-        server=msgspec.structs.replace(base.server, admin_key=ADMIN_KEY, allow_anonymous=allow_anonymous),
+        # Anonymous callers here are test clients: only the policy under test limits them.
+        server=msgspec.structs.replace(
+            base.server,
+            admin_key=ADMIN_KEY,
+            allow_anonymous=allow_anonymous,
+            anonymous_rpm=0,
+            anonymous_tpm=0,
+            anonymous_spend_per_day_usd=0.0,
+        ),
         database=msgspec.structs.replace(base.database, url=database_url),
         redis=RedisConfig(url=redis_url),
         tiers=tiers,

@@ -20,6 +20,7 @@ from gateway.keys import (
     effective_policy,
     hash_secret,
     list_keys,
+    new_secret,
     revoke_key,
 )
 from tests.gateway.conftest import make_settings
@@ -117,10 +118,41 @@ async def test_while_the_database_is_down_cached_keys_still_authenticate_and_oth
         assert (await cache.lookup(created.secret)).id == created.key.id
         assert not cache._refreshing  # and the next refresh waits a TTL rather than hammering the database
         with pytest.raises(KeyStoreUnavailable):
-            await cache.lookup(SECRET_PREFIX + "never-seen")
+            await cache.lookup(new_secret())
     finally:
         await down.dispose()
 
 
 async def test_an_unknown_secret_is_none(db: AsyncEngine):
     assert await KeyCache(db).lookup(SECRET_PREFIX + "nope") is None
+
+
+def count_key_reads(db: AsyncEngine) -> list[str]:
+    """Every statement that reads api_keys, as it is sent."""
+    statements: list[str] = []
+
+    def seen(_conn, _cursor, statement, *_args) -> None:
+        if "api_keys" in statement and statement.lstrip().upper().startswith("SELECT"):
+            statements.append(statement)
+
+    sa.event.listen(db.sync_engine, "before_cursor_execute", seen)
+    return statements
+
+
+async def test_random_secrets_cost_a_few_reads_not_one_each(db: AsyncEngine):
+    await create_key(db, tenant="acme", feature="chat")
+    cache = KeyCache(db)
+    reads = count_key_reads(db)
+    malformed = ["", "sk-sluice-", SECRET_PREFIX + "short", "Bearer x", SECRET_PREFIX + "!" * 43]
+    assert [await cache.lookup(secret) for secret in malformed] == [None] * len(malformed)
+    assert reads == []  # no key has these shapes: nothing is read
+    answers = await asyncio.gather(*(cache.lookup(new_secret()) for _ in range(300)))
+    assert answers == [None] * 300
+    assert len(reads) <= 3, reads  # the prefix set, read once per PREFIX_REFRESH_S however many arrive
+
+
+async def test_a_key_created_after_the_prefixes_were_read_is_found_on_its_first_use(db: AsyncEngine):
+    cache = KeyCache(db)
+    assert await cache.lookup(new_secret()) is None  # reads the prefix set
+    created = await create_key(db, tenant="acme", feature="chat")  # e.g. through another replica
+    assert (await cache.lookup(created.secret)).id == created.key.id

@@ -89,11 +89,20 @@ async def test_closing_an_http_stream_early_aborts_the_upstream_request(
     http_client: HttpEngineClient, serving: OpenAIServing
 ) -> None:
     baseline = await idle_kv_blocks_used(serving.engine)
+    before = serving.engine.stats()
     stream = http_client.chat_stream(chat("Tell me everything about robots", temperature=0, max_tokens=300))
     await anext(stream)
     await eventually_running(serving.engine, 1)
     await stream.aclose()
     await wait_until_idle(serving.engine, baseline)
+    # Cut short, not run to the end: the engine aborted it well before its 300 tokens.
+    for _ in range(500):  # statistics are as of the latest step
+        if serving.engine.stats().num_aborted_total - before.num_aborted_total >= 1:
+            break
+        await asyncio.sleep(0.01)
+    after = serving.engine.stats()
+    assert after.num_aborted_total - before.num_aborted_total == 1
+    assert after.num_generated_tokens_total - before.num_generated_tokens_total < 150
 
 
 async def test_a_tier_that_is_down_is_unavailable() -> None:

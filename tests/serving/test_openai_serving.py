@@ -3,6 +3,8 @@ logprobs, usage with prefix-cache hits, and OpenAI-style errors."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from engines.api.errors import APIError
@@ -254,10 +256,19 @@ async def test_completion_stream_with_echo_starts_with_the_prompt(serving: OpenA
 
 async def test_leaving_a_stream_early_aborts_its_engine_requests(serving: OpenAIServing) -> None:
     baseline = await idle_kv_blocks_used(serving.engine)
+    before = serving.engine.stats()
     probe = chat("Write a long story about a robot", temperature=0, max_tokens=300, n=2)
     stream = serving.chat_stream(probe)
     await anext(stream)
     await eventually_running(serving.engine, 2)
     await stream.aclose()
     await wait_until_idle(serving.engine, baseline)
+    # Cut short, not run to the end: both choices aborted with far fewer than 2 × 300 tokens made.
+    for _ in range(500):  # statistics are as of the latest step
+        if serving.engine.stats().num_aborted_total - before.num_aborted_total >= 2:
+            break
+        await asyncio.sleep(0.01)
+    after = serving.engine.stats()
+    assert after.num_aborted_total - before.num_aborted_total == 2
+    assert after.num_generated_tokens_total - before.num_generated_tokens_total < 300
 

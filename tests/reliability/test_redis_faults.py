@@ -1,0 +1,107 @@
+"""Redis faults (issue #14, items 1 and 9), on a private redis-server this test may stop: a stopped
+Redis costs a clean, fast 503 (refuse mode) and service resumes when it is back; a settlement that
+fails while Redis does not answer is kept and applied once it does, never only logged."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+
+import pytest
+from redis.asyncio import Redis
+
+from engines.api.errors import APIError
+from gateway.counters import CircuitBreakerCounterStore, RedisCounterStore
+from gateway.metrics import Metrics
+from gateway.pipeline import Gateway
+from tests.gateway.conftest import chat, make_settings, start
+from tests.gateway.scripted_tier import ScriptedTier
+from tests.reliability.conftest import PrivateRedis
+
+PRICE = {"price_input_per_mtok": 0.0, "price_output_per_mtok": 1000.0}
+SUBJECT = "anonymous:local:default"
+
+
+def _gateway(redis: Redis, records: list, **policy: object) -> tuple[Gateway, dict[str, ScriptedTier]]:
+    tiers = {"small": ScriptedTier("small"), "large": ScriptedTier("large")}
+    settings = make_settings(tier_prices=PRICE, **policy)
+    return Gateway(settings, tiers, RedisCounterStore(redis, "fault"), records.append, Metrics()), tiers
+
+
+async def test_a_stopped_redis_is_a_fast_clean_503_and_service_resumes(private_redis: PrivateRedis):
+    redis = Redis.from_url(private_redis.url, socket_connect_timeout=1.0, socket_timeout=1.0)
+    records: list = []
+    gateway, _ = _gateway(redis, records, rpm=1000)
+    try:
+        await gateway.chat(await start(gateway), chat())
+        private_redis.stop()
+        began = time.monotonic()
+        with pytest.raises(APIError) as caught:
+            await gateway.chat(await start(gateway), chat())
+        assert time.monotonic() - began < 2.0  # no hang past the connect timeout
+        assert (caught.value.status_code, caught.value.code) == (503, "limits_unavailable")
+        assert caught.value.headers["Retry-After"]
+        private_redis.start()
+        await gateway.chat(await start(gateway), chat())
+    finally:
+        await gateway.counters.aclose()  # type: ignore[attr-defined]
+        await redis.aclose()
+    assert [r.status for r in records] == [200, 503, 200]  # every request accounted, none lost
+
+
+async def test_a_settlement_while_redis_is_blackholed_is_kept_and_applied_later(private_redis: PrivateRedis):
+    redis = Redis.from_url(private_redis.url, socket_timeout=0.3)
+    records: list = []
+    gateway, tiers = _gateway(redis, records, spend_per_day_usd=10.0, max_output_tokens=16)
+    tiers["small"].hold_after = 1
+    try:
+        reply = await gateway.chat(await start(gateway), chat(stream=True, max_tokens=16))
+        reserved, _ = await gateway.counters.spent(SUBJECT, gateway.clock())
+        assert reserved == pytest.approx(0.016)
+        # Redis stops answering (the connection stays open): the settlement times out.
+        subprocess.run(["redis-cli", "-p", str(private_redis.port), "CLIENT", "PAUSE", "1500", "ALL"], check=True)
+        tiers["small"].release.set()
+        async for _ in reply.stream:  # type: ignore[union-attr]
+            pass
+        await asyncio.sleep(0.5)
+        assert gateway.unsettled  # kept, not dropped
+        await gateway.drain(timeout_s=10)
+        assert not gateway.unsettled
+        spent, _ = await gateway.counters.spent(SUBJECT, gateway.clock())
+    finally:
+        await gateway.counters.aclose()  # type: ignore[attr-defined]
+        await redis.aclose()
+    assert spent == pytest.approx(records[0].cost_usd) == pytest.approx(0.008)
+
+
+async def test_a_blackholed_redis_is_refused_fast_behind_the_circuit_breaker(private_redis: PrivateRedis):
+    redis = Redis.from_url(private_redis.url, socket_timeout=0.3)
+    records: list = []
+    tiers = {"small": ScriptedTier("small"), "large": ScriptedTier("large")}
+    breaker = CircuitBreakerCounterStore(RedisCounterStore(redis, "breaker"), open_for_s=1.0)
+    gateway = Gateway(make_settings(rpm=1000), tiers, breaker, records.append, Metrics())
+
+    async def status() -> int:
+        try:
+            await gateway.chat(await start(gateway), chat())
+            return 200
+        except APIError as exc:
+            return exc.status_code
+
+    try:
+        assert await status() == 200
+        subprocess.run(["redis-cli", "-p", str(private_redis.port), "CLIENT", "PAUSE", "1200", "ALL"], check=True)
+        began = time.monotonic()
+        assert await status() == 503  # this one waits out the read timeout (0.3 s) ...
+        first = time.monotonic() - began
+        began = time.monotonic()
+        assert await asyncio.gather(*(status() for _ in range(50))) == [503] * 50
+        rest = time.monotonic() - began  # ... the next fifty are refused at once
+        assert breaker.is_open and rest < first
+        await asyncio.sleep(1.5)  # Redis answers again and the window has passed: one probe closes it
+        assert await status() == 200 and not breaker.is_open
+    finally:
+        await breaker.aclose()
+        await redis.aclose()
+    assert len(records) == 53  # every request accounted, refused or served
