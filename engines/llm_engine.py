@@ -31,6 +31,7 @@ from engines.sampler import sample
 from engines.sampling_params import SamplingParams
 from engines.scheduler import Scheduler
 from engines.sequence import Sequence
+from engines.structured import Grammars
 from engines.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -133,8 +134,16 @@ class LLMEngine:
                                   self.kv_cache_dtype)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self._rng = random.Random(config.seed)
+        self._grammars: Grammars | None = None
         self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer]] = {}
         self._num_generated_tokens_total = 0
+
+    @property
+    def grammars(self) -> Grammars:
+        """The grammar compiler for constrained decoding, built on first use (it indexes the vocabulary)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
+        return self._grammars
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -146,6 +155,10 @@ class LLMEngine:
         vocab_size = self.model_config.vocab_size
         if any(not 0 <= token_id < vocab_size for token_id in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        if any(not 0 <= token_id < vocab_size for token_id in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
+        if params.grammar is not None:
+            self.grammars.compile(params.grammar)  # raises GrammarError (a ValueError) on a bad schema
         if num_prompt + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but {num_prompt} prompt "
@@ -166,6 +179,8 @@ class LLMEngine:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             generator = torch.Generator().manual_seed(seed)
         seq = Sequence(request_id, prompt_token_ids, params, generator)
+        if params.grammar is not None:
+            seq.grammar = self.grammars.matcher(params.grammar)
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
         self._requests[request_id] = (seq, detokenizer)
         self.scheduler.add(seq)
@@ -190,7 +205,8 @@ class LLMEngine:
         self.scheduler.advance(batch)
         if not seqs:
             return []
-        token_ids, logprobs = sample(logits, [seq.params for seq in seqs], [seq.generator for seq in seqs])
+        token_ids, logprobs = sample(logits, [seq.params for seq in seqs], [seq.generator for seq in seqs],
+                                     [seq.output_token_ids for seq in seqs], [seq.grammar for seq in seqs])
         outputs = []
         for seq, token_id, logprob in zip(seqs, token_ids, logprobs, strict=True):
             outputs.append(self._append_token(seq, token_id, logprob))
@@ -200,6 +216,8 @@ class LLMEngine:
         _, detokenizer = self._requests[seq.request_id]
         params = seq.params
         seq.append_token(token_id)
+        if seq.grammar is not None:
+            seq.grammar.accept(token_id)
         self._num_generated_tokens_total += 1
         finish_reason = None
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):

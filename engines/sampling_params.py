@@ -1,6 +1,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI accepts at most 300 biased tokens
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What constrained decoding must produce: any JSON object, or JSON valid against `schema` (JSON text)."""
+
+    kind: Literal["json_object", "json_schema"]
+    schema: str | None = None
 
 
 @dataclass
@@ -17,6 +30,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence of a token already generated
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -29,7 +46,18 @@ class SamplingParams:
             raise ValueError("max_tokens must be >= 1")
         if not 0 <= self.top_logprobs <= 20:
             raise ValueError("top_logprobs must be between 0 and 20")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}]")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} tokens")
+        if any(not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS for bias in self.logit_bias.values()):
+            raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

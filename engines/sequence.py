@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 import torch
 
 from engines.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engines.structured import GrammarState
 
 
 class SequenceStatus(Enum):
@@ -37,6 +41,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.params = params
         self.generator = generator  # per-request RNG: same seed, same samples, whatever the batch
+        self.grammar: GrammarState | None = None  # constrained decoding: where the output is in its grammar
         self.finish_reason: str | None = None
         self.was_admitted = False  # prefix-cache statistics are counted on the first admission only
 
