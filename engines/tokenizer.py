@@ -131,8 +131,10 @@ class Tokenizer:
 
     # -- chat -----------------------------------------------------------------------------------
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text the model's chat template makes of `messages`.
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The prompt text the model's chat template makes of `messages` (and `tools`, OpenAI-shaped
+        `{"type": "function", "function": {...}}` dicts, as transformers passes them).
 
         Raises ValueError when the model has no template or the template rejects the messages
         (e.g. `raise_exception('Conversation roles must alternate ...')`).
@@ -145,6 +147,7 @@ class Tokenizer:
             return self._compiled_template.render(
                 messages=[dict(message) for message in messages],
                 add_generation_prompt=add_generation_prompt,
+                tools=[dict(tool) for tool in tools] if tools else None,
                 bos_token=self._token_text_or_empty(self.bos_token_id),
                 eos_token=self._token_text_or_empty(self.eos_token_ids[0] if self.eos_token_ids else None),
             )
@@ -156,11 +159,18 @@ class Tokenizer:
             raise ValueError(f"chat template cannot render these messages: {error}") from error
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None, suffix: str = "",
     ) -> list[int]:
-        """Token ids of the rendered chat prompt. Special tokens written by the template
-        (`<|im_start|>`) become their single ids; no BOS is added beyond what the template writes."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        """Token ids of the rendered chat prompt, then `suffix` (the start of the reply, when it is forced).
+        Special tokens written by the template (`<|im_start|>`) become their single ids; no BOS is added
+        beyond what the template writes."""
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools) + suffix, add_special_tokens=False)
+
+    @property
+    def supports_tools(self) -> bool:
+        """The chat template renders `tools` (it reads the variable)."""
+        return self.chat_template is not None and "tools" in self.chat_template
 
     def _token_text_or_empty(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
