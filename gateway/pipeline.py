@@ -25,6 +25,7 @@ import msgspec
 
 from engines.api.client import EngineClient, EngineUnavailable
 from engines.api.errors import APIError, service_unavailable
+from engines.api.fields import NO_NEEDS, Capabilities, capabilities
 from engines.api.protocol import (
     SSE_DONE,
     ChatCompletionChunk,
@@ -46,7 +47,7 @@ from gateway.cost import request_cost
 from gateway.counters import Charge, CounterStore, CountersUnavailable
 from gateway.keys import SECRET_PREFIX, KeyCache, KeyStoreUnavailable, effective_policy
 from gateway.metrics import Metrics
-from gateway.tiers import call_with_fallback, candidate_tiers, open_stream_with_fallback
+from gateway.tiers import call_with_fallback, candidate_tiers, capable_tier, open_stream_with_fallback, supports
 from router.decision import ModelNotAllowed, ModelNotFound, RouteDecision, decide
 
 Request = ChatCompletionRequest | CompletionRequest
@@ -103,6 +104,7 @@ class RequestState:
     ttft_ms: float | None = None
     itl_ms_mean: float | None = None
     finished: bool = False
+    needs: Capabilities = NO_NEEDS  # tools and response_format the request uses
 
 
 @dataclass(slots=True)
@@ -258,6 +260,10 @@ class Gateway:
                 param="model",
             ) from exc
 
+        state.needs = capabilities(request)
+        tier = capable_tier(state.route.tier, state.needs, policy.allowed_tiers, self.clients, self.settings.tiers)
+        if tier != state.route.tier:
+            state.route = RouteDecision(tier, state.route.score, "capability")
         prompt_tokens = count_prompt_tokens(self.clients[state.route.tier], request)
         state.counted_prompt_tokens = prompt_tokens
         check_prompt_length(prompt_tokens, policy)
@@ -281,7 +287,8 @@ class Gateway:
         }
         if clamped:
             headers["x-sluice-max-tokens-clamped"] = str(policy.max_output_tokens)
-        candidates = candidate_tiers(state.route.tier, policy, self.clients)
+        candidates = [t for t in candidate_tiers(state.route.tier, policy, self.clients)
+                      if supports(self.settings.tiers.get(t), state.needs)]
         if request.stream:
             return await self._stream(state, request, candidates, headers)
 
@@ -440,6 +447,8 @@ class Gateway:
             itl_ms_mean=state.itl_ms_mean,
             status=status,
             error_code=error_code,
+            used_tools=state.needs.uses_tools,
+            response_format=state.needs.response_format,
         )
         self.record_sink(record)
         self.metrics.observe(record)

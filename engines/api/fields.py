@@ -136,6 +136,22 @@ def check_engine_supports(request: ChatCompletionRequest | CompletionRequest, ti
                       name, "unsupported_parameter")
 
 
+# Fields that change how an answer is delivered or attributed, never what it says.
+_NOT_ANSWER_SHAPING = frozenset({"stream", "stream_options", "user", "metadata", "safety_identifier",
+                                 "prompt_cache_key", "store", "service_tier", "prompt_cache_retention"})
+_CANONICAL = msgspec.json.Encoder(order="sorted")
+
+
+def canonical_request(request: ChatCompletionRequest | CompletionRequest) -> bytes:
+    """The request as a cache keys on it: every field that shapes the answer (messages, sampling, tools,
+    tool_choice, response_format, logit_bias, unknown fields, ...) in a stable order; transport and
+    attribution fields left out."""
+    fields = {k: v for k, v in msgspec.structs.asdict(request).items()
+              if v is not None and k not in _NOT_ANSWER_SHAPING}
+    fields.update(extra_fields(request))
+    return _CANONICAL.encode(fields)
+
+
 # ---------------------------------------------------------------------------------------------
 # Capabilities: what a tier must support to serve the request
 # ---------------------------------------------------------------------------------------------
@@ -152,9 +168,12 @@ class Capabilities:
         return not self.uses_tools and self.response_format is None
 
 
+NO_NEEDS = Capabilities(uses_tools=False, response_format=None)
+
+
 def capabilities(request: ChatCompletionRequest | CompletionRequest) -> Capabilities:
     if not isinstance(request, ChatCompletionRequest):
-        return Capabilities(uses_tools=False, response_format=None)
+        return NO_NEEDS
     uses_tools = bool(request.tools) and request.tool_choice != "none"
     response_format = request.response_format
     kind = response_format.type if response_format is not None and response_format.type != "text" else None
