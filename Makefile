@@ -9,7 +9,7 @@ TEST_DATABASE_URL ?= postgresql+asyncpg://postgres@127.0.0.1:5432/test
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/0
 PYTEST_ARGS ?=
 
-.PHONY: run test venv models models-test services lint bench-engine bench-gateway bench-kernels clean
+.PHONY: run test venv models models-test services lint bench-engine bench-gateway bench-kernels bench-structured clean
 
 run: venv models
 	SLUICE_SERVER__ALLOW_ANONYMOUS=$${SLUICE_SERVER__ALLOW_ANONYMOUS:-true} $(BIN)/sluice serve
@@ -48,6 +48,9 @@ bench-gateway: venv services
 
 bench-kernels: venv
 	$(BIN)/sluice bench kernels
+
+bench-structured: venv models
+	$(BIN)/sluice bench structured
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache bench/results var

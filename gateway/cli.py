@@ -158,7 +158,8 @@ def _jsonable(obj: object) -> object:
 
 # --- bench ------------------------------------------------------------------------------------
 
-BENCHMARKS = {"engine": "bench.engine", "gateway": "bench.gateway_overhead", "kernels": "bench.kernels"}
+BENCHMARKS = {"engine": "bench.engine", "gateway": "bench.gateway_overhead", "kernels": "bench.kernels",
+              "structured": "bench.structured"}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -15,7 +15,6 @@ import httpx
 import msgspec
 
 from engines.api.errors import APIError
-from engines.api.fields import extra_fields
 from engines.api.http1 import HttpClientError, HttpPool
 from engines.api.prompts import PromptTokenizer, count_prompt_tokens
 from engines.api.protocol import (
@@ -81,7 +80,8 @@ def _payload(request: ChatCompletionRequest | CompletionRequest, **changes: Any)
     """The request as JSON with the upstream model name, leaving out unset fields; the fields no OpenAI
     type names go along untouched (`engines.api.fields`: the upstream answers for them)."""
     fields = msgspec.to_builtins(msgspec.structs.replace(request, **changes))
-    return encode({**extra_fields(request), **{k: v for k, v in fields.items() if v is not None}})
+    extras = fields.pop("extra_fields", None) or {}
+    return encode({**extras, **{k: v for k, v in fields.items() if v is not None}})
 
 
 def _estimate_tokens(text: str) -> int:

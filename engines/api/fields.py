@@ -93,22 +93,21 @@ def _is_set(name: str, value: Any) -> bool:
 _KEYS = msgspec.json.Decoder(dict[str, msgspec.Raw])
 
 
-def extra_fields(request: ChatCompletionRequest | CompletionRequest) -> dict[str, msgspec.Raw]:
-    """The fields of the request body that no OpenAI request type names, their JSON untouched."""
-    return getattr(request, "extra_fields", None) or {}
+def extra_fields(request: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+    """The fields of the request body that no OpenAI request type names, with their values as sent."""
+    return request.extra_fields or {}
 
 
 def keep_extra_fields(request: ChatCompletionRequest | CompletionRequest, body: bytes) -> None:
     """Remember the body's fields the struct does not model (read from the raw body: msgspec drops them
-    while decoding). Only the keys are parsed; values stay raw JSON."""
+    while decoding). Only the keys are parsed unless there are such fields."""
     known = fates(request)
     try:
         fields = _KEYS.decode(body)
     except msgspec.MsgspecError:
         return  # the struct decoded from this body, so this cannot happen; nothing to keep if it does
-    extras = {name: raw for name, raw in fields.items() if name not in known}
-    if extras:
-        request.extra_fields = extras  # type: ignore[union-attr]
+    extras = {name: msgspec.json.decode(raw) for name, raw in fields.items() if name not in known}
+    request.extra_fields = extras or None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,7 +147,6 @@ def canonical_request(request: ChatCompletionRequest | CompletionRequest) -> byt
     attribution fields left out."""
     fields = {k: v for k, v in msgspec.structs.asdict(request).items()
               if v is not None and k not in _NOT_ANSWER_SHAPING}
-    fields.update(extra_fields(request))
     return _CANONICAL.encode(fields)
 
 

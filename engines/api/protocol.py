@@ -3,8 +3,8 @@
 The engine server and the gateway both speak it, so it lives at the bottom of the dependency
 chain (gateway → router → engines). Every field of OpenAI's request types is modelled here; what
 becomes of each (honoured, forwarded to HTTP tiers only, or refused) is `engines.api.fields`' table.
-Fields no OpenAI type names are kept aside by `fields.read_request` (request structs are `dict=True`
-for that). Response structs serialise exactly the fields the official SDK reads.
+Fields no OpenAI type names are kept in `extra_fields` by `fields.keep_extra_fields`. Response
+structs serialise exactly the fields the official SDK reads.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class ChatMessage(msgspec.Struct, kw_only=True):
         return "".join(part.text or "" for part in self.content if part.type == "text")
 
 
-class ChatCompletionRequest(msgspec.Struct, kw_only=True, dict=True):
+class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     model: str
     messages: list[ChatMessage]
     max_tokens: int | None = None
@@ -135,13 +135,15 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True, dict=True):
     # Refused everywhere (deprecated forms of `tools` and `tool_choice`).
     functions: Any = None
     function_call: Any = None
+    # Body fields no OpenAI type names, set by `fields.keep_extra_fields` (a field, so copies keep it).
+    extra_fields: dict[str, Any] | None = None
 
     def output_limit(self) -> int | None:
         """`max_completion_tokens` supersedes the deprecated `max_tokens`."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class CompletionRequest(msgspec.Struct, kw_only=True, dict=True):
+class CompletionRequest(msgspec.Struct, kw_only=True):
     model: str
     # A string, strings, token ids, or lists of token ids. msgspec allows one array type per union, so the
     # element types are one union; mixed lists are refused where prompts are read (`completion_prompts`).
@@ -164,6 +166,7 @@ class CompletionRequest(msgspec.Struct, kw_only=True, dict=True):
     # Forwarded untouched to HTTP tiers; refused by our engines unless neutral (see engines.api.fields).
     best_of: Any = None
     suffix: Any = None
+    extra_fields: dict[str, Any] | None = None  # as in ChatCompletionRequest
 
     def output_limit(self) -> int | None:
         return self.max_tokens
