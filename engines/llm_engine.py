@@ -227,6 +227,9 @@ class LLMEngine:
             new_text = detokenizer.add_token(token_id)
             if detokenizer.stopped:
                 finish_reason = "stop"
+            elif seq.grammar is not None and seq.grammar.terminated:
+                finish_reason = "stop"  # the grammar is complete and allows nothing more
+                new_text += detokenizer.flush()
             elif seq.num_output_tokens >= params.max_tokens:
                 finish_reason = "length"
                 new_text += detokenizer.flush()

@@ -115,3 +115,33 @@ def test_logprobs_come_from_the_logits_before_penalties_and_bias() -> None:
 def test_out_of_range_penalties_and_bias_are_refused(bad: dict) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+# -- grammar masks -------------------------------------------------------------------------------------
+
+
+class AllowOnly:
+    """A grammar state that allows a fixed set of tokens (the sampler's view of a real one)."""
+
+    def __init__(self, *allowed: int) -> None:
+        self.allowed = allowed
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = 0
+        for token in self.allowed:
+            bitmask[row, token >> 5] |= 1 << (token & 31)
+
+
+def test_a_constrained_greedy_row_takes_the_best_allowed_token_and_others_are_untouched() -> None:
+    params = [SamplingParams(temperature=0)] * 2
+    tokens, _ = sample(LOGITS, params, [None, None], grammars=[AllowOnly(0, 4), None])
+    assert tokens == [0, 3]  # row 0: 1.0 beats -1.0; row 1 unconstrained
+    assert sample(LOGITS, params, [None, None], grammars=[AllowOnly(1, 2), None])[0] == [1, 3]  # argmax allowed
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=3.0), SamplingParams(temperature=3.0, top_k=3),
+                                    SamplingParams(temperature=3.0, top_p=0.9)])
+def test_constrained_draws_only_ever_pick_allowed_tokens(params: SamplingParams) -> None:
+    generator = torch.Generator().manual_seed(0)
+    drawn = {sample(LOGITS[:1], [params], [generator], grammars=[AllowOnly(0, 3, 4)])[0][0] for _ in range(300)}
+    assert drawn <= {0, 3, 4} and len(drawn) >= 2
