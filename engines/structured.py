@@ -120,6 +120,7 @@ def allows(bitmask: torch.Tensor, row: int, token_id: int) -> bool:
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set the logits of disallowed tokens to -inf, in place (row i of `logits` by row i of `bitmask`).
-    numpy unpacks the bits in C; llguidance's own helper needs torch.compile (a C compiler at run time)."""
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, count=logits.shape[-1], bitorder="little")
-    logits.masked_fill_(torch.from_numpy(bits) == 0, float("-inf"))
+    numpy unpacks the bits and writes in one single-threaded pass each (fastest of the variants tried;
+    llguidance's own helper needs torch.compile, a C compiler at run time). `logits`: contiguous float32."""
+    allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, count=logits.shape[-1], bitorder="little")
+    np.copyto(logits.numpy(), -np.inf, where=~allowed.view(np.bool_))
