@@ -18,7 +18,9 @@ class GrammarSpec:
 
 @dataclass
 class SamplingParams:
-    """Per-request decoding parameters. temperature 0 means greedy."""
+    """Per-request decoding parameters. temperature 0 means greedy.
+
+    Invariants, asserted: callers with user input check it first (`engines.api.rules`)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -36,23 +38,16 @@ class SamplingParams:
     grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        if not 0 <= self.top_logprobs <= 20:
-            raise ValueError("top_logprobs must be between 0 and 20")
+        assert self.temperature >= 0, "temperature must be >= 0"
+        assert 0 < self.top_p <= 1, "top_p must be in (0, 1]"
+        assert self.top_k >= 0, "top_k must be >= 0"
+        assert self.max_tokens >= 1, "max_tokens must be >= 1"
+        assert 0 <= self.top_logprobs <= 20, "top_logprobs must be between 0 and 20"
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
-                raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}]")
-        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} tokens")
-        if any(not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS for bias in self.logit_bias.values()):
-            raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]")
+            assert -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY, f"{name} must be in [-2, 2]"
+        assert len(self.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES, "logit_bias takes at most 300 tokens"
+        assert all(-MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in self.logit_bias.values()), \
+            "logit_bias values must be in [-100, 100]"
 
     @property
     def greedy(self) -> bool:

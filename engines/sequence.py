@@ -10,6 +10,7 @@ import torch
 from engines.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engines.detokenizer import IncrementalDetokenizer
     from engines.structured import GrammarState
 
 
@@ -28,7 +29,8 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | None = None,
+                 detokenizer: IncrementalDetokenizer | None = None) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -41,6 +43,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.params = params
         self.generator = generator  # per-request RNG: same seed, same samples, whatever the batch
+        self.detokenizer = detokenizer  # output text as tokens come, and stop-string matches
         self.grammar: GrammarState | None = None  # constrained decoding: where the output is in its grammar
         self.finish_reason: str | None = None
         self.was_admitted = False  # prefix-cache statistics are counted on the first admission only

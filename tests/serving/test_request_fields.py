@@ -12,7 +12,7 @@ from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
 from engines.api import fields
-from engines.api.client import _payload
+from engines.api.client import to_body
 from engines.api.errors import APIError
 from engines.api.fields import CHAT, COMPLETIONS, FORWARDED, HONOURED, REFUSED, Fate
 from engines.api.protocol import ChatCompletionRequest, CompletionRequest
@@ -47,7 +47,7 @@ def _cases(table: dict[str, Fate], fate: Fate) -> list[str]:
 def test_a_forwarded_chat_field_reaches_http_tiers_untouched_and_our_engine_refuses_it(name: str) -> None:
     request = _decode({**BASE_CHAT, name: SOMETHING}, ChatCompletionRequest)
     check_request(request)  # the gateway lets it through to whichever tier
-    assert json.loads(_payload(request, model="upstream"))[name] == SOMETHING
+    assert json.loads(to_body(request, model="upstream"))[name] == SOMETHING
     with pytest.raises(APIError) as refused:
         fields.check_engine_supports(request, "small")
     assert (refused.value.status_code, refused.value.param, refused.value.code) == (400, name, "unsupported_parameter")
@@ -57,7 +57,7 @@ def test_a_forwarded_chat_field_reaches_http_tiers_untouched_and_our_engine_refu
 def test_a_forwarded_completions_field_reaches_http_tiers_untouched_and_our_engine_refuses_it(name: str) -> None:
     request = _decode({**BASE_COMPLETION, name: SOMETHING}, CompletionRequest)
     check_request(request)
-    assert json.loads(_payload(request, model="upstream"))[name] == SOMETHING
+    assert json.loads(to_body(request, model="upstream"))[name] == SOMETHING
     with pytest.raises(APIError, match=name):
         fields.check_engine_supports(request, "small")
 
@@ -85,7 +85,7 @@ def test_honoured_chat_fields_are_typed_not_passed_through_blindly(name: str) ->
 def test_unknown_fields_are_forwarded_to_http_tiers_and_refused_by_our_engine() -> None:
     body = {**BASE_CHAT, "min_p": 0.05, "chat_template_kwargs": {"enable_thinking": False}}
     request = _decode(body, ChatCompletionRequest)
-    payload = json.loads(_payload(request, model="upstream"))
+    payload = json.loads(to_body(request, model="upstream"))
     assert payload["min_p"] == 0.05 and payload["chat_template_kwargs"] == {"enable_thinking": False}
     assert payload["model"] == "upstream"
     with pytest.raises(APIError) as refused:

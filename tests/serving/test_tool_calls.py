@@ -23,6 +23,7 @@ from engines.api.protocol import (
     Tool,
     ToolCall,
 )
+from engines.api.rules import check_request
 from engines.serving import OpenAIServing
 from engines.tokenizer import Tokenizer
 from tests.serving.conftest import MODEL_NAME
@@ -178,5 +179,5 @@ def test_an_unusable_schema_is_a_400_naming_response_format(serving: OpenAIServi
 def test_a_tool_choice_naming_an_unknown_function_is_a_400(tool_serving: OpenAIServing) -> None:
     choice = NamedToolChoice(type="function", function=NamedFunction(name="nope"))
     with pytest.raises(APIError) as refused:
-        tool_serving.prepare_chat(ask(tools=[WEATHER], tool_choice=choice))
+        check_request(ask(tools=[WEATHER], tool_choice=choice))
     assert refused.value.param == "tool_choice"

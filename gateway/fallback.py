@@ -1,4 +1,4 @@
-"""The tiers the gateway can call, and which to try when one is down.
+"""Fallback: which tiers to try for a request, and trying them in turn when one is down.
 
 A tier that is down or times out (`EngineUnavailable`) is replaced by the other tiers the key may
 use, in configuration order, when its policy allows fallback; when none can serve, the request
@@ -13,8 +13,8 @@ from typing import Generic, TypeVar
 
 from engines.api.client import EngineClient, EngineUnavailable
 from engines.api.errors import APIError, service_unavailable
-from engines.api.fields import Capabilities
-from gateway.config import PolicyConfig, TierConfig
+from engines.api.sse import close
+from gateway.config import PolicyConfig
 
 _T = TypeVar("_T")
 
@@ -24,28 +24,6 @@ def candidate_tiers(primary: str, policy: PolicyConfig, tiers: Mapping[str, obje
     if not policy.fallback:
         return [primary]
     return [primary, *(t for t in tiers if t != primary and t in policy.allowed_tiers)]
-
-
-def supports(config: TierConfig | None, needs: Capabilities) -> bool:
-    """Can a tier configured as `config` serve a request with these needs? (No config: a tier built in code.)"""
-    if config is None:
-        return True
-    return (config.supports_tools or not needs.uses_tools) and (
-        config.supports_response_format or needs.response_format is None)
-
-
-def capable_tier(primary: str, needs: Capabilities, allowed: list[str], tiers: Mapping[str, object],
-                 configs: Mapping[str, TierConfig]) -> str:
-    """`primary` if it can serve the request, else the first allowed tier (of `tiers`, in order) that can;
-    refuses when none can."""
-    for tier in [primary, *(t for t in tiers if t != primary and t in allowed)]:
-        if supports(configs.get(tier), needs):
-            return tier
-    need, param = ("tools", "tools") if needs.uses_tools else (f"response_format {needs.response_format}",
-                                                                 "response_format")
-    raise APIError(400, f"No tier this key may use supports {need} (tried {primary}"
-                   f"{''.join(', ' + t for t in allowed if t != primary)}).", code="unsupported_capability",
-                   param=param)
 
 
 def unavailable(tried: list[str]) -> APIError:
@@ -82,16 +60,10 @@ async def open_stream_with_fallback(
         try:
             first = await anext(stream)
         except EngineUnavailable:
-            await _close(stream)
+            await close(stream)
             continue
         except BaseException:
-            await _close(stream)
+            await close(stream)
             raise
         return Served(tier, tier != candidates[0], (first, stream))
     raise unavailable(candidates)
-
-
-async def _close(stream: AsyncIterator[object]) -> None:
-    aclose = getattr(stream, "aclose", None)
-    if aclose is not None:
-        await aclose()
