@@ -111,10 +111,11 @@ def mask_times(llm: LLMEngine, batches: Sequence[int]) -> dict[str, dict[str, fl
 
     tokenizer, vocab = llm.tokenizer, llm.model_config.vocab_size
     token_ids = tokenizer.encode(MASK_TEXT)
-    ours = Grammars(tokenizer, vocab, sorted(llm.eos_token_ids))
+    ours = Grammars(tokenizer, vocab, sorted(llm.scheduler.eos_token_ids))
     spec = GrammarSpec("json_schema", json.dumps(MASK_SCHEMA))
     entries = [b"" if tokenizer.is_special(i) else tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
-    info = xgr.TokenizerInfo(entries, xgr.VocabType.RAW, vocab_size=vocab, stop_token_ids=sorted(llm.eos_token_ids))
+    eos = sorted(llm.scheduler.eos_token_ids)
+    info = xgr.TokenizerInfo(entries, xgr.VocabType.RAW, vocab_size=vocab, stop_token_ids=eos)
     compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(MASK_SCHEMA), any_whitespace=False,
                                                                  separators=(",", ":"))
     results: dict[str, dict[str, float]] = {}
