@@ -9,7 +9,7 @@ TEST_DATABASE_URL ?= postgresql+asyncpg://postgres@127.0.0.1:5432/test
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/0
 PYTEST_ARGS ?=
 
-.PHONY: run test venv models models-test services browser lint bench-engine bench-gateway bench-kernels bench-dashboard clean
+.PHONY: run test venv models models-test services browser lint bench-engine bench-gateway bench-kernels bench-dashboard bench-structured clean
 
 run: venv models
 	SLUICE_SERVER__ALLOW_ANONYMOUS=$${SLUICE_SERVER__ALLOW_ANONYMOUS:-true} $(BIN)/sluice serve
@@ -56,6 +56,9 @@ bench-kernels: venv
 # Seeds 10M request rows into a scratch Postgres database (tens of minutes on a small machine).
 bench-dashboard: venv services
 	nice -n 19 $(BIN)/sluice bench dashboard
+
+bench-structured: venv models
+	$(BIN)/sluice bench structured
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache bench/results var

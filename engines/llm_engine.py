@@ -32,6 +32,7 @@ from engines.sampler import sample
 from engines.sampling_params import SamplingParams
 from engines.scheduler import Scheduler
 from engines.sequence import Sequence
+from engines.structured import Grammars
 from engines.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -136,9 +137,18 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.model_config, config.block_size, num_kv_blocks,
                                   self.kv_cache_dtype)
         self._rng = random.Random(config.seed)
+        self._grammars: Grammars | None = None
         self._requests: dict[str, Sequence] = {}
         self._num_generated_tokens_total = 0
         self._num_aborted_total = 0
+
+    @property
+    def grammars(self) -> Grammars:
+        """The grammar compiler for constrained decoding, built on first use (it indexes the vocabulary)."""
+        if self._grammars is None:
+            eos = sorted(self.scheduler.eos_token_ids)
+            self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size, eos)
+        return self._grammars
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -155,6 +165,10 @@ class LLMEngine:
         vocab_size = self.model_config.vocab_size
         if any(not 0 <= token_id < vocab_size for token_id in prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        if any(not 0 <= token_id < vocab_size for token_id in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
+        if params.grammar is not None:
+            self.grammars.compile(params.grammar)  # raises GrammarError (a ValueError) on a bad schema
         if num_prompt + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but {num_prompt} prompt "
@@ -176,6 +190,8 @@ class LLMEngine:
             generator = torch.Generator().manual_seed(seed)
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
         seq = Sequence(request_id, prompt_token_ids, params, generator, detokenizer)
+        if params.grammar is not None:
+            seq.grammar = self.grammars.matcher(params.grammar)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -205,8 +221,9 @@ class LLMEngine:
         if not batch.seqs:
             return []
         logits, seqs = self.runner.execute(batch)
-        token_ids, logprobs = ([], []) if not seqs else sample(logits, [s.params for s in seqs],
-                                                                [s.generator for s in seqs])
+        token_ids, logprobs = ([], []) if not seqs else sample(
+            logits, [s.params for s in seqs], [s.generator for s in seqs],
+            [s.output_token_ids for s in seqs], [s.grammar for s in seqs])
         texts = self.scheduler.postprocess(batch, token_ids)
         self._num_generated_tokens_total += len(seqs)
         outputs = []

@@ -1,21 +1,69 @@
-"""Next-token selection for a batch: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+"""Next-token selection for a batch: penalties and logit bias, grammar masks, greedy, temperature,
+top-k, top-p, per-request seeds, logprobs."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from engines.outputs import TokenLogprob
 from engines.sampling_params import SamplingParams
+from engines.structured import GrammarState, allocate_bitmask, allows, apply_bitmask
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> tuple[list[int], list[TokenLogprob | None]]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           output_token_ids: Sequence[Sequence[int]] | None = None,
+           grammars: Sequence[GrammarState | None] | None = None,
+           ) -> tuple[list[int], list[TokenLogprob | None]]:
     """Pick one token per row of `logits` [B, V] (float32).
 
-    Random rows draw from their own generator, so a seeded request samples the same tokens
-    whatever else is in the batch. Logprobs always come from the unmodified distribution
-    (before temperature, top-k and top-p), as OpenAI reports them.
+    `output_token_ids` (what each row generated so far) feeds the penalties; `grammars` constrain
+    their rows. Random rows draw from their own generator, so a seeded request samples the same
+    tokens whatever else is in the batch. Logprobs always come from the unmodified distribution
+    (before penalties, bias, grammar, temperature, top-k and top-p), as OpenAI reports them.
     """
+    adjusted = adjust_logits(logits, params, output_token_ids)
+    token_ids = _choose(adjusted, params, generators)
+    if grammars is not None and any(g is not None for g in grammars):
+        _constrain(adjusted, token_ids, params, generators, grammars)
+    chosen = token_ids.tolist()
+    return chosen, _logprobs(logits, token_ids, chosen, params)
+
+
+def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
+                  output_token_ids: Sequence[Sequence[int]] | None) -> torch.Tensor:
+    """OpenAI's penalties and logit bias, vectorised over the rows that ask for them; returns `logits`
+    itself when no row does, else a modified copy.
+
+    logit[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0), counting the tokens
+    the request generated so far (not its prompt, as vLLM and OpenAI do); then logit[t] += bias[t].
+    """
+    penalised = [i for i, p in enumerate(params) if p.penalised] if output_token_ids is not None else []
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    if not penalised and not biased:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    if penalised and output_token_ids is not None and (longest := max(len(output_token_ids[i]) for i in penalised)):
+        # Pad with an extra column `vocab` that is counted and dropped.
+        ids = torch.tensor([list(output_token_ids[i]) + [vocab] * (longest - len(output_token_ids[i]))
+                            for i in penalised])
+        counts = torch.zeros(len(penalised), vocab + 1).scatter_add_(1, ids, torch.ones(ids.shape))[:, :vocab]
+        frequency = torch.tensor([params[i].frequency_penalty for i in penalised]).unsqueeze(1)
+        presence = torch.tensor([params[i].presence_penalty for i in penalised]).unsqueeze(1)
+        rows = torch.tensor(penalised)
+        logits[rows] -= frequency * counts + presence * (counts > 0)
+    if biased:
+        entries = [(i, token, bias) for i in biased for token, bias in params[i].logit_bias.items() if token < vocab]
+        if entries:
+            rows_t, tokens_t, values_t = (torch.tensor(column) for column in zip(*entries, strict=True))
+            logits.index_put_((rows_t, tokens_t), values_t.to(logits.dtype), accumulate=True)
+    return logits
+
+
+def _choose(logits: torch.Tensor, params: Sequence[SamplingParams],
+            generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     token_ids = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
@@ -23,23 +71,51 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         probs = _filtered_probs(logits[rows], [params[i] for i in random_rows])
         for row, row_probs in zip(random_rows, probs, strict=True):
             token_ids[row] = torch.multinomial(row_probs, 1, generator=generators[row])[0]
-    chosen = token_ids.tolist()
+    return token_ids
 
+
+def _constrain(logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams],
+               generators: Sequence[torch.Generator | None], grammars: Sequence[GrammarState | None]) -> None:
+    """Replace, in `token_ids`, each constrained row's choice by one its grammar allows.
+
+    Masking a row costs a pass over the vocabulary, so a row whose unconstrained choice the grammar
+    allows keeps it: exact for greedy rows (the masked argmax is that token) and for plain sampling
+    (a draw from p kept when allowed, else redrawn from p masked, is a draw from p masked). Rows with
+    top-k or top-p are masked before choosing, since those filters depend on the mask.
+    """
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    bitmask = allocate_bitmask(len(logits), logits.shape[-1])
+    for row in rows:
+        grammars[row].fill(bitmask, row)  # type: ignore[union-attr]
+    chosen = token_ids.tolist()
+    redo = [row for row in rows
+            if params[row].top_k or params[row].top_p < 1.0 or not allows(bitmask, row, chosen[row])]
+    if not redo:
+        return
+    index = torch.tensor(redo)
+    masked = logits[index]
+    apply_bitmask(masked, bitmask[index])
+    token_ids[index] = _choose(masked, [params[i] for i in redo], [generators[i] for i in redo])
+
+
+def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, chosen: list[int],
+              params: Sequence[SamplingParams]) -> list[TokenLogprob | None]:
     logprobs: list[TokenLogprob | None] = [None] * len(params)
     wanted = [i for i, p in enumerate(params) if p.logprobs]
-    if wanted:
-        rows = torch.tensor(wanted)
-        log_probs = torch.log_softmax(logits[rows], dim=-1)
-        chosen_lp = log_probs.gather(1, token_ids[rows].unsqueeze(1)).squeeze(1).tolist()
-        num_top = max(params[i].top_logprobs for i in wanted)
-        top_values, top_ids = log_probs.topk(num_top, dim=-1) if num_top else (None, None)
-        for j, row in enumerate(wanted):
-            top: list[tuple[int, float]] = []
-            if top_ids is not None and top_values is not None:
-                k = params[row].top_logprobs
-                top = list(zip(top_ids[j, :k].tolist(), top_values[j, :k].tolist(), strict=True))
-            logprobs[row] = TokenLogprob(token_id=chosen[row], logprob=chosen_lp[j], top=top)
-    return chosen, logprobs
+    if not wanted:
+        return logprobs
+    rows = torch.tensor(wanted)
+    log_probs = torch.log_softmax(logits[rows], dim=-1)
+    chosen_lp = log_probs.gather(1, token_ids[rows].unsqueeze(1)).squeeze(1).tolist()
+    num_top = max(params[i].top_logprobs for i in wanted)
+    top_values, top_ids = log_probs.topk(num_top, dim=-1) if num_top else (None, None)
+    for j, row in enumerate(wanted):
+        top: list[tuple[int, float]] = []
+        if top_ids is not None and top_values is not None:
+            k = params[row].top_logprobs
+            top = list(zip(top_ids[j, :k].tolist(), top_values[j, :k].tolist(), strict=True))
+        logprobs[row] = TokenLogprob(token_id=chosen[row], logprob=chosen_lp[j], top=top)
+    return logprobs
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

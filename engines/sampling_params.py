@@ -1,6 +1,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI accepts at most 300 biased tokens
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What constrained decoding must produce: any JSON object, or JSON valid against `schema` (JSON text)."""
+
+    kind: Literal["json_object", "json_schema"]
+    schema: str | None = None
 
 
 @dataclass
@@ -19,6 +32,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence of a token already generated
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         assert self.temperature >= 0, "temperature must be >= 0"
@@ -26,7 +43,16 @@ class SamplingParams:
         assert self.top_k >= 0, "top_k must be >= 0"
         assert self.max_tokens >= 1, "max_tokens must be >= 1"
         assert 0 <= self.top_logprobs <= 20, "top_logprobs must be between 0 and 20"
+        for name in ("presence_penalty", "frequency_penalty"):
+            assert -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY, f"{name} must be in [-2, 2]"
+        assert len(self.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES, "logit_bias takes at most 300 tokens"
+        assert all(-MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in self.logit_bias.values()), \
+            "logit_bias values must be in [-100, 100]"
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

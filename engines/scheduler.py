@@ -133,17 +133,23 @@ class Scheduler:
         return [self._append(seq, token_id) for seq, token_id in zip(self.advance(batch), token_ids, strict=True)]
 
     def _append(self, seq: Sequence, token_id: int) -> str:
-        """Append a sampled token and finish `seq` if it ends it: a stop token (never part of the text),
-        a stop string (the detokenizer matches it), or `max_tokens` reached."""
+        """Append a sampled token (advancing the sequence's grammar) and finish `seq` if it ends it: a stop
+        token (never part of the text), a stop string (the detokenizer matches it), a complete grammar, or
+        `max_tokens` reached."""
         params, detokenizer = seq.params, seq.detokenizer
         assert detokenizer is not None, "sequences that sample carry a detokenizer"
         seq.append_token(token_id)
+        if seq.grammar is not None:
+            seq.grammar.accept(token_id)
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
             self.finish(seq, "stop")
             return detokenizer.flush()
         text = detokenizer.add_token(token_id)
         if detokenizer.stopped:
             self.finish(seq, "stop")
+        elif seq.grammar is not None and seq.grammar.terminated:
+            self.finish(seq, "stop")  # the grammar is complete and allows nothing more
+            text += detokenizer.flush()
         elif seq.num_output_tokens >= params.max_tokens:
             self.finish(seq, "length")
             text += detokenizer.flush()

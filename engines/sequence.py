@@ -11,6 +11,7 @@ from engines.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engines.detokenizer import IncrementalDetokenizer
+    from engines.structured import GrammarState
 
 
 class SequenceStatus(Enum):
@@ -43,6 +44,7 @@ class Sequence:
         self.params = params
         self.generator = generator  # per-request RNG: same seed, same samples, whatever the batch
         self.detokenizer = detokenizer  # output text as tokens come, and stop-string matches
+        self.grammar: GrammarState | None = None  # constrained decoding: where the output is in its grammar
         self.finish_reason: str | None = None
         self.was_admitted = False  # prefix-cache statistics are counted on the first admission only
 

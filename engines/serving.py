@@ -13,13 +13,16 @@ drops it when the client did not ask.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncGenerator, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from engines import tool_calls
 from engines.api.client import EngineUnavailable
-from engines.api.errors import APIError, service_unavailable
+from engines.api.errors import APIError, invalid, service_unavailable
+from engines.api.fields import check_engine_supports
 from engines.api.prompts import PromptTokenizer, chat_prompt_token_ids, completion_prompts, count_prompt_tokens
 from engines.api.protocol import (
     AssistantMessage,
@@ -33,8 +36,11 @@ from engines.api.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
     Usage,
     new_id,
@@ -43,7 +49,8 @@ from engines.api.protocol import (
 from engines.api.rules import Decoding, check_token_ids, decoding, max_tokens_for
 from engines.outputs import EngineOverloaded, EngineStepFailed, RequestOutput
 from engines.outputs import TokenLogprob as EngineTokenLogprob
-from engines.sampling_params import SamplingParams
+from engines.sampling_params import GrammarSpec, SamplingParams
+from engines.structured import GrammarError
 
 if TYPE_CHECKING:
     from engines.llm_engine import AsyncLLMEngine
@@ -51,7 +58,7 @@ if TYPE_CHECKING:
     from engines.tiers import TierSpec
 
 
-def sampling_params(d: Decoding, max_tokens: int, choice: int) -> SamplingParams:
+def sampling_params(d: Decoding, max_tokens: int, choice: int, grammar: GrammarSpec | None = None) -> SamplingParams:
     """The engine's parameters for choice `choice` of a checked request."""
     return SamplingParams(
         temperature=1.0 if d.temperature is None else d.temperature,
@@ -63,7 +70,80 @@ def sampling_params(d: Decoding, max_tokens: int, choice: int) -> SamplingParams
         stop=d.stop,
         logprobs=d.logprobs,
         top_logprobs=d.top_logprobs,
+        presence_penalty=d.presence_penalty,
+        frequency_penalty=d.frequency_penalty,
+        logit_bias=d.logit_bias,
+        grammar=grammar,
     )
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """How our engine answers a chat request: what it appends to the prompt, what grammar constrains the
+    reply, and how the reply is read (`tools`: None, "auto" (free text that may hold calls), "forced")."""
+
+    suffix: str = ""
+    grammar: GrammarSpec | None = None
+    grammar_param: str | None = None
+    tools: str | None = None
+    parallel_tool_calls: bool = True
+
+
+def _response_grammar(request: ChatCompletionRequest) -> GrammarSpec | None:
+    response_format = request.response_format
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return GrammarSpec("json_object")
+    assert response_format.json_schema is not None  # rules.check_response_format
+    return GrammarSpec("json_schema", json.dumps(response_format.json_schema.schema or {}, sort_keys=True))
+
+
+def chat_plan(request: ChatCompletionRequest, template_supports_tools: bool) -> ChatPlan:
+    uses_tools = bool(request.tools) and request.tool_choice != "none"
+    if not uses_tools:
+        return ChatPlan(grammar=_response_grammar(request), grammar_param="response_format")
+    if not template_supports_tools:
+        raise invalid("this model's chat template does not support tools", "tools", "unsupported_parameter")
+    if _response_grammar(request) is not None:
+        raise invalid("`response_format` together with `tools` is not supported by our engines; use a forced "
+                      "`tool_choice` with a strict schema, or `tool_choice: \"none\"`", "response_format",
+                      "unsupported_parameter")
+    parallel = request.parallel_tool_calls is not False
+    if forced := tool_calls.forced_tools(request):
+        return ChatPlan(tool_calls.FORCED_PREFIX, tool_calls.forced_call_grammar(forced), "tools", "forced", parallel)
+    return ChatPlan(tools="auto", parallel_tool_calls=parallel)
+
+
+class _Reply:
+    """Reads one choice's text as content and tool calls, as it streams or at once."""
+
+    def __init__(self, plan: ChatPlan) -> None:
+        self.plan = plan
+        self.text = ""
+        self.parser = tool_calls.StreamParser()
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        if self.plan.tools is None:
+            return text, []
+        if self.plan.tools == "forced":
+            self.text += text
+            return "", []
+        content, calls = self.parser.feed(text)
+        if not self.plan.parallel_tool_calls:
+            calls = calls[: max(0, 1 - len(self.calls))]
+        self.calls.extend(calls)
+        return content, calls
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        if self.plan.tools == "forced":
+            self.calls = tool_calls.parse_forced(self.text)
+            return ("", self.calls) if self.calls else (self.text, [])
+        return self.parser.flush(), []
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        return "tool_calls" if self.calls and engine_reason == "stop" else engine_reason
 
 
 @dataclass(frozen=True)
@@ -183,31 +263,55 @@ class OpenAIServing:
     # -- prompt accounting ------------------------------------------------------------------
 
     def count_prompt_tokens(self, request: ChatCompletionRequest | CompletionRequest) -> int:
-        """Prompt tokens as this engine counts them (chat template applied), over all prompts of a batch."""
+        """Prompt tokens as this engine counts them (chat template applied, a forced reply start included),
+        over all prompts of a batch."""
+        if isinstance(request, ChatCompletionRequest) and request.tools:
+            return len(chat_prompt_token_ids(self.tokenizer, request, self._plan(request).suffix))
         return count_prompt_tokens(self.tokenizer, request)
 
     # -- building engine calls --------------------------------------------------------------
 
-    def _calls(self, request_id: str, prompts: list[list[int]], d: Decoding) -> list[EngineCall]:
+    def _plan(self, request: ChatCompletionRequest) -> ChatPlan:
+        return chat_plan(request, getattr(self.tokenizer, "supports_tools", False))
+
+    def _check_grammar(self, plan: ChatPlan) -> None:
+        if plan.grammar is None:
+            return
+        try:
+            self.engine.engine.grammars.compile(plan.grammar)
+        except GrammarError as exc:
+            raise invalid(str(exc), plan.grammar_param, "invalid_schema") from exc
+
+    def _calls(self, request_id: str, prompts: list[list[int]], d: Decoding,
+               grammar: GrammarSpec | None = None) -> list[EngineCall]:
         check_token_ids(prompts, self.tokenizer.vocab_size)
+        if any(token >= self.tokenizer.vocab_size for token in d.logit_bias):
+            raise invalid(f"`logit_bias` token ids must be below {self.tokenizer.vocab_size}", "logit_bias")
         calls = []
         for prompt_index, prompt in enumerate(prompts):
             max_tokens = max_tokens_for(d, len(prompt), self.max_model_len)
             for i in range(d.n):
                 index = prompt_index * d.n + i
-                params = sampling_params(d, max_tokens, i)
+                params = sampling_params(d, max_tokens, i, grammar)
                 calls.append(EngineCall(index, prompt_index, f"{request_id}-{index}", prompt, params))
         return calls
 
     def prepare_chat(self, request: ChatCompletionRequest) -> list[EngineCall]:
         """Map a checked chat request to engine calls; raises APIError on the rules of this model
-        (context length, token ids)."""
-        prompt = chat_prompt_token_ids(self.tokenizer, request)
-        return self._calls(new_id("chatcmpl"), [prompt], decoding(request))
+        (context length, token ids, what our engine supports, the schema)."""
+        return self._prepare_chat(request)[1]
+
+    def _prepare_chat(self, request: ChatCompletionRequest) -> tuple[ChatPlan, list[EngineCall]]:
+        check_engine_supports(request, self.model_name)
+        plan = self._plan(request)
+        self._check_grammar(plan)
+        prompt = chat_prompt_token_ids(self.tokenizer, request, plan.suffix)
+        return plan, self._calls(new_id("chatcmpl"), [prompt], decoding(request), plan.grammar)
 
     def prepare_completion(self, request: CompletionRequest) -> list[EngineCall]:
         """Map a checked text-completion request to engine calls; raises APIError on the rules of
-        this model (context length, token ids)."""
+        this model (context length, token ids, what our engine supports)."""
+        check_engine_supports(request, self.model_name)
         return self._calls(new_id("cmpl"), completion_prompts(self.tokenizer, request), decoding(request))
 
     # -- running ----------------------------------------------------------------------------
@@ -289,20 +393,25 @@ class OpenAIServing:
     # -- chat -------------------------------------------------------------------------------
 
     async def chat(self, request: ChatCompletionRequest) -> ChatCompletion:
-        calls = self.prepare_chat(request)
+        plan, calls = self._prepare_chat(request)
         states = [_ChoiceState() for _ in calls]
         async for _ in self._run(calls, states):
             pass
         top = request.top_logprobs or 0
-        choices = [
-            ChatChoice(
+        choices = []
+        for call, state in zip(calls, states, strict=True):
+            reply = _Reply(plan)
+            content, _ = reply.feed("".join(state.text))
+            rest, _ = reply.finish()
+            text = content + rest
+            choices.append(ChatChoice(
                 index=call.index,
-                message=AssistantMessage(content="".join(state.text)),
-                finish_reason=state.finish_reason,
+                # With tool calls and no text besides, content is null, as OpenAI sends it.
+                message=AssistantMessage(content=text if text or not reply.calls else None,
+                                         tool_calls=reply.calls or None),
+                finish_reason=reply.finish_reason(state.finish_reason),
                 logprobs=ChoiceLogprobs(content=self._chat_logprobs(state.logprobs, top)) if request.logprobs else None,
-            )
-            for call, state in zip(calls, states, strict=True)
-        ]
+            ))
         return ChatCompletion(
             id=_response_id(calls),
             created=now(),
@@ -314,24 +423,33 @@ class OpenAIServing:
     def chat_stream(self, request: ChatCompletionRequest) -> AsyncGenerator[ChatCompletionChunk, None]:
         """Validates now (raising APIError), then streams: each choice's first chunk carries the
         assistant role, its last one the finish reason; a usage-only chunk always comes last."""
-        return self._chat_chunks(request, self.prepare_chat(request))
+        return self._chat_chunks(request, *self._prepare_chat(request))
 
     async def _chat_chunks(
-        self, request: ChatCompletionRequest, calls: list[EngineCall]
+        self, request: ChatCompletionRequest, plan: ChatPlan, calls: list[EngineCall]
     ) -> AsyncGenerator[ChatCompletionChunk, None]:
         response_id, created = _response_id(calls), now()
         states = [_ChoiceState() for _ in calls]
+        replies = {call.index: _Reply(plan) for call in calls}
         announced: set[int] = set()
         top = request.top_logprobs or 0
         async for call, output in self._run(calls, states):
-            if not (output.new_text or output.finished or (request.logprobs and output.logprobs)):
+            reply = replies[call.index]
+            content, new_calls = reply.feed(output.new_text)
+            if output.finished:
+                rest, last_calls = reply.finish()
+                content, new_calls = content + rest, new_calls + last_calls
+            if not (content or new_calls or output.finished or (request.logprobs and output.logprobs)):
                 continue
             first = call.index not in announced
             announced.add(call.index)
+            first_call = len(reply.calls) - len(new_calls)
             choice = ChatChunkChoice(
                 index=call.index,
-                delta=DeltaMessage(role="assistant" if first else None, content=output.new_text),
-                finish_reason=output.finish_reason if output.finished else None,
+                delta=DeltaMessage(role="assistant" if first else None,
+                                   content=(content or None) if new_calls else content,
+                                   tool_calls=_call_deltas(new_calls, first_call) or None),
+                finish_reason=reply.finish_reason(output.finish_reason) if output.finished else None,
                 logprobs=(
                     ChoiceLogprobs(content=self._chat_logprobs(output.logprobs, top)) if request.logprobs else None
                 ),
@@ -413,6 +531,15 @@ class OpenAIServing:
             yield Completion(id=response_id, created=created, model=self.model_name, choices=[choice])
         usage = _usage(calls, states)
         yield Completion(id=response_id, created=created, model=self.model_name, choices=[], usage=usage)
+
+
+def _call_deltas(calls: Sequence[ToolCall], first_index: int) -> list[DeltaToolCall]:
+    """Whole calls as OpenAI-style stream deltas (id, type and name with the complete arguments)."""
+    return [
+        DeltaToolCall(index=first_index + i, id=call.id, type="function",
+                      function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments))
+        for i, call in enumerate(calls)
+    ]
 
 
 def is_usage_chunk(chunk: ChatCompletionChunk | Completion) -> bool:

@@ -135,8 +135,10 @@ class Tokenizer:
 
     # -- chat -----------------------------------------------------------------------------------
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text the model's chat template makes of `messages`.
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The prompt text the model's chat template makes of `messages` (and `tools`, OpenAI-shaped
+        `{"type": "function", "function": {...}}` dicts, as transformers passes them).
 
         Raises ValueError when the model has no template or the template rejects the messages
         (e.g. `raise_exception('Conversation roles must alternate ...')`).
@@ -149,6 +151,7 @@ class Tokenizer:
             return self._compiled_template.render(
                 messages=[dict(message) for message in messages],
                 add_generation_prompt=add_generation_prompt,
+                tools=[dict(tool) for tool in tools] if tools else None,
                 bos_token=self._token_text_or_empty(self.bos_token_id),
                 eos_token=self._token_text_or_empty(self.eos_token_ids[0] if self.eos_token_ids else None),
             )
@@ -160,9 +163,11 @@ class Tokenizer:
             raise ValueError(f"chat template cannot render these messages: {error}") from error
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None, suffix: str = "",
     ) -> list[int]:
-        """Token ids of the rendered chat prompt. Special tokens written by the template
+        """Token ids of the rendered chat prompt, then `suffix` (the start of the reply, when it is forced).
+        Special tokens written by the template
         (`<|im_start|>`) become their single ids; no BOS is added beyond what the template writes.
 
         Special-token text inside the messages is tokenised as text, never as the control token, so
@@ -172,7 +177,7 @@ class Tokenizer:
         injected: list[str] = []
         marker = f"\ue000{secrets.token_hex(8)}:"
         shielded = [_shield(message, self._control_pattern(), marker, injected) for message in messages]
-        text = self.render_chat(shielded, add_generation_prompt)
+        text = self.render_chat(shielded, add_generation_prompt, tools) + suffix
         if not injected:
             return self.encode(text, add_special_tokens=False)
         ids: list[int] = []
@@ -195,6 +200,11 @@ class Tokenizer:
             self._text_backend = tokenizers.Tokenizer.from_str(self.backend.to_str())
             self._text_backend.encode_special_tokens = True
         return self._text_backend.encode(text, add_special_tokens=False).ids
+
+    @property
+    def supports_tools(self) -> bool:
+        """The chat template renders `tools` (it reads the variable)."""
+        return self.chat_template is not None and "tools" in self.chat_template
 
     def _token_text_or_empty(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")

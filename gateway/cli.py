@@ -194,6 +194,7 @@ BENCHMARKS = {
     "kernels": "bench.kernels",
     "dashboard": "bench.dashboard",
     "load": "bench.load",
+    "structured": "bench.structured",
 }
 
 

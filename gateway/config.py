@@ -104,6 +104,11 @@ class TierConfig(_Section):
     slo_itl_p99_ms: float = 200.0
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 120.0
+    # What the tier can do (engines.api.fields.capabilities): a request that needs what a tier lacks goes
+    # to an allowed tier that has it, or is refused. Our engines have both (tools where the model's chat
+    # template renders them); set false for an upstream that lacks them.
+    supports_tools: bool = True
+    supports_response_format: bool = True
 
 
 class PolicyConfig(_Section):

@@ -26,6 +26,7 @@ import msgspec
 
 from engines.api.client import EngineClient
 from engines.api.errors import APIError, service_unavailable
+from engines.api.fields import NO_NEEDS, Capabilities, capabilities
 from engines.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -47,6 +48,7 @@ from gateway.budgets import (
     refusal,
     reservation,
 )
+from gateway.capabilities import capable_tier, supports
 from gateway.charges import ChargeBatcher
 from gateway.config import PolicyConfig, Settings
 from gateway.cost import request_cost
@@ -93,6 +95,7 @@ class RequestState:
     ttft_ms: float | None = None
     itl_ms_mean: float | None = None
     finished: bool = False
+    needs: Capabilities = NO_NEEDS  # tools and response_format the request uses
 
 
 @dataclass(slots=True)
@@ -175,8 +178,10 @@ class Gateway:
     async def _handle(self, state: RequestState, request: Request) -> Reply:
         policy = self._begin(state, request)
         check_request(request)
-        state.route = self._route(request, policy)
-        candidates = candidate_tiers(state.route.tier, policy, self.clients)
+        state.needs = capabilities(request)
+        state.route = self._capable(self._route(request, policy), state.needs, policy)
+        candidates = [t for t in candidate_tiers(state.route.tier, policy, self.clients)
+                      if supports(self.settings.tiers.get(t), state.needs)]
         request, headers = await self._admit(state, request, candidates)
         if request.stream:
             return await self._stream(state, request, candidates, headers)
@@ -206,6 +211,11 @@ class Gateway:
                 code="model_not_allowed",
                 param="model",
             ) from exc
+
+    def _capable(self, route: RouteDecision, needs: Capabilities, policy: PolicyConfig) -> RouteDecision:
+        """The route, moved to a tier that supports what the request uses when its own does not."""
+        tier = capable_tier(route.tier, needs, policy.allowed_tiers, self.clients, self.settings.tiers)
+        return route if tier == route.tier else RouteDecision(tier, route.score, "capability")
 
     async def _admit(self, state: RequestState, request: Request,
                      candidates: list[str]) -> tuple[Request, dict[str, str]]:  # fmt: skip
@@ -424,6 +434,8 @@ def record_of(state: RequestState, status: int, error_code: str | None) -> Reque
         itl_ms_mean=state.itl_ms_mean,
         status=status,
         error_code=error_code,
+        used_tools=state.needs.uses_tools,
+        response_format=state.needs.response_format,
     )
 
 

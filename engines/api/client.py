@@ -79,10 +79,12 @@ END_OF_STREAM_WAIT_S = 1.0  # after `data: [DONE]`, for the end of the body
 _error_decoder = msgspec.json.Decoder(ErrorResponse)
 
 
-def _payload(request: ChatCompletionRequest | CompletionRequest, **changes: Any) -> bytes:
-    """The request as JSON with the upstream model name, leaving out unset fields."""
+def to_body(request: ChatCompletionRequest | CompletionRequest, **changes: Any) -> bytes:
+    """The request as JSON with the upstream model name, leaving out unset fields; the fields no OpenAI
+    type names go along untouched (`engines.api.fields`: the upstream answers for them)."""
     fields = msgspec.to_builtins(msgspec.structs.replace(request, **changes))
-    return encode({k: v for k, v in fields.items() if v is not None})
+    extras = fields.pop("extra_fields", None) or {}
+    return encode({**extras, **{k: v for k, v in fields.items() if v is not None}})
 
 
 def _estimate_tokens(text: str) -> int:
@@ -237,19 +239,19 @@ class HttpEngineClient:
             response.close()  # before the end: closes the connection, and the upstream aborts
 
     async def chat(self, request: ChatCompletionRequest) -> ChatCompletion:
-        body = _payload(request, model=self.model_name, stream=False, stream_options=None)
+        body = to_body(request, model=self.model_name, stream=False, stream_options=None)
         return msgspec.json.decode(await self._post("/chat/completions", body), type=ChatCompletion)
 
     def chat_stream(self, request: ChatCompletionRequest) -> AsyncGenerator[ChatCompletionChunk, None]:
-        body = _payload(request, model=self.model_name, stream=True, stream_options=StreamOptions(include_usage=True))
+        body = to_body(request, model=self.model_name, stream=True, stream_options=StreamOptions(include_usage=True))
         return self._stream("/chat/completions", body, ChatCompletionChunk)
 
     async def complete(self, request: CompletionRequest) -> Completion:
-        body = _payload(request, model=self.model_name, stream=False, stream_options=None)
+        body = to_body(request, model=self.model_name, stream=False, stream_options=None)
         return msgspec.json.decode(await self._post("/completions", body), type=Completion)
 
     def complete_stream(self, request: CompletionRequest) -> AsyncGenerator[Completion, None]:
-        body = _payload(request, model=self.model_name, stream=True, stream_options=StreamOptions(include_usage=True))
+        body = to_body(request, model=self.model_name, stream=True, stream_options=StreamOptions(include_usage=True))
         return self._stream("/completions", body, Completion)
 
     async def ready(self) -> bool:

@@ -6,11 +6,12 @@ so the count agrees with what the tier bills. The request has passed `rules.chec
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from engines.api.errors import invalid
-from engines.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from engines.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ToolCall
 
 
 class PromptTokenizer(Protocol):
@@ -22,7 +23,8 @@ class PromptTokenizer(Protocol):
 
     def decode(self, token_ids: list[int]) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]: ...
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, suffix: str = "") -> list[int]: ...
 
     def token_text(self, token_id: int) -> str: ...
 
@@ -30,14 +32,47 @@ class PromptTokenizer(Protocol):
 
 
 def chat_template_messages(messages: Sequence[ChatMessage]) -> list[dict]:
-    """Wire messages → the plain dicts a chat template reads."""
-    # "developer" is OpenAI's newer name for the system role; open chat templates know only "system".
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    """Wire messages → the plain dicts a chat template reads (tool calls and tool answers as transformers
+    passes them: arguments as an object, the tool turn's `tool_call_id`)."""
+    converted = []
+    for m in messages:
+        # "developer" is OpenAI's newer name for the system role; open chat templates know only "system".
+        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            message["tool_calls"] = [_template_tool_call(call) for call in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        converted.append(message)
+    return converted
 
 
-def chat_prompt_token_ids(tokenizer: PromptTokenizer, request: ChatCompletionRequest) -> list[int]:
+def _template_tool_call(call: ToolCall) -> dict[str, Any]:
     try:
-        return tokenizer.apply_chat_template(chat_template_messages(request.messages))
+        arguments: Any = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments  # not JSON: the template gets the text as it came
+    return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
+
+
+def template_tools(request: ChatCompletionRequest) -> list[dict] | None:
+    """The request's tools as the chat template reads them; none when `tool_choice` is "none"."""
+    if not request.tools or request.tool_choice == "none":
+        return None
+    return [{"type": tool.type, "function": _definition(tool.function)} for tool in request.tools]
+
+
+def _definition(function: Any) -> dict[str, Any]:
+    return {k: v for k, v in (("name", function.name), ("description", function.description),
+                              ("parameters", function.parameters)) if v is not None}
+
+
+def chat_prompt_token_ids(tokenizer: PromptTokenizer, request: ChatCompletionRequest, suffix: str = "") -> list[int]:
+    """The prompt: the chat template over the messages and tools, then `suffix` (a reply start the tier forces)."""
+    try:
+        return tokenizer.apply_chat_template(chat_template_messages(request.messages), tools=template_tools(request),
+                                             suffix=suffix)
     except ValueError as exc:  # no template, or the template rejects these messages (e.g. roles must alternate)
         raise invalid(str(exc), "messages", "invalid_messages") from exc
 

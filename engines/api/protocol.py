@@ -1,8 +1,10 @@
 """The OpenAI wire schema, defined once.
 
 The engine server and the gateway both speak it, so it lives at the bottom of the dependency
-chain (gateway → router → engines). Request structs ignore unknown fields (OpenAI clients send
-extensions freely); response structs serialise exactly the fields the official SDK reads.
+chain (gateway → router → engines). Every field of OpenAI's request types is modelled here; what
+becomes of each (honoured, forwarded to HTTP tiers only, or refused) is `engines.api.fields`' table.
+Fields no OpenAI type names are kept in `extra_fields` by `fields.keep_extra_fields`. Response
+structs serialise exactly the fields the official SDK reads.
 """
 
 from __future__ import annotations
@@ -32,10 +34,56 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    type: str
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: str
+    function: NamedFunction
+
+
+class JSONSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str  # text | json_object | json_schema
+    json_schema: JSONSchemaFormat | None = None
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: which call it answers
 
     def text(self) -> str:
         """The message's text, with multi-part content joined (only text parts are supported)."""
@@ -64,6 +112,31 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    # Forwarded untouched to HTTP tiers; refused by our engines unless neutral (see engines.api.fields).
+    store: Any = None
+    service_tier: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+    moderation: Any = None
+    # Refused everywhere (deprecated forms of `tools` and `tool_choice`).
+    functions: Any = None
+    function_call: Any = None
+    # Body fields no OpenAI type names, set by `fields.keep_extra_fields` (a field, so copies keep it).
+    extra_fields: dict[str, Any] | None = None
 
     def output_limit(self) -> int | None:
         """`max_completion_tokens` supersedes the deprecated `max_tokens`."""
@@ -87,6 +160,13 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     logprobs: int | None = None
     echo: bool = False
     user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # Forwarded untouched to HTTP tiers; refused by our engines unless neutral (see engines.api.fields).
+    best_of: Any = None
+    suffix: Any = None
+    extra_fields: dict[str, Any] | None = None  # as in ChatCompletionRequest
 
     def output_limit(self) -> int | None:
         return self.max_tokens
@@ -147,9 +227,10 @@ class ChoiceLogprobs(msgspec.Struct, kw_only=True):
 class AssistantMessage(msgspec.Struct, kw_only=True):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "tool_calls", "abort"]
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -169,9 +250,22 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     system_fingerprint: str | None = None
 
 
+class DeltaFunctionCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):

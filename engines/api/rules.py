@@ -9,13 +9,15 @@ by the tier that knows its model. `decoding` reads the decoding fields of a chec
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import msgspec
 
 from engines.api.errors import APIError, invalid, validation_error
+from engines.api.fields import check_refused, keep_extra_fields
 from engines.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, Request, stop_list
 
 RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest)
@@ -25,16 +27,26 @@ MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS_CHAT = 20
 MAX_LOGPROBS_COMPLETION = 5  # OpenAI's limit for the legacy completions endpoint
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+MAX_PENALTY = 2.0  # OpenAI: presence_penalty and frequency_penalty in [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # OpenAI: each logit_bias value in [-100, 100]
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_TOOLS = 128  # OpenAI's limit
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+TOOL_CHOICES = ("none", "auto", "required")
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 def decode_request(body: bytes, request_type: type[RequestT]) -> RequestT:
-    """Parse a request body, turning malformed JSON and mistyped fields into a 400 naming the field."""
+    """Parse a request body, turning malformed JSON and mistyped fields into a 400 naming the field; fields
+    no OpenAI type names are kept as the request's `extra_fields`."""
     try:
-        return msgspec.json.decode(body, type=request_type)
+        request = msgspec.json.decode(body, type=request_type)
     except msgspec.ValidationError as exc:
         raise validation_error(str(exc)) from exc
     except msgspec.DecodeError as exc:
         raise invalid(f"the request body is not valid JSON: {exc}", None, "invalid_json") from exc
+    keep_extra_fields(request, body)
+    return request
 
 
 @dataclass(frozen=True)
@@ -51,6 +63,13 @@ class Decoding:
     logprobs: bool
     top_logprobs: int
     output_limit_param: str
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    return {int(token): value for token, value in bias.items()} if bias else {}
 
 
 def decoding(request: Request) -> Decoding:
@@ -67,6 +86,9 @@ def decoding(request: Request) -> Decoding:
             logprobs=request.logprobs,
             top_logprobs=request.top_logprobs or 0,
             output_limit_param="max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens",
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            logit_bias=_logit_bias(request.logit_bias),
         )
     return Decoding(
         temperature=request.temperature,
@@ -79,6 +101,9 @@ def decoding(request: Request) -> Decoding:
         logprobs=request.logprobs is not None,
         top_logprobs=request.logprobs or 0,
         output_limit_param="max_tokens",
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        logit_bias=_logit_bias(request.logit_bias),
     )
 
 
@@ -91,6 +116,8 @@ def check_request(request: Request) -> None:
     """Every rule the request alone decides; raises `APIError` (400) naming the offending field."""
     if request.stream_options is not None and not request.stream:
         raise invalid("`stream_options` is only allowed when `stream` is true", "stream_options")
+    check_refused(request)
+    check_penalties(request)
     if isinstance(request, ChatCompletionRequest):
         check_messages(request.messages)
         check_chat_fields(request)
@@ -118,10 +145,59 @@ def check_messages(messages: Sequence[ChatMessage]) -> None:
                 )
 
 
+def check_penalties(request: Request) -> None:
+    """OpenAI's ranges: penalties in [-2, 2]; logit_bias maps at most 300 token ids to [-100, 100]."""
+    check_range(request.presence_penalty, -MAX_PENALTY, MAX_PENALTY, "presence_penalty")
+    check_range(request.frequency_penalty, -MAX_PENALTY, MAX_PENALTY, "frequency_penalty")
+    bias = request.logit_bias or {}
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise invalid(f"`logit_bias` takes at most {MAX_LOGIT_BIAS_ENTRIES} tokens; got {len(bias)}", "logit_bias")
+    for token, value in bias.items():
+        if not token.isdigit():
+            raise invalid(f"`logit_bias` keys must be token ids; got {token!r}", "logit_bias")
+        check_range(value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, f"logit_bias.{token}")
+
+
+def check_response_format(request: ChatCompletionRequest) -> None:
+    response_format = request.response_format
+    if response_format is None:
+        return
+    if response_format.type not in RESPONSE_FORMATS:
+        raise invalid(f"`response_format.type` must be one of {list(RESPONSE_FORMATS)}; got "
+                      f"{response_format.type!r}", "response_format.type")
+    if response_format.type == "json_schema" and response_format.json_schema is None:
+        raise invalid("`response_format.json_schema` is required when the type is json_schema",
+                      "response_format.json_schema", "missing_required_parameter")
+
+
+def check_tools(request: ChatCompletionRequest) -> None:
+    """Function tools with valid, distinct names; a tool_choice that names one of them."""
+    tools = request.tools or []
+    if len(tools) > MAX_TOOLS:
+        raise invalid(f"`tools` takes at most {MAX_TOOLS} tools; got {len(tools)}", "tools")
+    names = set()
+    for i, tool in enumerate(tools):
+        if tool.type != "function":
+            raise invalid(f"tools[{i}].type must be 'function'; got {tool.type!r}", f"tools[{i}].type")
+        if not _FUNCTION_NAME.match(tool.function.name) or tool.function.name in names:
+            raise invalid(f"tools[{i}].function.name must be distinct, 1-64 of a-z, A-Z, 0-9, _ and -; got "
+                          f"{tool.function.name!r}", f"tools[{i}].function.name")
+        names.add(tool.function.name)
+    choice = request.tool_choice
+    if choice is None or choice == "none":
+        return
+    if isinstance(choice, str) and choice not in TOOL_CHOICES:
+        raise invalid(f"`tool_choice` must be one of {list(TOOL_CHOICES)} or a named function; got {choice!r}",
+                      "tool_choice")
+    if not tools:
+        raise invalid("`tool_choice` needs `tools`", "tool_choice")
+    if not isinstance(choice, str) and (choice.type != "function" or choice.function.name not in names):
+        raise invalid(f"`tool_choice` names {choice.function.name!r}, which is not in `tools`", "tool_choice")
+
+
 def check_chat_fields(request: ChatCompletionRequest) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(request, name):
-            raise invalid(f"`{name}` is not supported by this engine; omit it or send 0", name, "unsupported_parameter")
+    check_response_format(request)
+    check_tools(request)
     if request.top_logprobs is not None:
         if not request.logprobs:
             raise invalid("`top_logprobs` requires `logprobs` to be true", "top_logprobs")

@@ -8,6 +8,7 @@ from litestar import Controller, Request, Response, get, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
+from engines.api.fields import keep_extra_fields
 from engines.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from gateway.controllers.http import cancel_on_disconnect, reply_response
 from gateway.pipeline import Gateway, RequestState, request_ids
@@ -35,12 +36,14 @@ class OpenAIController(Controller):
     async def chat_completions(
         self, request: Request[Any, Any, Any], data: JSONBody[ChatCompletionRequest], gateway: NamedDependency[Gateway]
     ) -> Response[Any]:
+        keep_extra_fields(data, await request.body())
         return reply_response(await cancel_on_disconnect(request, gateway.chat(request.state.sluice, data)))
 
     @post("/completions", opt={"endpoint": "completions"}, status_code=200, summary="Create a text completion")
     async def completions(
         self, request: Request[Any, Any, Any], data: JSONBody[CompletionRequest], gateway: NamedDependency[Gateway]
     ) -> Response[Any]:
+        keep_extra_fields(data, await request.body())
         return reply_response(await cancel_on_disconnect(request, gateway.complete(request.state.sluice, data)))
 
     @get("/models", opt={"endpoint": "models"}, summary="List the models")

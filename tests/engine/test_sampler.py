@@ -66,3 +66,82 @@ def test_logprobs_are_given_only_to_the_rows_that_asked() -> None:
     _, logprobs = sample(LOGITS, params, [None, None])
     assert logprobs[0] is not None and logprobs[0].top == []
     assert logprobs[1] is None
+
+
+# -- penalties and logit bias (OpenAI semantics) -------------------------------------------------
+
+
+def test_zero_penalties_and_no_bias_leave_greedy_output_unchanged() -> None:
+    plain = SamplingParams(temperature=0)
+    zeroed = SamplingParams(temperature=0, presence_penalty=0.0, frequency_penalty=0.0, logit_bias={})
+    history = [[1, 1, 1], [3, 3]]
+    assert sample(LOGITS, [zeroed] * 2, [None, None], history)[0] == sample(LOGITS, [plain] * 2, [None, None])[0]
+
+
+def test_frequency_penalty_subtracts_per_occurrence_and_presence_penalty_once() -> None:
+    params = [SamplingParams(temperature=0, frequency_penalty=0.5, presence_penalty=0.25)] * 2
+    from engines.sampler import adjust_logits
+
+    adjusted = adjust_logits(LOGITS, params, [[1, 1, 2], []])
+    expected = LOGITS.clone()
+    expected[0, 1] -= 2 * 0.5 + 0.25
+    expected[0, 2] -= 1 * 0.5 + 0.25
+    assert torch.equal(adjusted, expected)
+
+
+def test_a_repeated_token_loses_the_argmax_to_the_penalty() -> None:
+    # Row 0 prefers token 1 (3.0) over token 2 (2.0): three earlier 1s at 0.5 each tip it.
+    params = [SamplingParams(temperature=0, frequency_penalty=0.5)]
+    assert sample(LOGITS[:1], params, [None], [[1, 1, 1]])[0] == [2]
+    assert sample(LOGITS[:1], params, [None], [[1]])[0] == [1]
+
+
+def test_logit_bias_adds_to_each_listed_token_per_row() -> None:
+    params = [SamplingParams(temperature=0, logit_bias={4: 100.0}), SamplingParams(temperature=0, logit_bias={3: -100})]
+    assert sample(LOGITS, params, [None, None])[0] == [4, 4]
+
+
+def test_logprobs_come_from_the_logits_before_penalties_and_bias() -> None:
+    params = [SamplingParams(temperature=0, logit_bias={4: 100.0}, logprobs=True)]
+    (token,), (logprob,) = sample(LOGITS[:1], params, [None])
+    assert token == 4 and logprob is not None
+    assert logprob.logprob == pytest.approx(torch.log_softmax(LOGITS[0], dim=-1)[4].item())
+
+
+@pytest.mark.parametrize("bad", [
+    {"presence_penalty": 2.5}, {"frequency_penalty": -2.01}, {"logit_bias": {1: 101.0}},
+    {"logit_bias": {i: 1.0 for i in range(301)}},
+])
+def test_out_of_range_penalties_and_bias_are_refused(bad: dict) -> None:
+    with pytest.raises(AssertionError):  # the API's rules refuse them first, with a 400 naming the field
+        SamplingParams(**bad)
+
+
+# -- grammar masks -------------------------------------------------------------------------------------
+
+
+class AllowOnly:
+    """A grammar state that allows a fixed set of tokens (the sampler's view of a real one)."""
+
+    def __init__(self, *allowed: int) -> None:
+        self.allowed = allowed
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = 0
+        for token in self.allowed:
+            bitmask[row, token >> 5] |= 1 << (token & 31)
+
+
+def test_a_constrained_greedy_row_takes_the_best_allowed_token_and_others_are_untouched() -> None:
+    params = [SamplingParams(temperature=0)] * 2
+    tokens, _ = sample(LOGITS, params, [None, None], grammars=[AllowOnly(0, 4), None])
+    assert tokens == [0, 3]  # row 0: 1.0 beats -1.0; row 1 unconstrained
+    assert sample(LOGITS, params, [None, None], grammars=[AllowOnly(1, 2), None])[0] == [1, 3]  # argmax allowed
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=3.0), SamplingParams(temperature=3.0, top_k=3),
+                                    SamplingParams(temperature=3.0, top_p=0.9)])
+def test_constrained_draws_only_ever_pick_allowed_tokens(params: SamplingParams) -> None:
+    generator = torch.Generator().manual_seed(0)
+    drawn = {sample(LOGITS[:1], [params], [generator], grammars=[AllowOnly(0, 3, 4)])[0][0] for _ in range(300)}
+    assert drawn <= {0, 3, 4} and len(drawn) >= 2

@@ -236,3 +236,21 @@ async def test_the_openapi_schema_describes_the_request_bodies(gateway_client):
     body = schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]
     assert body["content"]["application/json"]["schema"]["$ref"].endswith("ChatCompletionRequest")
     assert "messages" in schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+
+
+async def test_fields_openai_does_not_define_travel_with_the_request_to_the_tier(gateway_client, tiers):
+    from engines.api.fields import extra_fields
+
+    async with gateway_client() as client:
+        response = await client.post("/v1/chat/completions", json={**CHAT, "min_p": 0.1, "metadata": {"a": "b"}})
+    assert response.status_code == 200, response.text
+    (request,) = tiers["small"].requests
+    assert extra_fields(request) == {"min_p": 0.1}
+    assert request.metadata == {"a": "b"}
+
+
+async def test_a_refused_field_is_a_400_naming_it(gateway_client, tiers):
+    async with gateway_client() as client:
+        response = await client.post("/v1/chat/completions", json={**CHAT, "functions": [{"name": "f"}]})
+    assert_openai_error(response, 400, "unsupported_parameter", "functions")
+    assert tiers["small"].requests == []

@@ -1,0 +1,282 @@
+"""Structured outputs and tool calls on the small tier: what constrained decoding costs and whether it holds.
+
+1. Grammar libraries, per-token mask time on the small model's vocabulary at batch 1 and 16:
+   llguidance (ours) against xgrammar, walking the same JSON text token by token.
+2. Decode tokens/s with and without a JSON schema at batch 1 and 16 (the schema forces a long
+   array, so constrained and free rows decode the same number of tokens).
+3. Schema-valid rate: replies to `response_format: json_schema` requests that parse and validate.
+4. Tool-call parse rate on the fixed 50 prompts of bench/data/tool_prompts.jsonl: with
+   `tool_choice: "auto"` (the model's own `<tool_call>` blocks) and with `"required"` (forced).
+
+    sluice bench structured [--max-tokens 32] [--batches 1 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import torch
+
+from bench.common import cpu_model, print_table, write_results
+from engines.api.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionDefinition,
+    JSONSchemaFormat,
+    ResponseFormat,
+    Tool,
+)
+from engines.config import EngineConfig
+from engines.llm_engine import AsyncLLMEngine, LLMEngine
+from engines.registry import resolve_model
+from engines.sampling_params import GrammarSpec, SamplingParams
+from engines.serving import OpenAIServing
+from engines.structured import Grammars, allocate_bitmask, apply_bitmask
+
+PROMPTS = Path(__file__).resolve().parent / "data" / "tool_prompts.jsonl"
+LONG_ARRAY = {  # forces at least 40 items: a constrained row cannot finish before the free one
+    "type": "object",
+    "properties": {"items": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 40}},
+    "required": ["items"],
+    "additionalProperties": False,
+}
+# Compact, as both grammars are built (no free whitespace).
+MASK_TEXT = json.dumps({"name": "Ada Lovelace", "age": 36, "tags": ["math", "poetry", "engines"], "ok": True},
+                       separators=(",", ":"))
+MASK_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                   "tags": {"type": "array", "items": {"type": "string"}}, "ok": {"type": "boolean"}},
+    "required": ["name", "age", "tags", "ok"],
+    "additionalProperties": False,
+}
+VALIDITY_CASES: list[tuple[str, dict[str, Any]]] = [
+    ("Give the capital of France and its population in millions.",
+     {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                       "population_millions": {"type": "number"}},
+      "required": ["city", "population_millions"], "additionalProperties": False}),
+    ("List three primary colours.",
+     {"type": "object", "properties": {"colours": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                                   "maxItems": 5}},
+      "required": ["colours"], "additionalProperties": False}),
+    ("Is Python dynamically typed? Answer with a confidence from 0 to 10.",
+     {"type": "object", "properties": {"answer": {"type": "boolean"},
+                                       "confidence": {"type": "integer", "minimum": 0, "maximum": 10}},
+      "required": ["answer", "confidence"], "additionalProperties": False}),
+    ("Classify the sentiment of: 'I love this library'.",
+     {"type": "object", "properties": {"sentiment": {"enum": ["positive", "neutral", "negative"]}},
+      "required": ["sentiment"], "additionalProperties": False}),
+    ("Describe a user named Ann, aged 31, with an address in Lyon.",
+     {"type": "object", "properties": {
+         "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 130},
+         "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                     "required": ["city"], "additionalProperties": False}},
+      "required": ["name", "age", "address"], "additionalProperties": False}),
+]
+TOOLS = [
+    Tool(type="function", function=FunctionDefinition(
+        name="get_weather", description="Current weather in a city",
+        parameters={"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})),
+    Tool(type="function", function=FunctionDefinition(
+        name="get_time", description="Current local time in a city",
+        parameters={"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})),
+    Tool(type="function", function=FunctionDefinition(
+        name="convert_currency", description="Convert an amount between currencies",
+        parameters={"type": "object", "properties": {"amount": {"type": "number"}, "from": {"type": "string"},
+                                                     "to": {"type": "string"}},
+                    "required": ["amount", "from", "to"]})),
+    Tool(type="function", function=FunctionDefinition(
+        name="web_search", description="Search the web",
+        parameters={"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]})),
+    Tool(type="function", function=FunctionDefinition(
+        name="calculate", description="Evaluate an arithmetic expression",
+        parameters={"type": "object", "properties": {"expression": {"type": "string"}},
+                    "required": ["expression"]})),
+]
+
+
+# -- 1. mask time per library ------------------------------------------------------------------------
+
+
+def mask_times(llm: LLMEngine, batches: Sequence[int]) -> dict[str, dict[str, float]]:
+    """Milliseconds per decode step to fill the bitmask of `batch` rows, per library."""
+    import xgrammar as xgr
+
+    tokenizer, vocab = llm.tokenizer, llm.model_config.vocab_size
+    token_ids = tokenizer.encode(MASK_TEXT)
+    ours = Grammars(tokenizer, vocab, sorted(llm.scheduler.eos_token_ids))
+    spec = GrammarSpec("json_schema", json.dumps(MASK_SCHEMA))
+    entries = [b"" if tokenizer.is_special(i) else tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+    eos = sorted(llm.scheduler.eos_token_ids)
+    info = xgr.TokenizerInfo(entries, xgr.VocabType.RAW, vocab_size=vocab, stop_token_ids=eos)
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(MASK_SCHEMA), any_whitespace=False,
+                                                                 separators=(",", ":"))
+    results: dict[str, dict[str, float]] = {}
+    for batch in [1, *batches]:  # the first pass warms both libraries' caches and is not reported
+        bitmask = allocate_bitmask(batch, vocab)
+        states = [ours.matcher(spec) for _ in range(batch)]
+        started = time.perf_counter()
+        for token in token_ids:
+            for row, state in enumerate(states):
+                state.fill(bitmask, row)
+            assert all(state.accept(token) for state in states), "llguidance refused the text"
+        llguidance_ms = (time.perf_counter() - started) / len(token_ids) * 1e3
+        matchers = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
+        xgr_mask = xgr.allocate_token_bitmask(batch, vocab)
+        started = time.perf_counter()
+        for token in token_ids:
+            for row, matcher in enumerate(matchers):
+                matcher.fill_next_token_bitmask(xgr_mask, row)
+            assert all(matcher.accept_token(token) for matcher in matchers), "xgrammar refused the text"
+        xgrammar_ms = (time.perf_counter() - started) / len(token_ids) * 1e3
+        logits = torch.randn(batch, vocab)
+        started = time.perf_counter()
+        for _ in range(10):
+            apply_bitmask(logits.clone(), bitmask)
+        apply_ms = (time.perf_counter() - started) / 10 * 1e3
+        results[f"batch_{batch}"] = {"llguidance_fill_ms_per_step": llguidance_ms,
+                                     "xgrammar_fill_ms_per_step": xgrammar_ms,
+                                     "mask_apply_all_rows_ms": apply_ms}
+    return results
+
+
+# -- 2. decode throughput ----------------------------------------------------------------------------
+
+
+def decode_tokens_per_s(llm: LLMEngine, prompt: list[int], batch: int, max_tokens: int,
+                        grammar: GrammarSpec | None) -> float:
+    """Decode tokens/s of `batch` identical-length requests, timed from the step after the last prefill."""
+    for i in range(batch):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=grammar is None, grammar=grammar)
+        llm.add_request(f"d{batch}-{i}-{grammar is not None}", prompt, params)
+    produced, started, counted = 0, None, 0
+    while llm.has_unfinished_requests():
+        outputs = llm.step()
+        if started is None:
+            if outputs and len(llm.scheduler.waiting) == 0 and all(
+                    s.num_output_tokens >= 1 for s in llm.scheduler.running):
+                started = time.perf_counter()
+            continue
+        produced += sum(len(o.new_token_ids) for o in outputs)
+        counted += 1
+    assert started is not None and counted
+    return produced / (time.perf_counter() - started)
+
+
+# -- 3 and 4: through the OpenAI layer -----------------------------------------------------------------
+
+
+def _user(text: str) -> list[ChatMessage]:
+    return [ChatMessage(role="user", content=text)]
+
+
+async def validity(serving: OpenAIServing, max_tokens: int) -> dict[str, Any]:
+    async def one(prompt: str, schema: dict[str, Any]) -> tuple[bool, bool]:
+        request = ChatCompletionRequest(
+            model="bench", messages=_user(prompt + " Reply in JSON."), temperature=0, max_tokens=max_tokens,
+            response_format=ResponseFormat(type="json_schema", json_schema=JSONSchemaFormat(
+                name="r", schema=schema, strict=True)))
+        choice = (await serving.chat(request)).choices[0]
+        try:
+            jsonschema.validate(json.loads(choice.message.content or ""), schema)
+            return True, choice.finish_reason == "stop"
+        except (ValueError, jsonschema.ValidationError):
+            return False, choice.finish_reason == "stop"
+
+    results = await asyncio.gather(*(one(p, s) for p, s in VALIDITY_CASES))
+    finished = [valid for valid, stopped in results if stopped]
+    return {"requests": len(results), "finished_by_grammar": len(finished),
+            "valid_of_finished": sum(finished), "schema_valid_rate": sum(finished) / max(1, len(finished))}
+
+
+async def tool_rates(serving: OpenAIServing, tool_choice: str, max_tokens: int) -> dict[str, Any]:
+    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
+
+    async def one(row: dict[str, str]) -> tuple[bool, bool, bool]:
+        request = ChatCompletionRequest(model="bench", messages=_user(row["prompt"]), tools=TOOLS,
+                                        tool_choice=tool_choice, temperature=0, max_tokens=max_tokens)
+        choice = (await serving.chat(request)).choices[0]
+        calls = choice.message.tool_calls or []
+        attempted = bool(calls) or "<tool_call>" in (choice.message.content or "") or tool_choice == "required"
+        parsed = bool(calls) and all(isinstance(json.loads(c.function.arguments), dict) for c in calls)
+        right = parsed and calls[0].function.name == row["expect"]
+        return attempted, parsed, right
+
+    results = await asyncio.gather(*(one(row) for row in rows))
+    attempted = sum(a for a, _, _ in results)
+    parsed = sum(p for _, p, _ in results)
+    return {"prompts": len(rows), "attempted_tool_call": attempted, "parsed_tool_call": parsed,
+            "tool_call_parse_rate": parsed / max(1, attempted), "expected_function": sum(r for _, _, r in results)}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="sluice bench structured", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="small", help="demo model name or GGUF path (default: small)")
+    parser.add_argument("--max-tokens", type=int, default=24, help="decode tokens per request in part 2")
+    parser.add_argument("--tool-max-tokens", type=int, default=48, help="reply tokens per tool prompt")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+
+    config = EngineConfig(model=str(resolve_model(args.model)), dtype="float32", quantization="auto",
+                          kv_cache_bytes=256 << 20, max_num_seqs=max(16, *args.batches),
+                          max_num_batched_tokens=2048, max_model_len=4096, num_threads=args.threads)
+    llm = LLMEngine(config)
+    masks = mask_times(llm, args.batches)
+    print_table("Grammar mask per decode step (ms)", ["batch", "llguidance fill", "xgrammar fill", "apply (numpy)"],
+                [[b, *masks[f"batch_{b}"].values()] for b in args.batches])
+
+    prompt = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "List forty fruits as a JSON object with an `items` array."}])
+    schema = GrammarSpec("json_schema", json.dumps(LONG_ARRAY))
+    decode: dict[str, dict[str, float]] = {}
+    for batch in args.batches:
+        free = decode_tokens_per_s(llm, prompt, batch, args.max_tokens, None)
+        constrained = decode_tokens_per_s(llm, prompt, batch, args.max_tokens, schema)
+        decode[f"batch_{batch}"] = {"free_tokens_per_s": free, "json_schema_tokens_per_s": constrained,
+                                    "ratio_schema_to_free": constrained / free,
+                                    "throughput_cost_pct": (1 - constrained / free) * 100}
+    print_table("Decode tokens/s", ["batch", "free", "json_schema", "cost %"],
+                [[b, d["free_tokens_per_s"], d["json_schema_tokens_per_s"], d["throughput_cost_pct"]]
+                 for b, d in ((b, decode[f"batch_{b}"]) for b in args.batches)])
+
+    serving = OpenAIServing(AsyncLLMEngine(llm), "bench")
+
+    async def through_serving() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        try:
+            return (await validity(serving, 96), await tool_rates(serving, "auto", args.tool_max_tokens),
+                    await tool_rates(serving, "required", args.tool_max_tokens))
+        finally:
+            await serving.engine.shutdown()
+
+    valid, auto, required = asyncio.run(through_serving())
+    print_table("Schema validity and tool calls", ["measure", "count", "rate"], [
+        ["schema-valid (of finished)", f"{valid['valid_of_finished']}/{valid['finished_by_grammar']}",
+         valid["schema_valid_rate"]],
+        ["tool calls parsed, auto", f"{auto['parsed_tool_call']}/{auto['attempted_tool_call']}",
+         auto["tool_call_parse_rate"]],
+        ["tool calls parsed, required", f"{required['parsed_tool_call']}/{required['attempted_tool_call']}",
+         required["tool_call_parse_rate"]],
+        ["expected function, auto", f"{auto['expected_function']}/{auto['prompts']}", auto["expected_function"] / 50],
+        ["expected function, required", f"{required['expected_function']}/{required['prompts']}",
+         required["expected_function"] / 50],
+    ])
+    write_results("structured", {
+        "model": args.model, "cpu_model": cpu_model(), "precision": llm.precision(),
+        "max_tokens_decode": args.max_tokens,
+        "grammar_mask_ms": masks, "decode": decode, "schema_validity": valid,
+        "tool_calls_auto": auto, "tool_calls_required": required,
+        "note": "timings on a shared machine (other agents loaded the CPU)",
+    })
+
+
+if __name__ == "__main__":
+    main()

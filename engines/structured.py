@@ -1,0 +1,126 @@
+"""Constrained decoding: a grammar (JSON, or JSON valid against a schema) decides which tokens may come next.
+
+llguidance turns a `GrammarSpec` into a grammar and gives every constrained sequence its own
+matcher. Each step the sampler fills a token bitmask for the constrained rows (one bit per
+vocabulary entry) and masks the logits of the rows that need it; the engine advances the matcher
+by the token it accepted. The grammar allows a stop token only where the JSON is complete, so a
+constrained sequence finishes exactly when its grammar does.
+
+Why llguidance over xgrammar (both measured by `bench/structured.py`, see BENCHMARKS.md):
+xgrammar 0.2.8 fills masks faster, but its grammar for a string with `maxLength` admits raw
+control characters, which JSON forbids, so its output failed to parse in our property test;
+llguidance's output always parsed. Output is compact JSON (no free whitespace): a model, however
+weak, cannot loop on blanks.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import llguidance
+import llguidance.torch
+import numpy as np
+import torch
+
+from engines.sampling_params import GrammarSpec
+
+if TYPE_CHECKING:
+    from engines.tokenizer import Tokenizer
+
+_JSON_OBJECT = {"type": "object"}
+_COMPACT = {"whitespace_flexible": False}
+
+
+class GrammarError(ValueError):
+    """The schema cannot be compiled (invalid, or outside what the grammar library supports)."""
+
+
+class _Vocabulary:
+    """The tokenizer as llguidance reads it: every id's bytes (special tokens marked by a 0xFF prefix,
+    as llguidance's own HF adapter does), padded to the model's logits width."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        self._tokenizer = tokenizer
+        self.eos_token_id = stop_token_ids[0]
+        self.bos_token_id = tokenizer.bos_token_id
+        self.tokens = [self._bytes(tokenizer, i) for i in range(tokenizer.vocab_size)]
+        self.tokens += [f"\xff<|pad_{i}|>".encode() for i in range(tokenizer.vocab_size, vocab_size)]
+        self.special_token_ids = [i for i in range(vocab_size) if i >= tokenizer.vocab_size or tokenizer.is_special(i)]
+
+    @staticmethod
+    def _bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
+        if tokenizer.is_special(token_id):
+            return b"\xff" + tokenizer.token_text(token_id).encode()
+        return tokenizer.token_bytes(token_id)
+
+    def __call__(self, text: bytes) -> list[int]:
+        return self._tokenizer.encode(text.decode("utf-8", errors="replace"))
+
+
+class Grammars:
+    """Grammars for one tokenizer and vocabulary (the model's logits width), each spec checked once."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        self.vocab_size = vocab_size
+        vocabulary = _Vocabulary(tokenizer, vocab_size, stop_token_ids)
+        self._tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocabulary))
+        self._cache: dict[GrammarSpec, str] = {}
+        self._lock = threading.Lock()  # used from the event loop (validation) and the step thread
+
+    def compile(self, spec: GrammarSpec) -> str:
+        """The grammar for `spec`; raises GrammarError when the schema is invalid or unsupported."""
+        with self._lock:
+            grammar = self._cache.get(spec)
+        if grammar is not None:
+            return grammar
+        try:
+            schema = _JSON_OBJECT if spec.kind == "json_object" else json.loads(spec.schema or "{}")
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_COMPACT)
+        except (ValueError, TypeError) as exc:
+            raise GrammarError(f"the JSON schema cannot be used for constrained decoding: {exc}") from exc
+        error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
+        if error:
+            raise GrammarError(f"the JSON schema cannot be used for constrained decoding: {error}")
+        with self._lock:
+            self._cache[spec] = grammar
+        return grammar
+
+    def matcher(self, spec: GrammarSpec) -> GrammarState:
+        return GrammarState(llguidance.LLMatcher(self._tokenizer, self.compile(spec), log_level=0))
+
+
+class GrammarState:
+    """One sequence's position in its grammar."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self._matcher = matcher
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by `token_id`; False when the grammar does not allow it."""
+        return self._matcher.consume_token(token_id)
+
+    @property
+    def terminated(self) -> bool:
+        return self._matcher.is_stopped()
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    return torch.zeros(rows, (vocab_size + 31) // 32, dtype=torch.int32)
+
+
+def allows(bitmask: torch.Tensor, row: int, token_id: int) -> bool:
+    return bool((int(bitmask[row, token_id >> 5]) >> (token_id & 31)) & 1)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set the logits of disallowed tokens to -inf, in place (row i of `logits` by row i of `bitmask`).
+    numpy unpacks the bits and writes in one single-threaded pass each (fastest of the variants tried;
+    llguidance's own helper needs torch.compile, a C compiler at run time). `logits`: contiguous float32."""
+    allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, count=logits.shape[-1], bitorder="little")
+    np.copyto(logits.numpy(), -np.inf, where=~allowed.view(np.bool_))

@@ -1,0 +1,146 @@
+"""Tool calling and structured outputs through the gateway, with the official `openai` SDK, on the real
+small demo model (Qwen2.5-Coder-0.5B-Instruct: its own chat template renders the tools). Forced
+`tool_choice` and JSON schemas go through constrained decoding, so the answers are deterministic in
+shape; replies are kept to a few dozen tokens."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+
+import jsonschema
+import msgspec
+import openai
+import pytest
+import uvicorn
+
+from engines.registry import resolve_model
+from gateway.app import create_app
+from gateway.config import PolicyConfig, TierConfig, load_settings
+
+pytestmark = pytest.mark.slow
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20},
+                           "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+        "strict": True,
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+
+
+@pytest.fixture(scope="module")
+def sdk() -> Iterator[openai.OpenAI]:
+    try:
+        resolve_model("small")
+    except FileNotFoundError as exc:
+        pytest.skip(f"{exc} (make test fetches it)")
+    base = load_settings(environ={})
+    settings = msgspec.structs.replace(
+        base,
+        server=msgspec.structs.replace(base.server, allow_anonymous=True),
+        database=msgspec.structs.replace(base.database, url="sqlite+aiosqlite:///:memory:"),
+        tiers={"small": TierConfig(model="small", kv_cache_mb=64, max_num_seqs=4, max_model_len=2048)},
+        policies={"default": PolicyConfig(allowed_tiers=["small"], cache="off")},
+    )
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            thread.join(0.05)
+            assert thread.is_alive(), "uvicorn failed to start"
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="local", max_retries=0)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def test_a_named_tool_choice_returns_a_parsed_tool_call(sdk: openai.OpenAI) -> None:
+    reply = sdk.chat.completions.create(
+        model="sluice-small", messages=ASK, tools=[WEATHER], max_tokens=40, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls or []
+    assert call.type == "function" and call.id and call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, WEATHER["function"]["parameters"])
+    assert arguments["city"] == "Paris" and arguments["unit"] == "celsius"  # the model reads the question
+
+
+def test_a_required_tool_call_streams_as_tool_call_deltas(sdk: openai.OpenAI) -> None:
+    stream = sdk.chat.completions.create(
+        model="sluice-small", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=40,
+        temperature=0, stream=True,
+    )
+    chunks = list(stream)
+    deltas = [d for c in chunks for choice in c.choices for d in (choice.delta.tool_calls or [])]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    assert deltas[0].id and deltas[0].function.name == "get_weather"
+    arguments = "".join(d.function.arguments or "" for d in deltas)
+    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
+
+
+def test_a_conversation_with_a_tool_call_and_its_answer_is_served(sdk: openai.OpenAI) -> None:
+    # How the history is rendered is checked token by token in tests/serving/test_tool_calls.py; what a
+    # 0.5B model makes of it is not asserted here.
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "sunny"}'},
+    ]
+    reply = sdk.chat.completions.create(model="sluice-small", messages=history, tools=[WEATHER], max_tokens=24,
+                                        temperature=0, tool_choice="none")
+    choice = reply.choices[0]
+    assert choice.finish_reason in {"stop", "length"} and not choice.message.tool_calls  # none: never a call
+    assert choice.message.content
+    assert reply.usage is not None and reply.usage.prompt_tokens > 40  # the history reached the prompt
+
+
+def test_a_json_schema_response_format_parses_and_validates(sdk: openai.OpenAI) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "country": {"type": "string", "maxLength": 20}},
+              "required": ["city", "country"], "additionalProperties": False}
+    reply = sdk.chat.completions.create(
+        model="sluice-small", max_tokens=40, temperature=0,
+        messages=[{"role": "user", "content": "Name the capital of France and its country as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema, "strict": True}},
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(reply.choices[0].message.content or ""), schema)
+
+
+def test_logit_bias_bans_the_greedy_first_token(sdk: openai.OpenAI) -> None:
+    plain = sdk.chat.completions.create(model="sluice-small", messages=ASK, max_tokens=1, temperature=0,
+                                        logprobs=True)
+    first = plain.choices[0].logprobs.content[0]  # type: ignore[union-attr,index]
+    token_id = _token_id(first.bytes or [])
+    banned = sdk.chat.completions.create(model="sluice-small", messages=ASK, max_tokens=1, temperature=0,
+                                         logit_bias={str(token_id): -100}, presence_penalty=0.5)
+    assert banned.choices[0].message.content != plain.choices[0].message.content
+
+
+def _token_id(token_bytes: list[int]) -> int:
+    from engines.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model("small"))
+    (token_id,) = tokenizer.encode(bytes(token_bytes).decode())
+    return token_id

@@ -1,0 +1,183 @@
+"""Tool calling and structured outputs on our engine: tools rendered through the chat template, the
+model's `<tool_call>` blocks read back as OpenAI tool calls, forced calls and JSON schemas through
+constrained decoding. The model is random, so only the grammar makes forced output well-formed."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from engines import tool_calls
+from engines.api.errors import APIError
+from engines.api.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionCall,
+    FunctionDefinition,
+    JSONSchemaFormat,
+    NamedFunction,
+    NamedToolChoice,
+    ResponseFormat,
+    Tool,
+    ToolCall,
+)
+from engines.api.rules import check_request
+from engines.serving import OpenAIServing
+from engines.tokenizer import Tokenizer
+from tests.serving.conftest import MODEL_NAME
+
+# Qwen2.5's way of rendering tools, tool calls and tool answers, cut to its essentials.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}"
+    "\n</tools><|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant"
+    "{% for call in message.tool_calls %}\n<tool_call>\n{\"name\": \"{{ call.function.name }}\", \"arguments\": "
+    "{{ call.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response>"
+    "<|im_end|>\n"
+    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WEATHER = Tool(type="function", function=FunctionDefinition(
+    name="get_weather",
+    parameters={"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                                 "unit": {"enum": ["celsius", "fahrenheit"]}},
+                "required": ["city", "unit"], "additionalProperties": False},
+    strict=True,
+))
+TIME = Tool(type="function", function=FunctionDefinition(
+    name="get_time", parameters={"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                 "required": ["zone"], "additionalProperties": False}))
+
+
+@pytest.fixture(scope="module")
+def tool_serving(serving: OpenAIServing) -> OpenAIServing:
+    plain = serving.engine.tokenizer
+    tokenizer = Tokenizer(plain.backend, TOOLS_TEMPLATE, plain.bos_token_id, plain.eos_token_ids[0])
+    return OpenAIServing(serving.engine, MODEL_NAME, tokenizer=tokenizer)
+
+
+def ask(**fields: object) -> ChatCompletionRequest:
+    messages = [ChatMessage(role="user", content="What is the weather in Paris?")]
+    return ChatCompletionRequest(model=MODEL_NAME, messages=messages, **{"temperature": 1.0, "seed": 3, **fields})
+
+
+def _valid_call(call: ToolCall) -> None:
+    tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), tool.function.parameters)
+
+
+# -- reading the model's output --------------------------------------------------------------------
+
+
+def test_tool_call_blocks_become_calls_and_the_rest_stays_text() -> None:
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    content, calls = tool_calls.parse(text)
+    assert content == "Let me check."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert calls[0].id.startswith("call_")
+
+
+def test_a_block_that_is_not_a_call_stays_text() -> None:
+    text = "<tool_call>\nnot json\n</tool_call>"
+    assert tool_calls.parse(text) == (text, [])
+
+
+def test_the_stream_parser_holds_back_a_split_marker_and_emits_whole_calls() -> None:
+    parser = tool_calls.StreamParser()
+    pieces = ["Sure", " <tool", "_call>\n{\"name\": \"get_time\", ", "\"arguments\": {\"zone\": \"UTC\"}}\n</tool_",
+              "call> done"]
+    outputs = [parser.feed(piece) for piece in pieces]
+    assert "".join(text for text, _ in outputs) + parser.flush() == "Sure  done"
+    assert [len(calls) for _, calls in outputs] == [0, 0, 0, 0, 1]
+    assert json.loads(outputs[-1][1][0].function.arguments) == {"zone": "UTC"}
+
+
+def test_text_that_only_looks_like_a_marker_start_is_released() -> None:
+    parser = tool_calls.StreamParser()
+    assert parser.feed("a <to") == ("a ", [])
+    assert parser.feed("p>") == ("<top>", [])
+
+
+# -- rendering --------------------------------------------------------------------------------------
+
+
+def test_tools_and_a_tool_conversation_are_rendered_through_the_chat_template(tool_serving: OpenAIServing) -> None:
+    call = ToolCall(id="call_1", function=FunctionCall(name="get_weather", arguments='{"city": "Paris"}'))
+    messages = [
+        ChatMessage(role="user", content="Weather in Paris?"),
+        ChatMessage(role="assistant", content=None, tool_calls=[call]),
+        ChatMessage(role="tool", content='{"temp": 21}', tool_call_id="call_1"),
+    ]
+    request = ChatCompletionRequest(model=MODEL_NAME, messages=messages, tools=[WEATHER], max_tokens=4)
+    (engine_call,) = tool_serving.prepare_chat(request)
+    prompt = tool_serving.tokenizer.decode(engine_call.prompt_token_ids, skip_special_tokens=False)
+    assert '"name": "get_weather"' in prompt and "<tools>" in prompt
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert '<tool_response>\n{"temp": 21}\n</tool_response>' in prompt
+
+
+def test_a_model_whose_template_has_no_tools_refuses_them(serving: OpenAIServing) -> None:
+    with pytest.raises(APIError) as refused:
+        serving.prepare_chat(ask(tools=[WEATHER]))
+    assert refused.value.param == "tools" and refused.value.code == "unsupported_parameter"
+
+
+def test_tool_choice_none_renders_no_tools(serving: OpenAIServing) -> None:
+    serving.prepare_chat(ask(tools=[WEATHER], tool_choice="none"))  # the tool-less template is fine
+
+
+# -- forced calls and schemas, generated --------------------------------------------------------------
+
+
+async def test_a_named_tool_choice_forces_a_valid_call_to_that_function(tool_serving: OpenAIServing) -> None:
+    choice = NamedToolChoice(type="function", function=NamedFunction(name="get_weather"))
+    response = await tool_serving.chat(ask(tools=[WEATHER, TIME], tool_choice=choice))
+    (result,) = response.choices
+    assert result.finish_reason == "tool_calls" and result.message.content is None
+    (call,) = result.message.tool_calls or []
+    assert call.function.name == "get_weather"
+    _valid_call(call)
+
+
+async def test_required_streams_one_call_as_tool_call_deltas(tool_serving: OpenAIServing) -> None:
+    chunks = [chunk async for chunk in tool_serving.chat_stream(ask(tools=[WEATHER, TIME], tool_choice="required"))]
+    deltas = [d for chunk in chunks for c in chunk.choices for d in (c.delta.tool_calls or [])]
+    finish = [c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason]
+    assert finish == ["tool_calls"]
+    (delta,) = deltas
+    assert delta.index == 0 and delta.id and delta.type == "function" and delta.function is not None
+    assert delta.function.name in {"get_weather", "get_time"}
+    _valid_call(ToolCall(id=delta.id, function=FunctionCall(name=delta.function.name,
+                                                            arguments=delta.function.arguments or "")))
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_a_json_schema_response_format_yields_valid_json(serving: OpenAIServing, seed: int) -> None:
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 8},
+                                               "score": {"type": "integer", "minimum": 0, "maximum": 10}},
+              "required": ["answer", "score"], "additionalProperties": False}
+    response_format = ResponseFormat(type="json_schema",
+                                     json_schema=JSONSchemaFormat(name="reply", schema=schema, strict=True))
+    response = await serving.chat(ask(response_format=response_format, seed=seed))
+    (result,) = response.choices
+    assert result.finish_reason == "stop"
+    jsonschema.validate(json.loads(result.message.content or ""), schema)
+
+
+def test_an_unusable_schema_is_a_400_naming_response_format(serving: OpenAIServing) -> None:
+    bad = ResponseFormat(type="json_schema", json_schema=JSONSchemaFormat(name="x", schema={"type": "nonsense"}))
+    with pytest.raises(APIError) as refused:
+        serving.prepare_chat(ask(response_format=bad))
+    assert refused.value.param == "response_format" and refused.value.code == "invalid_schema"
+
+
+def test_a_tool_choice_naming_an_unknown_function_is_a_400(tool_serving: OpenAIServing) -> None:
+    choice = NamedToolChoice(type="function", function=NamedFunction(name="nope"))
+    with pytest.raises(APIError) as refused:
+        check_request(ask(tools=[WEATHER], tool_choice=choice))
+    assert refused.value.param == "tool_choice"
