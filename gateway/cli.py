@@ -156,6 +156,39 @@ def _jsonable(obj: object) -> object:
     return msgspec.to_builtins(obj, builtin_types=(), enc_hook=str) if obj is not None else None
 
 
+# --- router -----------------------------------------------------------------------------------
+
+
+def cmd_router_label(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from router.label import run_label
+
+    async def build_tiers():
+        from engines.client import build_in_process_client
+        from engines.large.spec import SPEC as LARGE
+        from engines.small.spec import SPEC as SMALL
+
+        cache = args.cache_dir or _settings(args).models_cache_dir
+        small = await asyncio.to_thread(build_in_process_client, SMALL, cache)
+        large = await asyncio.to_thread(build_in_process_client, LARGE, cache)
+
+        async def close() -> None:
+            await small.close()
+            await large.close()
+
+        return small, large, close
+
+    try:
+        count = run_label(args.dataset, args.n, args.split, Path(args.out), Path(args.data_dir), build_tiers,
+                          args.concurrency)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"labelled {count} new question(s) into {args.out}")
+    return 0
+
+
 # --- bench ------------------------------------------------------------------------------------
 
 BENCHMARKS = {"engine": "bench.engine", "gateway": "bench.gateway_overhead", "kernels": "bench.kernels"}
@@ -222,6 +255,18 @@ def build_parser() -> argparse.ArgumentParser:
     revoke = keys_sub.add_parser("revoke", help="revoke a key by id")
     revoke.add_argument("key_id")
     revoke.set_defaults(handler=cmd_keys)
+
+    router = sub.add_parser("router", help="the router: labels, training data")
+    router_sub = router.add_subparsers(dest="action", required=True, metavar="ACTION")
+    label = router_sub.add_parser("label", help="run both demo tiers over a dataset and write training rows")
+    label.add_argument("--dataset", default="gsm8k", choices=["gsm8k"])
+    label.add_argument("--n", type=int, default=300, help="questions, from the start of the split")
+    label.add_argument("--split", default="test", choices=["test", "train"])
+    label.add_argument("--out", required=True, help="JSONL file; questions already in it are skipped")
+    label.add_argument("--data-dir", default="../shared/data/gsm8k", help="GSM8K directory")
+    label.add_argument("--concurrency", type=int, default=16, help="questions in flight (batched by the engines)")
+    label.add_argument("--cache-dir", help="models cache (default: models.cache_dir)")
+    label.set_defaults(handler=cmd_router_label)
 
     bench = sub.add_parser("bench", help="run a benchmark (results in bench/results/)")
     bench.add_argument("name", choices=sorted(BENCHMARKS))

@@ -1,0 +1,187 @@
+"""Labels for our own tiers: run both over GSM8K questions, score their final numeric answers.
+
+`sluice router label --dataset gsm8k --n 300 --out FILE` writes one training row per question
+(`router.data` format: `prompt` is the question, `small_score` / `large_score` are 1 when that tier's
+final number equals the reference, `small_confidence` is `router.confidence.confidence` of the small
+tier's answer). JSONL output also keeps what the scores came from — both answers, the reference and
+the small tier's token logprobs — so the confidence study and the cascade benchmark need no rerun;
+`router.data.load_rows` ignores those extra keys. Rows are appended as questions finish, and a rerun
+skips questions already in the file (resumable).
+
+The tiers are any `EngineClient`s; the CLI passes the two demo tiers' in-process engines, and every
+question is in flight at once (bounded) so the async engines batch them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol
+
+from engines.protocol import ChatCompletion, ChatCompletionRequest, ChatMessage
+from router.confidence import confidence
+from router.data import TrainingRow, load_rows
+
+DEFAULT_GSM8K_DIR = Path("../shared/data/gsm8k")
+SYSTEM_PROMPT = (
+    "Solve the math word problem. Reason step by step, then write the final answer on the last line "
+    "as `#### <number>`."
+)
+MAX_ANSWER_TOKENS = 384
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_FINAL = re.compile(r"####\s*\$?\s*(-?\d[\d,]*(?:\.\d+)?)")
+
+
+class ChatTier(Protocol):
+    async def chat(self, request: ChatCompletionRequest) -> ChatCompletion: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Question:
+    question: str
+    answer: float  # the reference final number
+
+
+@dataclass(frozen=True, slots=True)
+class TierAnswer:
+    text: str
+    logprobs: list[float]  # chosen tokens' logprobs; empty when not asked for
+
+
+def _to_number(text: str) -> float | None:
+    try:
+        return float(text.replace(",", "").rstrip("."))
+    except ValueError:
+        return None
+
+
+def final_number(text: str) -> float | None:
+    """The answer's final number: after `####` when present, else the last number in the text."""
+    marked = _FINAL.findall(text)
+    if marked:
+        return _to_number(marked[-1])
+    numbers = _NUMBER.findall(text)
+    return _to_number(numbers[-1]) if numbers else None
+
+
+def is_correct(text: str, reference: float) -> bool:
+    value = final_number(text)
+    return value is not None and math.isclose(value, reference, rel_tol=0.0, abs_tol=1e-6)
+
+
+def load_gsm8k(directory: Path, split: str, n: int) -> list[Question]:
+    """The first `n` questions of `<directory>/<split>.jsonl` (in file order, so runs are comparable)."""
+    path = directory / f"{split}.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"GSM8K {split} split not found at {path}; see ../shared/data/README.md")
+    questions = []
+    with path.open() as f:
+        for line in f:
+            if len(questions) == n:
+                break
+            raw = json.loads(line)
+            reference = final_number(raw["answer"])
+            if reference is not None:
+                questions.append(Question(raw["question"], reference))
+    return questions
+
+
+def chat_request(question: str, *, logprobs: bool, max_tokens: int = MAX_ANSWER_TOKENS) -> ChatCompletionRequest:
+    return ChatCompletionRequest(
+        model="label",
+        messages=[ChatMessage(role="system", content=SYSTEM_PROMPT), ChatMessage(role="user", content=question)],
+        max_tokens=max_tokens,
+        temperature=0.0,
+        logprobs=logprobs,
+    )
+
+
+async def ask(tier: ChatTier, question: str, *, logprobs: bool) -> TierAnswer:
+    response = await tier.chat(chat_request(question, logprobs=logprobs))
+    choice = response.choices[0]
+    content = choice.logprobs.content if choice.logprobs is not None else None
+    return TierAnswer(choice.message.content or "", [t.logprob for t in content or []])
+
+
+def labelled_row(question: Question, small: TierAnswer, large: TierAnswer) -> dict[str, object]:
+    row = TrainingRow(
+        prompt=question.question,
+        small_score=float(is_correct(small.text, question.answer)),
+        large_score=float(is_correct(large.text, question.answer)),
+        small_confidence=confidence(small.logprobs) if small.logprobs else None,
+    )
+    extras = {
+        "reference": question.answer,
+        "small_answer": small.text,
+        "large_answer": large.text,
+        "small_logprobs": [round(lp, 5) for lp in small.logprobs],
+    }
+    return {**asdict(row), **extras}
+
+
+def done_prompts(out: Path) -> set[str]:
+    return {row.prompt for row in load_rows(out)} if out.exists() else set()
+
+
+async def label(
+    questions: Iterable[Question],
+    small: ChatTier,
+    large: ChatTier,
+    out: Path,
+    *,
+    concurrency: int = 16,
+    on_done: Callable[[], None] = lambda: None,
+) -> int:
+    """Label the questions not yet in `out`, appending each row as it completes; returns how many."""
+    todo = [q for q in questions if q.question not in done_prompts(out)]
+    gate = asyncio.Semaphore(concurrency)
+    write_lock = asyncio.Lock()
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    async def one(question: Question) -> None:
+        async with gate:
+            small_answer, large_answer = await asyncio.gather(
+                ask(small, question.question, logprobs=True), ask(large, question.question, logprobs=False)
+            )
+        async with write_lock:
+            with out.open("a") as f:
+                f.write(json.dumps(labelled_row(question, small_answer, large_answer)) + "\n")
+        on_done()
+
+    await asyncio.gather(*(one(q) for q in todo))
+    return len(todo)
+
+
+def run_label(
+    dataset: str,
+    n: int,
+    split: str,
+    out: Path,
+    data_dir: Path,
+    build_tiers: Callable[[], Awaitable[tuple[ChatTier, ChatTier, Callable[[], Awaitable[None]]]]],
+    concurrency: int,
+) -> int:
+    """The CLI's body: load questions, build the tiers, label with a progress bar."""
+    from tqdm import tqdm
+
+    if dataset != "gsm8k":
+        raise ValueError(f"unknown dataset {dataset!r}; supported: gsm8k")
+    if out.suffix != ".jsonl":
+        raise ValueError(f"--out {out}: labels are written as JSONL (they keep both answers); name it *.jsonl")
+    questions = load_gsm8k(data_dir, split, n)
+    remaining = len(questions) - len(done_prompts(out) & {q.question for q in questions})
+
+    async def main() -> int:
+        small, large, close = await build_tiers()
+        try:
+            with tqdm(total=remaining, desc=f"label gsm8k/{split}", unit="q") as bar:
+                return await label(questions, small, large, out, concurrency=concurrency, on_done=bar.update)
+        finally:
+            await close()
+
+    return asyncio.run(main())
