@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -46,8 +46,13 @@ from gateway.counters import Charge, CounterStore, CountersUnavailable
 from gateway.errors import GatewayError, invalid_request, service_unavailable
 from gateway.keys import SECRET_PREFIX, KeyCache, KeyStoreUnavailable, effective_policy
 from gateway.metrics import Metrics
+from gateway.routing import Router, cascade_call, cascade_stream
 from gateway.tiers import call_with_fallback, candidate_tiers, open_stream_with_fallback
-from router.decision import ModelNotAllowed, ModelNotFound, RouteDecision, decide
+from router.cascade import CascadePlan
+from router.decision import ModelNotAllowed, ModelNotFound, RouteDecision
+
+if TYPE_CHECKING:
+    from gateway.shadow import ShadowSampler
 
 Request = ChatCompletionRequest | CompletionRequest
 Chunk = ChatCompletionChunk | Completion
@@ -92,6 +97,12 @@ class RequestState:
     model_requested: str = ""
     stream: bool = False
     route: RouteDecision | None = None
+    cascade: CascadePlan | None = None  # set when the small tier's answer may be escalated
+    router_version: str | None = None
+    prompt_embedding: Any = None  # np.ndarray: computed once (router, response cache)
+    escalated: bool = False
+    confidence: float | None = None  # the small tier's, when the cascade asked for logprobs
+    abandoned_cost_usd: float = 0.0  # an escalated request's small attempt
     tier: str | None = None
     fallback: bool = False
     admitted: bool = False  # counted by the limits, so its spend is charged
@@ -181,6 +192,8 @@ class Gateway:
         metrics: Metrics,
         keys: KeyCache | None = None,
         clock: Callable[[], float] = time.time,
+        router: Router | None = None,
+        shadow: ShadowSampler | None = None,
     ) -> None:
         self.settings = settings
         self.clients = clients
@@ -189,6 +202,8 @@ class Gateway:
         self.metrics = metrics
         self.keys = keys
         self.clock = clock
+        self.router = router or Router(settings)
+        self.shadow = shadow
         self._principals: dict[str, tuple[object, Principal]] = {}
         self._pending_charges: dict[str, Charge] = {}
         self._charging: asyncio.Task[None] | None = None
@@ -265,7 +280,7 @@ class Gateway:
         state.stream = request.stream
         validate(request)
         try:
-            state.route = decide(request.model, self.clients, policy.allowed_tiers, self.settings.server.default_tier)
+            routed = await self.router.route(state, request, policy, self.clients)
         except ModelNotFound as exc:
             raise GatewayError(
                 404,
@@ -280,6 +295,7 @@ class Gateway:
                 code="model_not_allowed",
                 param="model",
             ) from exc
+        state.route, state.cascade, state.router_version = routed.decision, routed.cascade, routed.router_version
 
         prompt_tokens = count_prompt_tokens(self.clients[state.route.tier], request)
         state.counted_prompt_tokens = prompt_tokens
@@ -300,7 +316,7 @@ class Gateway:
         headers = {
             "x-request-id": state.response_id or state.request_id,
             "x-sluice-cache": "miss",
-            "x-sluice-escalated": "false",
+            "x-sluice-route": state.route.tier,
         }
         if clamped:
             headers["x-sluice-max-tokens-clamped"] = str(policy.max_output_tokens)
@@ -308,7 +324,7 @@ class Gateway:
         if request.stream:
             return await self._stream(state, request, candidates, headers)
 
-        async def call(tier: str, client: EngineClient) -> Any:
+        async def call(tier: str, client: EngineClient, request: Request = request) -> Any:
             self._enter(tier)
             try:
                 if isinstance(request, ChatCompletionRequest):
@@ -317,13 +333,19 @@ class Gateway:
             finally:
                 self._leave(tier)
 
-        served = await call_with_fallback(self.clients, candidates, call)
+        if state.cascade is not None:
+            served = await cascade_call(self, state, request, candidates, call)
+        else:
+            served = await call_with_fallback(self.clients, candidates, call)
         state.tier, state.fallback = served.tier, served.fallback
         self._charge_usage(state, served.value.usage)
+        _cascade_headers(state, headers)
         headers["x-sluice-tier"] = served.tier
         headers["x-sluice-cost-usd"] = f"{state.cost_usd:.8f}"
         body = msgspec.json.encode(served.value)
         self.finish(state, 200)
+        if self.shadow is not None:
+            self.shadow.maybe_submit(state, request, served.value)
         return Reply(headers=headers, body=body)
 
     async def _stream(
@@ -341,21 +363,25 @@ class Gateway:
         assert state.route is not None
         self._enter(state.route.tier)
         try:
-            served = await open_stream_with_fallback(self.clients, candidates, open_stream)
+            if state.cascade is not None:
+                served = await cascade_stream(self, state, upstream_request, candidates, open_stream)
+            else:
+                served = await open_stream_with_fallback(self.clients, candidates, open_stream)
         except BaseException:
             self._leave(state.route.tier)
             raise
-        if served.fallback:
+        if served.tier != state.route.tier:
             self._leave(state.route.tier)
             self._enter(served.tier)
         state.tier, state.fallback = served.tier, served.fallback
         state.ttft_ms = (time.perf_counter() - state.started) * 1000
+        _cascade_headers(state, headers)
         headers["x-sluice-tier"] = served.tier
         first, rest = served.value
-        return Reply(headers=headers, stream=EventStream(self._relay(state, first, rest, include_usage)))
+        return Reply(headers=headers, stream=EventStream(self._relay(state, first, rest, include_usage, request)))
 
     async def _relay(
-        self, state: RequestState, first: Chunk, rest: AsyncIterator[Chunk], include_usage: bool
+        self, state: RequestState, first: Chunk, rest: AsyncIterator[Chunk], include_usage: bool, request: Request
     ) -> AsyncGenerator[bytes, None]:
         """Pass chunks through as they come. Ends with `finish` however the stream ends: the
         upstream stream is closed (cancelling its work) and what was produced is charged."""
@@ -404,6 +430,8 @@ class Gateway:
                 usage = self._produced_usage(state, texts)
             self._charge_usage(state, usage)
             self.finish(state, 200, error_code)
+            if self.shadow is not None and error_code is None:
+                self.shadow.maybe_submit(state, request, "".join(texts))
 
     def _produced_usage(self, state: RequestState, texts: list[str]) -> Usage:
         """Usage of a stream that ended before its usage chunk (the client left): the prompt as
@@ -426,6 +454,7 @@ class Gateway:
         state.cached_tokens = usage.cached_tokens
         tier = self.settings.tiers[state.tier]
         state.cost_usd = request_cost(tier, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+        state.cost_usd += state.abandoned_cost_usd
 
     def _enter(self, tier: str) -> None:
         self.metrics.in_flight_of(tier).inc()
@@ -450,7 +479,8 @@ class Gateway:
             route=state.route.tier if state.route else None,
             route_score=state.route.score if state.route else None,
             tier=state.tier,
-            escalated=False,
+            escalated=state.escalated,
+            confidence=state.confidence,
             fallback=state.fallback,
             cache_status="miss",
             stream=state.stream,
@@ -490,6 +520,12 @@ class Gateway:
         """Wait until queued charges are written (shutdown; tests that read counters)."""
         while self._charging is not None and not self._charging.done():
             await self._charging
+
+
+def _cascade_headers(state: RequestState, headers: dict[str, str]) -> None:
+    headers["x-sluice-escalated"] = "true" if state.escalated else "false"
+    if state.confidence is not None:
+        headers["x-sluice-confidence"] = f"{state.confidence:.4f}"
 
 
 def _chunk_texts(chunk: Chunk) -> list[str]:
