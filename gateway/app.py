@@ -28,6 +28,8 @@ from gateway.errors import GatewayError, from_validation_message
 from gateway.keys import DEFAULT_KEY_CACHE_TTL_S, KeyCache
 from gateway.metrics import Metrics
 from gateway.pipeline import Gateway, RecordSink, RequestState
+from gateway.routing import build_router
+from gateway.shadow import ShadowSampler
 from gateway.tiers import build_client
 
 log = logging.getLogger("sluice.gateway")
@@ -114,7 +116,13 @@ def create_app(
                 clients = built
             key_cache = KeyCache(db, ttl_s=key_cache_ttl_s)
             stack.push_async_callback(key_cache.aclose)
-            gateway = Gateway(settings, clients, counters, sink, Metrics(), keys=key_cache)
+            router = await asyncio.to_thread(build_router, settings)
+            metrics = Metrics()
+            shadow = ShadowSampler(settings, clients, db, metrics, router.embedder)
+            stack.push_async_callback(shadow.close)
+            gateway = Gateway(
+                settings, clients, counters, sink, metrics, keys=key_cache, router=router, shadow=shadow
+            )
             stack.push_async_callback(gateway.drain)
             app.state.gateway = gateway
             app.state.db = db

@@ -255,3 +255,28 @@ async def _close(stream: AsyncIterator[Any]) -> None:
 
 def _cost(gateway: Gateway, tier: str, prompt_tokens: int, completion_tokens: int) -> float:
     return request_cost(gateway.settings.tiers[tier], prompt_tokens, completion_tokens, 0)
+
+
+# --- assembly ---------------------------------------------------------------------------------
+
+
+def build_router(settings: Settings) -> Router:
+    """The router the app serves with: the classifier artifact (`router.artifact`, else the shipped
+    default under router/default) and the embedder when an artifact is there; without one, `sluice`
+    and `auto` go to the default tier. Slow (loads models): call it off the event loop."""
+    from pathlib import Path
+
+    import router
+
+    path = Path(settings.router.artifact or Path(router.__file__).parent / "default").expanduser()
+    if not path.exists():
+        log.warning("no router artifact at %s: `sluice`/`auto` go to the default tier", path)
+        return Router(settings)
+    try:
+        from router.artifact import ArtifactWatcher  # the classifier's branch
+    except ImportError:
+        log.warning("router.artifact is not installed: `sluice`/`auto` go to the default tier")
+        return Router(settings)
+    from router.embedding import Embedder
+
+    return Router(settings, Embedder.load(settings.models_cache_dir), ArtifactWatcher(path))
