@@ -29,10 +29,12 @@ from router.data import TrainingRow, load_rows
 
 DEFAULT_GSM8K_DIR = Path("../shared/data/gsm8k")
 SYSTEM_PROMPT = (
-    "Solve the math word problem. Reason step by step, then write the final answer on the last line "
-    "as `#### <number>`."
+    "Solve the math word problem. Reason briefly, in a few short lines, then write the final answer on the "
+    "last line as `#### <number>`."
 )
-MAX_ANSWER_TOKENS = 384
+# Brief reasoning fits: GSM8K reference solutions are 2-8 short steps. Longer budgets mostly buy rambling,
+# and on a shared 2-core CPU every token of the large tier counts.
+MAX_ANSWER_TOKENS = 256
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _FINAL = re.compile(r"####\s*\$?\s*(-?\d[\d,]*(?:\.\d+)?)")
 
@@ -51,6 +53,8 @@ class Question:
 class TierAnswer:
     text: str
     logprobs: list[float]  # chosen tokens' logprobs; empty when not asked for
+    prompt_tokens: int
+    completion_tokens: int
 
 
 def _to_number(text: str) -> float | None:
@@ -105,7 +109,10 @@ async def ask(tier: ChatTier, question: str, *, logprobs: bool) -> TierAnswer:
     response = await tier.chat(chat_request(question, logprobs=logprobs))
     choice = response.choices[0]
     content = choice.logprobs.content if choice.logprobs is not None else None
-    return TierAnswer(choice.message.content or "", [t.logprob for t in content or []])
+    usage = response.usage
+    return TierAnswer(
+        choice.message.content or "", [t.logprob for t in content or []], usage.prompt_tokens, usage.completion_tokens
+    )
 
 
 def labelled_row(question: Question, small: TierAnswer, large: TierAnswer) -> dict[str, object]:
@@ -120,6 +127,8 @@ def labelled_row(question: Question, small: TierAnswer, large: TierAnswer) -> di
         "small_answer": small.text,
         "large_answer": large.text,
         "small_logprobs": [round(lp, 5) for lp in small.logprobs],
+        "small_tokens": [small.prompt_tokens, small.completion_tokens],
+        "large_tokens": [large.prompt_tokens, large.completion_tokens],
     }
     return {**asdict(row), **extras}
 
