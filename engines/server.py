@@ -21,8 +21,8 @@ from litestar.di import NamedDependency, Provide
 from litestar.exceptions import HTTPException
 from litestar.response import Response, Stream
 
-from engines.metrics import EngineMetrics
-from engines.protocol import (
+from engines.api.errors import APIError
+from engines.api.protocol import (
     SSE_DONE,
     ChatCompletion,
     ChatCompletionChunk,
@@ -37,7 +37,9 @@ from engines.protocol import (
     sse_event,
     wants_stream_usage,
 )
-from engines.serving import OpenAIError, OpenAIServing, decode_request, is_usage_chunk
+from engines.api.rules import decode_request
+from engines.metrics import EngineMetrics
+from engines.serving import OpenAIServing, is_usage_chunk
 from engines.tiers import TierSpec
 
 logger = logging.getLogger(__name__)
@@ -49,7 +51,7 @@ def _error_response(status_code: int, detail: ErrorDetail) -> Response[bytes]:
     return Response(encode(ErrorResponse(error=detail)), status_code=status_code, media_type=JSON)
 
 
-def _openai_error_handler(_: Request, exc: OpenAIError) -> Response[bytes]:
+def _api_error_handler(_: Request, exc: APIError) -> Response[bytes]:
     return _error_response(exc.status_code, exc.detail)
 
 
@@ -81,7 +83,7 @@ async def _sse(
                 if include_usage or not is_usage_chunk(chunk):
                     yield sse_event(chunk)
                 chunk = await anext(stream, None)
-        except OpenAIError as exc:  # the status line is already sent; report in-band, as OpenAI does
+        except APIError as exc:  # the status line is already sent; report in-band, as OpenAI does
             yield sse_event(exc.response())
         except Exception as exc:
             logger.exception("stream failed", exc_info=exc)
@@ -103,9 +105,9 @@ async def _sse(
 
 def _check_model(requested: str, serving: OpenAIServing) -> None:
     if requested != serving.model_name:
-        raise OpenAIError(
+        raise APIError(
+            404,
             f"The model {requested!r} does not exist on this server; it serves {serving.model_name!r}",
-            status_code=404,
             param="model",
             code="model_not_found",
         )
@@ -157,9 +159,7 @@ def _api_key_guard(api_key: str) -> Any:
             return
         given = request.headers.get("authorization", "").encode()
         if not hmac.compare_digest(given, expected):
-            raise OpenAIError(
-                "Incorrect API key provided.", status_code=401, param=None, code="invalid_api_key"
-            )
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
     return before_request
 
@@ -179,7 +179,7 @@ def create_engine_app(
             "metrics": Provide(lambda: metrics, sync_to_thread=False),
         },
         exception_handlers={
-            OpenAIError: _openai_error_handler,
+            APIError: _api_error_handler,
             HTTPException: _http_error_handler,
             Exception: _internal_error_handler,
         },

@@ -165,8 +165,8 @@ def cmd_router_label(args: argparse.Namespace) -> int:
     from router.label import run_label
 
     async def build_tiers():
-        from engines.client import build_in_process_client
         from engines.large.spec import SPEC as LARGE
+        from engines.serving import build_in_process_client
         from engines.small.spec import SPEC as SMALL
 
         cache = args.cache_dir or _settings(args).models_cache_dir

@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import msgspec
 
-from engines.client import EngineClient, EngineUnavailable
-from engines.protocol import (
+from engines.api.client import EngineClient, EngineUnavailable
+from engines.api.errors import APIError, service_unavailable
+from engines.api.protocol import (
     SSE_DONE,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -37,13 +38,12 @@ from engines.protocol import (
     sse_event,
     wants_stream_usage,
 )
-from engines.serving import OpenAIError, _chat_decoding, _completion_decoding
+from engines.api.rules import check_request
 from gateway.accounting import RequestRecord
 from gateway.budgets import check_prompt_length, clamp_output, count_prompt_tokens, limits_of, refusal
 from gateway.config import PolicyConfig, Settings
 from gateway.cost import request_cost
 from gateway.counters import Charge, CounterStore, CountersUnavailable
-from gateway.errors import GatewayError, invalid_request, service_unavailable
 from gateway.keys import SECRET_PREFIX, KeyCache, KeyStoreUnavailable, effective_policy
 from gateway.metrics import Metrics
 from gateway.routing import Router, cascade_call, cascade_stream
@@ -163,25 +163,6 @@ def request_ids(incoming: str | None) -> tuple[str, str]:
     return own, own
 
 
-def validate(request: Request) -> None:
-    """Refuse a bad request before anything is spent, with the engines' own rules (one definition:
-    an in-process tier applies the same ones, an HTTP upstream may be less strict)."""
-    if request.stream_options is not None and not request.stream:
-        raise invalid_request("`stream_options` is only allowed when `stream` is true", "stream_options")
-    # engines.serving keeps these two private for now; they are its one definition of the rules.
-    if isinstance(request, ChatCompletionRequest):
-        if not request.messages:
-            raise invalid_request("`messages` must contain at least one message", "messages", "empty_array")
-        _chat_decoding(request)
-    else:
-        _completion_decoding(request)
-
-
-def _from_tier_error(exc: OpenAIError) -> GatewayError:
-    d = exc.detail
-    return GatewayError(exc.status_code, d.message, code=d.code, param=d.param, error_type=d.type)
-
-
 class Gateway:
     def __init__(
         self,
@@ -215,7 +196,7 @@ class Gateway:
         if not authorization:
             if server.allow_anonymous:
                 return self._anonymous()
-            raise GatewayError(
+            raise APIError(
                 401,
                 "You didn't provide an API key. Send it as `Authorization: Bearer sk-sluice-...`.",
                 code="invalid_api_key",
@@ -234,7 +215,7 @@ class Gateway:
             if server.allow_anonymous and scheme.lower() == "bearer" and not secret.startswith(SECRET_PREFIX):
                 # Local development: SDKs insist on sending some key; a non-Sluice one means anonymous.
                 return self._anonymous()
-            raise GatewayError(401, "Incorrect API key provided.", code="invalid_api_key")
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
         cached = self._principals.get(key.id)
         if cached is not None and cached[0] is key:
             return cached[1]
@@ -259,12 +240,8 @@ class Gateway:
     async def _serve(self, state: RequestState, request: Request) -> Reply:
         try:
             return await self._serve_or_raise(state, request)
-        except OpenAIError as exc:
-            error = _from_tier_error(exc)
-            self.finish(state, error.status, error.code)
-            raise error from exc
-        except GatewayError as exc:
-            self.finish(state, exc.status, exc.code)
+        except APIError as exc:
+            self.finish(state, exc.status_code, exc.code)
             raise
         except asyncio.CancelledError:
             # The client left (the HTTP layer cancels us): the tier's work was cancelled with us.
@@ -278,18 +255,18 @@ class Gateway:
         policy = principal.policy
         state.model_requested = request.model
         state.stream = request.stream
-        validate(request)
+        check_request(request)
         try:
             routed = await self.router.route(state, request, policy, self.clients)
         except ModelNotFound as exc:
-            raise GatewayError(
+            raise APIError(
                 404,
                 f"The model `{request.model}` does not exist. GET /v1/models lists the models.",
                 code="model_not_found",
                 param="model",
             ) from exc
         except ModelNotAllowed as exc:
-            raise GatewayError(
+            raise APIError(
                 403,
                 f"This key may not use the model `{request.model}` (allowed tiers: {', '.join(policy.allowed_tiers)}).",
                 code="model_not_allowed",
@@ -404,7 +381,7 @@ class Gateway:
             yield SSE_DONE
         except Exception as exc:
             # Headers are sent: the failure can only be told in the stream, the way OpenAI does.
-            if isinstance(exc, OpenAIError):
+            if isinstance(exc, APIError):
                 detail = exc.detail
             elif isinstance(exc, EngineUnavailable):
                 detail = ErrorDetail(

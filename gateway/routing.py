@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from engines.client import EngineClient
-from engines.protocol import ChatCompletionRequest, CompletionRequest
+from engines.api.client import EngineClient
+from engines.api.errors import APIError
+from engines.api.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.config import PolicyConfig, Settings
 from gateway.cost import request_cost
-from gateway.errors import GatewayError
 from gateway.tiers import Served, call_with_fallback, open_stream_with_fallback
 from router.cascade import (
     CascadePlan,
@@ -158,7 +158,7 @@ async def cascade_call(gateway: Gateway, state: RequestState, request: Request, 
             second = await call_with_fallback(
                 gateway.clients, [plan.escalate_to], lambda tier, client: call(tier, client, request)
             )
-        except GatewayError:
+        except APIError:
             log.warning("escalation to %s failed; serving the small tier's answer", plan.escalate_to)
         else:
             usage = first.value.usage
@@ -190,7 +190,7 @@ async def cascade_stream(gateway: Gateway, state: RequestState, request: Request
     if should_escalate(state.confidence, plan.tau):
         try:
             large = await open_stream_with_fallback(gateway.clients, [plan.escalate_to], open_stream)
-        except GatewayError:
+        except APIError:
             log.warning("escalation to %s failed; streaming the small tier's answer", plan.escalate_to)
         else:
             await _close(rest)

@@ -25,8 +25,8 @@ import msgspec
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from engines.client import EngineClient
-from engines.protocol import ChatCompletion, ChatCompletionRequest, CompletionRequest
+from engines.api.client import EngineClient
+from engines.api.protocol import ChatCompletion, ChatCompletionRequest, CompletionRequest
 from gateway.config import Settings
 from gateway.cost import request_cost
 from gateway.db.engine import make_engine

@@ -23,7 +23,13 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from engines.protocol import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Completion, CompletionRequest
+from engines.api.protocol import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+)
 from router.confidence import CONFIDENCE_TOKENS, confidence
 
 Request = ChatCompletionRequest | CompletionRequest

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
-from engines.protocol import ChatCompletion, ChatCompletionRequest, ChatMessage
+from engines.api.protocol import ChatCompletion, ChatCompletionRequest, ChatMessage
 from router.confidence import confidence
 from router.data import TrainingRow, load_rows
 

@@ -186,7 +186,7 @@ async def test_a_client_that_asked_for_logprobs_gets_them(cascade_gateway):
 
 
 async def test_text_completions_cascade_too(cascade_gateway, tiers):
-    from engines.protocol import CompletionRequest
+    from engines.api.protocol import CompletionRequest
 
     gateway = cascade_gateway(logprob=LOW)
     reply = await gateway.complete(
@@ -245,7 +245,7 @@ async def test_no_tau_means_classifier_only(cascade_gateway, tiers):
 
 
 async def test_the_prompt_is_embedded_once_from_the_last_user_message(cascade_gateway, embedder):
-    from engines.protocol import ChatCompletionRequest, ChatMessage
+    from engines.api.protocol import ChatCompletionRequest, ChatMessage
 
     gateway = cascade_gateway(logprob=LOW)
     state = await start(gateway)
@@ -261,7 +261,7 @@ async def test_the_prompt_is_embedded_once_from_the_last_user_message(cascade_ga
 
 
 def test_prompt_text_of_completions_is_the_prompt_and_token_ids_have_none():
-    from engines.protocol import CompletionRequest
+    from engines.api.protocol import CompletionRequest
 
     assert prompt_text(CompletionRequest(model="auto", prompt="hello")) == "hello"
     assert prompt_text(CompletionRequest(model="auto", prompt=["a", "b"])) == "b"
