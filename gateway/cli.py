@@ -158,7 +158,12 @@ def _jsonable(obj: object) -> object:
 
 # --- bench ------------------------------------------------------------------------------------
 
-BENCHMARKS = {"engine": "bench.engine", "gateway": "bench.gateway_overhead", "kernels": "bench.kernels"}
+BENCHMARKS = {
+    "engine": "bench.engine",
+    "gateway": "bench.gateway_overhead",
+    "kernels": "bench.kernels",
+    "router": "bench.router",
+}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -223,6 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     revoke.add_argument("key_id")
     revoke.set_defaults(handler=cmd_keys)
 
+    from gateway.router_cli import add_router_commands
+
+    add_router_commands(sub)
+
     bench = sub.add_parser("bench", help="run a benchmark (results in bench/results/)")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
@@ -241,6 +250,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"configuration error: {exc}", file=sys.stderr)
         return 2
     except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:  # bad training data or artifact: TrainingDataError, ArtifactError
         print(f"error: {exc}", file=sys.stderr)
         return 1
 

@@ -102,6 +102,18 @@ class PolicyConfig(_Section):
     tpm: int | None = None
     cache: Literal["off", "exact", "semantic"] = "semantic"
     fallback: bool = True  # may the other tier serve when this one is down
+    # Serve this feature's `sluice`/`auto` requests from one tier, bypassing the router.
+    route_tier: str | None = None
+    # This feature's quality bar (share of large-only quality, 0.8–1.0); None: router.quality_target.
+    quality_target: float | None = None
+
+
+class RouterConfig(_Section):
+    # Router artifact: a directory from `sluice router train` (its LATEST version is used and reloaded when it
+    # changes) or one version directory; empty: the shipped default classifier (router/default).
+    artifact: str = ""
+    # Default quality bar: the operating point keeps quality >= this share of large-only quality.
+    quality_target: float = 0.95
 
 
 def _default_tiers() -> dict[str, TierConfig]:
@@ -130,6 +142,7 @@ class Settings(_Section):
     database: DatabaseConfig = msgspec.field(default_factory=DatabaseConfig)
     redis: RedisConfig = msgspec.field(default_factory=RedisConfig)
     models: ModelsConfig = msgspec.field(default_factory=ModelsConfig)
+    router: RouterConfig = msgspec.field(default_factory=RouterConfig)
     tiers: dict[str, TierConfig] = msgspec.field(default_factory=dict)
     # Feature name → policy. "default" applies to features not listed.
     policies: dict[str, PolicyConfig] = msgspec.field(default_factory=lambda: {"default": PolicyConfig()})
@@ -149,6 +162,11 @@ class Settings(_Section):
             unknown = [t for t in policy.allowed_tiers if t not in self.tiers]
             if unknown:
                 raise ConfigError(f"policies.{feature}.allowed_tiers: unknown tier(s) {unknown}")
+            if policy.route_tier is not None and policy.route_tier not in self.tiers:
+                raise ConfigError(f"policies.{feature}.route_tier: {policy.route_tier!r} is not a configured tier")
+            if policy.quality_target is not None:
+                _check_quality_target(f"policies.{feature}.quality_target", policy.quality_target)
+        _check_quality_target("router.quality_target", self.router.quality_target)
         if "default" not in self.policies:
             self.policies["default"] = PolicyConfig()
 
@@ -158,6 +176,12 @@ class Settings(_Section):
     @property
     def models_cache_dir(self) -> Path:
         return Path(self.models.cache_dir).expanduser()
+
+
+def _check_quality_target(key: str, value: float) -> None:
+    # Operating points are stored for 0.80 … 1.00 of large-only quality.
+    if not 0.8 <= value <= 1.0:
+        raise ConfigError(f"{key}: must be between 0.8 and 1.0 (a share of large-only quality), got {value}")
 
 
 def _parse_env_value(raw: str) -> Any:

@@ -51,12 +51,15 @@ def _read(path: Path, drop: set[str]) -> list[TrainingRow]:
 def routellm_rows(root: Path = ROUTELLM_DIR, benchmarks: tuple[str, ...] = ("mmlu", "gsm8k")) -> list[TrainingRow]:
     """Decontaminated rows of the named benchmarks, MMLU domains in file-name order, then GSM8K."""
     if not root.is_dir():
-        raise FileNotFoundError(f"RouteLLM data not found at {root} (set SLUICE_DATA_DIR or place it at ../shared/data)")
+        raise FileNotFoundError(
+            f"RouteLLM data not found at {root} (set SLUICE_DATA_DIR or place it at ../shared/data)"
+        )
     rows: list[TrainingRow] = []
     if "mmlu" in benchmarks:
         drop = _contaminated(root / "mmlu" / "contaminated_prompts.jsonl")
         for path in sorted((root / "mmlu" / "responses").glob("mmlu_*.csv")):
             rows += _read(path, drop)
     if "gsm8k" in benchmarks:
-        rows += _read(root / "gsm8k" / "gsm8k_responses.csv", _contaminated(root / "gsm8k" / "contaminated_prompts.jsonl"))
+        drop = _contaminated(root / "gsm8k" / "contaminated_prompts.jsonl")
+        rows += _read(root / "gsm8k" / "gsm8k_responses.csv", drop)
     return rows

@@ -42,8 +42,9 @@ def embed_cached(
         with np.load(path) as data:
             known = dict(zip(data["keys"].tolist(), data["vectors"], strict=True))
     keys = [_key(p) for p in prompts]
-    missing = list(dict.fromkeys(k for k in keys if k not in known))
     by_key = dict(zip(keys, prompts, strict=True))
+    # Longest first, so that each batch pads to similar lengths (and a too-long prompt fails fast).
+    missing = sorted(dict.fromkeys(k for k in keys if k not in known), key=lambda k: -len(by_key[k]))
     for start in range(0, len(missing), chunk):
         batch = missing[start : start + chunk]
         known.update(zip(batch, embedder.embed([by_key[k] for k in batch]), strict=True))
