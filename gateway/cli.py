@@ -156,42 +156,14 @@ def _jsonable(obj: object) -> object:
     return msgspec.to_builtins(obj, builtin_types=(), enc_hook=str) if obj is not None else None
 
 
-# --- router -----------------------------------------------------------------------------------
-
-
-def cmd_router_label(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from router.label import run_label
-
-    async def build_tiers():
-        from engines.large.spec import SPEC as LARGE
-        from engines.serving import build_in_process_client
-        from engines.small.spec import SPEC as SMALL
-
-        cache = args.cache_dir or _settings(args).models_cache_dir
-        small = await asyncio.to_thread(build_in_process_client, SMALL, cache)
-        large = await asyncio.to_thread(build_in_process_client, LARGE, cache)
-
-        async def close() -> None:
-            await small.close()
-            await large.close()
-
-        return small, large, close
-
-    try:
-        count = run_label(args.dataset, args.n, args.split, Path(args.out), Path(args.data_dir), build_tiers,
-                          args.concurrency)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"labelled {count} new question(s) into {args.out}")
-    return 0
-
-
 # --- bench ------------------------------------------------------------------------------------
 
-BENCHMARKS = {"engine": "bench.engine", "gateway": "bench.gateway_overhead", "kernels": "bench.kernels"}
+BENCHMARKS = {
+    "engine": "bench.engine",
+    "gateway": "bench.gateway_overhead",
+    "kernels": "bench.kernels",
+    "router": "bench.router",
+}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -256,17 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     revoke.add_argument("key_id")
     revoke.set_defaults(handler=cmd_keys)
 
-    router = sub.add_parser("router", help="the router: labels, training data")
-    router_sub = router.add_subparsers(dest="action", required=True, metavar="ACTION")
-    label = router_sub.add_parser("label", help="run both demo tiers over a dataset and write training rows")
-    label.add_argument("--dataset", default="gsm8k", choices=["gsm8k"])
-    label.add_argument("--n", type=int, default=300, help="questions, from the start of the split")
-    label.add_argument("--split", default="test", choices=["test", "train"])
-    label.add_argument("--out", required=True, help="JSONL file; questions already in it are skipped")
-    label.add_argument("--data-dir", default="../shared/data/gsm8k", help="GSM8K directory")
-    label.add_argument("--concurrency", type=int, default=16, help="questions in flight (batched by the engines)")
-    label.add_argument("--cache-dir", help="models cache (default: models.cache_dir)")
-    label.set_defaults(handler=cmd_router_label)
+    from gateway.router_cli import add_router_commands
+
+    add_router_commands(sub)
 
     bench = sub.add_parser("bench", help="run a benchmark (results in bench/results/)")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
@@ -286,6 +250,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"configuration error: {exc}", file=sys.stderr)
         return 2
     except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:  # bad training data or artifact: TrainingDataError, ArtifactError
         print(f"error: {exc}", file=sys.stderr)
         return 1
 

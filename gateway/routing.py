@@ -266,17 +266,11 @@ def build_router(settings: Settings) -> Router:
     and `auto` go to the default tier. Slow (loads models): call it off the event loop."""
     from pathlib import Path
 
-    import router
+    from router.artifact import DEFAULT_ARTIFACT_DIR, ArtifactWatcher
+    from router.embedding import Embedder
 
-    path = Path(settings.router.artifact or Path(router.__file__).parent / "default").expanduser()
+    path = Path(settings.router.artifact).expanduser() if settings.router.artifact else DEFAULT_ARTIFACT_DIR
     if not path.exists():
         log.warning("no router artifact at %s: `sluice`/`auto` go to the default tier", path)
         return Router(settings)
-    try:
-        from router.artifact import ArtifactWatcher  # the classifier's branch
-    except ImportError:
-        log.warning("router.artifact is not installed: `sluice`/`auto` go to the default tier")
-        return Router(settings)
-    from router.embedding import Embedder
-
     return Router(settings, Embedder.load(settings.models_cache_dir), ArtifactWatcher(path))

@@ -4,7 +4,6 @@ stand-in classifier artifact, and the gateway without HTTP."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -16,28 +15,20 @@ from gateway.counters import InProcessCounterStore
 from gateway.metrics import Metrics
 from gateway.pipeline import Gateway
 from gateway.routing import Router, prompt_text
+from router.artifact import OperatingPoint
 from tests.gateway.conftest import EXPENSIVE, chat, make_settings, start
 
 LOW, HIGH = -3.0, -0.05  # per-token logprobs: an unsure small answer, a sure one
 TAU = -1.0
 
 
-@dataclass(frozen=True)
-class Point:
-    threshold: float
-    tau: float | None
-    quality_target: float = 0.95
-    expected_large_fraction: float = 0.3
-    expected_escalation_rate: float = 0.1
-
-
 class StandInArtifact:
-    """What the gateway reads of `router.artifact.RouterArtifact`: a score per prompt (here: fixed per
-    prompt text) and the operating point."""
+    """What the gateway reads of `router.artifact.RouterArtifact`, with scores fixed per prompt text so
+    that each test decides which tier the classifier picks."""
 
     version = "test-1"
 
-    def __init__(self, scores: dict[str, float], point: Point) -> None:
+    def __init__(self, scores: dict[str, float], point: OperatingPoint) -> None:
         self.scores = scores
         self.point = point
 
@@ -45,7 +36,7 @@ class StandInArtifact:
         assert embeddings.shape == (len(prompts), 4)
         return np.array([self.scores.get(p, 0.1) for p in prompts])
 
-    def operating_point(self, quality_target: float | None = None) -> Point:
+    def operating_point(self, quality_target: float | None = None) -> OperatingPoint:
         return self.point
 
 
@@ -61,27 +52,6 @@ class CountingEmbedder:
     async def embed_async(self, texts: list[str]) -> np.ndarray:
         self.texts.extend(texts)
         return np.ones((len(texts), 4), dtype=np.float32) / 2
-
-
-@pytest.fixture(autouse=True)
-def _choose_tier(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`router.policy.choose_tier` comes with the classifier's branch; until it is merged, its contract."""
-    try:
-        import router.policy  # noqa: F401
-    except ImportError:
-        import sys
-        import types
-
-        def choose_tier(score: float | None, point: Any, pinned: str | None) -> tuple[str, str]:
-            if pinned is not None:
-                return pinned, "pinned"
-            if score is None or point is None:
-                return "small", "no_classifier"
-            return ("large", "classifier_large") if score >= point.threshold else ("small", "classifier_small")
-
-        module = types.ModuleType("router.policy")
-        module.choose_tier = choose_tier  # type: ignore[attr-defined]
-        monkeypatch.setitem(sys.modules, "router.policy", module)
 
 
 def settings_with(small_logprobs: bool = True, **policy: Any) -> Settings:
@@ -110,7 +80,7 @@ def cascade_gateway(tiers, records, embedder):
     ) -> Gateway:
         tiers["small"].logprobs = None if logprob is None else [logprob] * len(tiers["small"].words)
         settings = settings or settings_with()
-        artifact = StandInArtifact(scores or {}, Point(threshold=threshold, tau=tau))
+        artifact = StandInArtifact(scores or {}, OperatingPoint(threshold, tau, 0.95, 0.3, 0.1))
         router = Router(settings, embedder, Watcher(artifact))
         return Gateway(settings, tiers, InProcessCounterStore(), records.append, Metrics(), router=router)
 
