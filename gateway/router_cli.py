@@ -86,6 +86,8 @@ def _rows_from_db(args: argparse.Namespace) -> list[Any]:
 
 
 def cmd_label(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from router.label import run_label
 
     async def build_tiers() -> Any:
@@ -94,8 +96,10 @@ def cmd_label(args: argparse.Namespace) -> int:
         from engines.small.spec import SPEC as SMALL
 
         cache = args.cache_dir or _settings(args).models_cache_dir
-        small = await asyncio.to_thread(build_in_process_client, SMALL, cache)
-        large = await asyncio.to_thread(build_in_process_client, LARGE, cache)
+        quantization = None if args.quantization == "none" else args.quantization
+        small_spec, large_spec = (dataclasses.replace(s, quantization=quantization) for s in (SMALL, LARGE))
+        small = await asyncio.to_thread(build_in_process_client, small_spec, cache)
+        large = await asyncio.to_thread(build_in_process_client, large_spec, cache)
 
         async def close() -> None:
             await small.close()
@@ -247,6 +251,9 @@ def add_router_commands(sub: Any) -> None:
     label.add_argument("--data-dir", default="../shared/data/gsm8k", help="GSM8K directory")
     label.add_argument("--concurrency", type=int, default=16, help="questions in flight (batched by the engines)")
     label.add_argument("--cache-dir", help="models cache (default: models.cache_dir)")
+    label.add_argument("--quantization", default="auto", choices=["auto", "w8a8", "int8", "int4", "none"],
+                       help="both tiers' weights; w8a8 keeps no float copy (auto may, on CPUs without VNNI): "
+                            "least memory")
     label.add_argument("--config", help="sluice.toml (models cache)")
     label.set_defaults(handler=cmd_label)
 
