@@ -90,25 +90,19 @@ def cmd_label(args: argparse.Namespace) -> int:
 
     from router.label import run_label
 
-    async def build_tiers() -> Any:
+    async def build_tier(name: str) -> Any:
         from engines.large.spec import SPEC as LARGE
         from engines.serving import build_in_process_client
         from engines.small.spec import SPEC as SMALL
 
         cache = args.cache_dir or _settings(args).models_cache_dir
         quantization = None if args.quantization == "none" else args.quantization
-        small_spec, large_spec = (dataclasses.replace(s, quantization=quantization) for s in (SMALL, LARGE))
-        small = await asyncio.to_thread(build_in_process_client, small_spec, cache)
-        large = await asyncio.to_thread(build_in_process_client, large_spec, cache)
-
-        async def close() -> None:
-            await small.close()
-            await large.close()
-
-        return small, large, close
+        spec = dataclasses.replace(SMALL if name == "small" else LARGE, quantization=quantization)
+        client = await asyncio.to_thread(build_in_process_client, spec, cache)
+        return client, client.close
 
     try:
-        count = run_label(args.dataset, args.n, args.split, Path(args.out), Path(args.data_dir), build_tiers,
+        count = run_label(args.dataset, args.n, args.split, Path(args.out), Path(args.data_dir), build_tier,
                           args.concurrency)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

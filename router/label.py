@@ -18,7 +18,7 @@ import asyncio
 import json
 import math
 import re
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
@@ -137,33 +137,77 @@ def done_prompts(out: Path) -> set[str]:
     return {row.prompt for row in load_rows(out)} if out.exists() else set()
 
 
+def answers_path(out: Path, tier: str) -> Path:
+    """Where one tier's answers are kept until both tiers have answered (`labels.small.answers.jsonl`)."""
+    return out.with_name(f"{out.stem}.{tier}.answers.jsonl")
+
+
+def load_answers(path: Path) -> dict[str, TierAnswer]:
+    answers = {}
+    if path.exists():
+        with path.open() as f:
+            for line in f:
+                raw = json.loads(line)
+                question = raw.pop("question")
+                answers[question] = TierAnswer(**raw)
+    return answers
+
+
+async def answer_all(
+    questions: Sequence[Question],
+    tier: ChatTier,
+    path: Path,
+    *,
+    logprobs: bool,
+    concurrency: int = 16,
+    on_done: Callable[[], None] = lambda: None,
+) -> int:
+    """Ask one tier every question not yet answered in `path`, appending each answer as it comes (all in
+    flight at once, bounded, so the engine batches them); returns how many were asked."""
+    known = load_answers(path)
+    todo = [q for q in questions if q.question not in known]
+    gate = asyncio.Semaphore(concurrency)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    async def one(question: Question) -> None:
+        async with gate:
+            answer = await ask(tier, question.question, logprobs=logprobs)
+        with path.open("a") as f:  # one write per line: no interleaving within the event loop
+            f.write(json.dumps({"question": question.question, **asdict(answer)}) + "\n")
+        on_done()
+
+    await asyncio.gather(*(one(q) for q in todo))
+    return len(todo)
+
+
+def join_labels(questions: Sequence[Question], out: Path) -> int:
+    """Append a training row for each question both tiers have answered and `out` lacks; returns how many."""
+    small, large = (load_answers(answers_path(out, tier)) for tier in ("small", "large"))
+    done = done_prompts(out)
+    new = [q for q in questions if q.question in small and q.question in large and q.question not in done]
+    with out.open("a") as f:
+        for q in new:
+            f.write(json.dumps(labelled_row(q, small[q.question], large[q.question])) + "\n")
+    return len(new)
+
+
 async def label(
-    questions: Iterable[Question],
+    questions: Sequence[Question],
     small: ChatTier,
     large: ChatTier,
     out: Path,
     *,
     concurrency: int = 16,
-    on_done: Callable[[], None] = lambda: None,
 ) -> int:
-    """Label the questions not yet in `out`, appending each row as it completes; returns how many."""
-    todo = [q for q in questions if q.question not in done_prompts(out)]
-    gate = asyncio.Semaphore(concurrency)
-    write_lock = asyncio.Lock()
-    out.parent.mkdir(parents=True, exist_ok=True)
+    """Both tiers at once (when both fit in memory), then the rows; returns how many rows were added."""
+    await asyncio.gather(
+        answer_all(questions, small, answers_path(out, "small"), logprobs=True, concurrency=concurrency),
+        answer_all(questions, large, answers_path(out, "large"), logprobs=False, concurrency=concurrency),
+    )
+    return join_labels(questions, out)
 
-    async def one(question: Question) -> None:
-        async with gate:
-            small_answer, large_answer = await asyncio.gather(
-                ask(small, question.question, logprobs=True), ask(large, question.question, logprobs=False)
-            )
-        async with write_lock:
-            with out.open("a") as f:
-                f.write(json.dumps(labelled_row(question, small_answer, large_answer)) + "\n")
-        on_done()
 
-    await asyncio.gather(*(one(q) for q in todo))
-    return len(todo)
+TierFactory = Callable[[str], Awaitable[tuple[ChatTier, Callable[[], Awaitable[None]]]]]
 
 
 def run_label(
@@ -172,10 +216,11 @@ def run_label(
     split: str,
     out: Path,
     data_dir: Path,
-    build_tiers: Callable[[], Awaitable[tuple[ChatTier, ChatTier, Callable[[], Awaitable[None]]]]],
+    build_tier: TierFactory,
     concurrency: int,
 ) -> int:
-    """The CLI's body: load questions, build the tiers, label with a progress bar."""
+    """The CLI's body: each tier in turn (only one model in memory at a time) answers the questions it
+    has not answered yet, with a progress bar; then the rows are written."""
     from tqdm import tqdm
 
     if dataset != "gsm8k":
@@ -183,14 +228,20 @@ def run_label(
     if out.suffix != ".jsonl":
         raise ValueError(f"--out {out}: labels are written as JSONL (they keep both answers); name it *.jsonl")
     questions = load_gsm8k(data_dir, split, n)
-    remaining = len(questions) - len(done_prompts(out) & {q.question for q in questions})
 
     async def main() -> int:
-        small, large, close = await build_tiers()
-        try:
-            with tqdm(total=remaining, desc=f"label gsm8k/{split}", unit="q") as bar:
-                return await label(questions, small, large, out, concurrency=concurrency, on_done=bar.update)
-        finally:
-            await close()
+        for name in ("small", "large"):
+            path = answers_path(out, name)
+            remaining = len({q.question for q in questions} - set(load_answers(path)))
+            if not remaining:
+                continue
+            tier, close = await build_tier(name)
+            try:
+                with tqdm(total=remaining, desc=f"{name} tier, gsm8k/{split}", unit="q") as bar:
+                    await answer_all(questions, tier, path, logprobs=name == "small", concurrency=concurrency,
+                                     on_done=bar.update)
+            finally:
+                await close()
+        return join_labels(questions, out)
 
     return asyncio.run(main())
