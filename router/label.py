@@ -4,12 +4,13 @@
 (`router.data` format: `prompt` is the question, `small_score` / `large_score` are 1 when that tier's
 final number equals the reference, `small_confidence` is `router.confidence.confidence` of the small
 tier's answer). JSONL output also keeps what the scores came from — both answers, the reference and
-the small tier's token logprobs — so the confidence study and the cascade benchmark need no rerun;
-`router.data.load_rows` ignores those extra keys. Rows are appended as questions finish, and a rerun
-skips questions already in the file (resumable).
+the small tier's token logprobs and both token counts — so the confidence study and the cascade
+benchmark need no rerun; `router.data.load_rows` ignores those extra keys.
 
-The tiers are any `EngineClient`s; the CLI passes the two demo tiers' in-process engines, and every
-question is in flight at once (bounded) so the async engines batch them.
+The tiers are any chat clients; the CLI builds the demo tiers' in-process engines one after the other
+(only one model in memory), every question in flight at once (bounded) so the engine batches them. Each
+tier's answers are appended to `<out>.<tier>.answers.jsonl` as they come and rows are joined from them,
+so a rerun skips whatever either step already did (resumable).
 """
 
 from __future__ import annotations
