@@ -103,7 +103,7 @@ def cmd_label(args: argparse.Namespace) -> int:
 
     try:
         count = run_label(args.dataset, args.n, args.split, Path(args.out), Path(args.data_dir), build_tier,
-                          args.concurrency)
+                          args.concurrency, tiers=("small", "large") if args.tier == "both" else (args.tier,))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -245,6 +245,8 @@ def add_router_commands(sub: Any) -> None:
     label.add_argument("--data-dir", default="../shared/data/gsm8k", help="GSM8K directory")
     label.add_argument("--concurrency", type=int, default=16, help="questions in flight (batched by the engines)")
     label.add_argument("--cache-dir", help="models cache (default: models.cache_dir)")
+    label.add_argument("--tier", default="both", choices=["both", "small", "large"],
+                       help="answer with one tier only (rows are written once both have answered)")
     label.add_argument("--quantization", default="auto", choices=["auto", "w8a8", "int8", "int4", "none"],
                        help="both tiers' weights; w8a8 keeps no float copy (auto may, on CPUs without VNNI): "
                             "least memory")

@@ -38,6 +38,7 @@ SYSTEM_PROMPT = (
 MAX_ANSWER_TOKENS = 256
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _FINAL = re.compile(r"####\s*\$?\s*(-?\d[\d,]*(?:\.\d+)?)")
+_BOXED = re.compile(r"\\boxed\{\s*\$?\s*(-?\d[\d,]*(?:\.\d+)?)")
 
 
 class ChatTier(Protocol):
@@ -66,8 +67,9 @@ def _to_number(text: str) -> float | None:
 
 
 def final_number(text: str) -> float | None:
-    """The answer's final number: after `####` when present, else the last number in the text."""
-    marked = _FINAL.findall(text)
+    """The answer's final number: after `####` when present, else in the last `\\boxed{}` (what Qwen models
+    write despite the prompt), else the last number in the text."""
+    marked = _FINAL.findall(text) or _BOXED.findall(text)
     if marked:
         return _to_number(marked[-1])
     numbers = _NUMBER.findall(text)
@@ -219,9 +221,11 @@ def run_label(
     data_dir: Path,
     build_tier: TierFactory,
     concurrency: int,
+    tiers: Sequence[str] = ("small", "large"),
 ) -> int:
     """The CLI's body: each tier in turn (only one model in memory at a time) answers the questions it
-    has not answered yet, with a progress bar; then the rows are written."""
+    has not answered yet, with a progress bar; then rows are written for questions both tiers answered.
+    `tiers` limits the run to one tier (two processes may then answer side by side)."""
     from tqdm import tqdm
 
     if dataset != "gsm8k":
@@ -231,7 +235,7 @@ def run_label(
     questions = load_gsm8k(data_dir, split, n)
 
     async def main() -> int:
-        for name in ("small", "large"):
+        for name in tiers:
             path = answers_path(out, name)
             remaining = len({q.question for q in questions} - set(load_answers(path)))
             if not remaining:

@@ -76,3 +76,7 @@ async def test_a_rerun_skips_questions_already_labelled(tmp_path: Path):
     assert count == 1
     assert small.asked == ["a", "b"]
     assert [r.prompt for r in load_rows(out)] == ["a", "b"]
+
+
+def test_a_boxed_answer_counts_when_there_is_no_marker():
+    assert final_number(r"so the profit is \(\boxed{50,000}\) dollars, after 3 years") == 50000
