@@ -97,7 +97,7 @@ def cmd_label(args: argparse.Namespace) -> int:
 
         cache = args.cache_dir or _settings(args).models_cache_dir
         quantization = None if args.quantization == "none" else args.quantization
-        spec = dataclasses.replace(SMALL if name == "small" else LARGE, quantization=quantization)
+        spec = dataclasses.replace(SMALL if name == "small" else LARGE, quantization=quantization, dtype=args.dtype)
         client = await asyncio.to_thread(build_in_process_client, spec, cache)
         return client, client.close
 
@@ -245,6 +245,8 @@ def add_router_commands(sub: Any) -> None:
     label.add_argument("--data-dir", default="../shared/data/gsm8k", help="GSM8K directory")
     label.add_argument("--concurrency", type=int, default=16, help="questions in flight (batched by the engines)")
     label.add_argument("--cache-dir", help="models cache (default: models.cache_dir)")
+    label.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                       help="activations and unquantised weights; bfloat16 halves the memory peak of loading")
     label.add_argument("--tier", default="both", choices=["both", "small", "large"],
                        help="answer with one tier only (rows are written once both have answered)")
     label.add_argument("--quantization", default="auto", choices=["auto", "w8a8", "int8", "int4", "none"],
