@@ -101,8 +101,28 @@ def auroc(scores: Sequence[float], positives: Sequence[bool]) -> float:
 
 
 def confidence_study(rows: Sequence[Labelled]) -> dict[str, float]:
-    correct = [r.small_correct for r in rows]
-    return {name: auroc([candidate(r.small_logprobs) for r in rows], correct) for name, candidate in CANDIDATES.items()}
+    return candidate_aurocs([r.small_correct for r in rows], [r.small_logprobs for r in rows])
+
+
+def candidate_aurocs(correct: Sequence[bool], logprobs: Sequence[Sequence[float]]) -> dict[str, float]:
+    return {name: auroc([candidate(lp) for lp in logprobs], correct) for name, candidate in CANDIDATES.items()}
+
+
+def small_only_study(answers: Path, data_dir: Path, split: str) -> dict[str, Any]:
+    """The confidence study from the small tier's answers alone (`<labels>.small.answers.jsonl`), scored
+    against GSM8K: it needs no large-tier run."""
+    from router.label import is_correct, load_answers, load_gsm8k
+
+    known = load_answers(answers)
+    questions = [q for q in load_gsm8k(data_dir, split, 10**9) if q.question in known]
+    correct = [is_correct(known[q.question].text, q.answer) for q in questions]
+    logprobs = [known[q.question].logprobs for q in questions]
+    return {
+        "questions": len(questions),
+        "small_correct": sum(correct),
+        "truncated_at_budget": sum(known[q.question].completion_tokens >= 256 for q in questions),
+        "confidence_auroc": candidate_aurocs(correct, logprobs),
+    }
 
 
 Confidence = Callable[[Labelled], float]
@@ -258,7 +278,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--labels", required=True, help="JSONL from `sluice router label`")
     parser.add_argument("--out", help="also write the figures here (JSON)")
+    parser.add_argument("--small-only", action="store_true",
+                        help="only the confidence study, from <labels>.small.answers.jsonl (no large-tier labels)")
+    parser.add_argument("--data-dir", default="../shared/data/gsm8k", help="GSM8K, for --small-only")
+    parser.add_argument("--split", default="test", choices=["test", "train"])
     args = parser.parse_args(argv)
+    if args.small_only:
+        from router.label import answers_path
+
+        study = small_only_study(answers_path(Path(args.labels), "small"), Path(args.data_dir), args.split)
+        print_table(f"Confidence candidates, {study['questions']} small-tier answers ({study['small_correct']} right)",
+                    ["candidate", "auroc"], sorted(study["confidence_auroc"].items(), key=lambda kv: -kv[1]))
+        write_results("router_confidence", study)
+        return 0
     labels = Path(args.labels)
     if not labels.exists():
         print(f"{labels} not found: run `sluice router label --dataset gsm8k --out {labels}` first")

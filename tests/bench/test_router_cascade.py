@@ -62,3 +62,22 @@ def test_agreement_is_validated_on_questions_the_large_tier_got_right(labels: Pa
     assert study["questions"] == 3
     assert study["pearson_agreement_vs_small_correct"] == pytest.approx(1.0)
     assert study["accuracy_of_agreement_as_label"] == 1.0
+
+
+def test_the_small_only_study_scores_answers_against_gsm8k(tmp_path: Path):
+    from bench.router_cascade import small_only_study
+
+    (tmp_path / "test.jsonl").write_text(
+        "".join(json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) + "\n" for i in range(3))
+    )
+    answers = tmp_path / "labels.small.answers.jsonl"
+    answers.write_text(
+        "".join(
+            json.dumps({"question": f"q{i}", "text": f"#### {given}", "logprobs": [lp], "prompt_tokens": 5,
+                        "completion_tokens": tokens}) + "\n"
+            for i, given, lp, tokens in ((0, 0, -0.1, 3), (1, 9, -2.0, 256), (2, 2, -0.3, 3))
+        )
+    )
+    study = small_only_study(answers, tmp_path, "test")
+    assert (study["questions"], study["small_correct"], study["truncated_at_budget"]) == (3, 2, 1)
+    assert study["confidence_auroc"]["mean"] == 1.0  # both right answers are surer than the wrong one
