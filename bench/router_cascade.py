@@ -202,16 +202,36 @@ def pearson(xs: Sequence[float], ys: Sequence[float]) -> float:
 
 def agreement_study(rows: Sequence[Labelled]) -> dict[str, Any]:
     """On questions the large tier got right: final-answer agreement vs "small got it right"."""
+    return _agreement_figures([(r.small_answer, r.large_answer, r.small_correct, r.large_correct) for r in rows])
+
+
+def routellm_agreement_study(csv_path: Path) -> dict[str, Any]:
+    """The same check on RouteLLM's GSM8K responses (Mixtral-8x7B as small, GPT-4 as large, with their
+    graded correctness): thousands of real answer pairs where our own tiers give a few dozen."""
+    import csv
+
+    weak, strong = "mistralai/Mixtral-8x7B-Instruct-v0.1", "gpt-4-1106-preview"
+    with csv_path.open(newline="") as f:
+        rows = [
+            (r[f"{weak}_response"], r[f"{strong}_response"], r[weak] == "True", r[strong] == "True")
+            for r in csv.DictReader(f)
+        ]
+    return _agreement_figures(rows)
+
+
+def _agreement_figures(rows: Sequence[tuple[str, str, bool, bool]]) -> dict[str, Any]:
+    graded = [(small, large, small_ok) for small, large, small_ok, large_ok in rows if large_ok]
     pairs = [
-        (agreed, float(r.small_correct))
-        for r in rows
-        if r.large_correct and (agreed := final_answer_agreement(r.small_answer, r.large_answer)) is not None
+        (agreed, float(small_ok))
+        for small, large, small_ok in graded
+        if (agreed := final_answer_agreement(small, large)) is not None
     ]
     if not pairs:
         return {"questions": 0}
     agreements, truths = zip(*pairs, strict=True)
     return {
         "questions": len(pairs),
+        "questions_without_final_numbers": len(graded) - len(pairs),
         "pearson_agreement_vs_small_correct": pearson(agreements, truths),
         "accuracy_of_agreement_as_label": sum(a == t for a, t in pairs) / len(pairs),
         "mean_agreement": sum(agreements) / len(pairs),
@@ -278,11 +298,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--labels", required=True, help="JSONL from `sluice router label`")
     parser.add_argument("--out", help="also write the figures here (JSON)")
+    parser.add_argument("--routellm-agreement", metavar="CSV",
+                        help="validate the shadow agreement score on RouteLLM's gsm8k_responses.csv and exit")
     parser.add_argument("--small-only", action="store_true",
                         help="only the confidence study, from <labels>.small.answers.jsonl (no large-tier labels)")
     parser.add_argument("--data-dir", default="../shared/data/gsm8k", help="GSM8K, for --small-only")
     parser.add_argument("--split", default="test", choices=["test", "train"])
     args = parser.parse_args(argv)
+    if args.routellm_agreement:
+        study = routellm_agreement_study(Path(args.routellm_agreement))
+        print_table("Shadow agreement vs ground truth, RouteLLM GSM8K (large correct)", list(study),
+                    [list(study.values())])
+        write_results("router_agreement", study)
+        return 0
     if args.small_only:
         from router.label import answers_path
 
