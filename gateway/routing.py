@@ -23,7 +23,7 @@ from engines.api.errors import APIError
 from engines.api.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.config import PolicyConfig, Settings
 from gateway.cost import request_cost
-from gateway.tiers import Served, call_with_fallback, open_stream_with_fallback
+from gateway.fallback import Served, call_with_fallback, open_stream_with_fallback
 from router.cascade import (
     CascadePlan,
     StreamProbe,

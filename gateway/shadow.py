@@ -29,7 +29,7 @@ from engines.api.client import EngineClient
 from engines.api.protocol import ChatCompletion, ChatCompletionRequest, CompletionRequest
 from gateway.config import Settings
 from gateway.cost import request_cost
-from gateway.db.engine import make_engine
+from gateway.db.database import make_database
 from gateway.db.schema import shadow_runs
 from gateway.metrics import Metrics
 from gateway.routing import LARGE, SMALL, PromptEmbedder, prompt_text
@@ -155,7 +155,7 @@ async def training_rows_from_db(db_url: str, since: datetime | None = None) -> l
     query = sa.select(shadow_runs.c.prompt, shadow_runs.c.agreement).where(shadow_runs.c.prompt != "")
     if since is not None:
         query = query.where(shadow_runs.c.created_at >= since)
-    engine = make_engine(db_url)
+    engine = make_database(db_url)
     try:
         async with engine.connect() as connection:
             result = await connection.execute(query.order_by(shadow_runs.c.created_at))

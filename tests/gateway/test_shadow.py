@@ -13,7 +13,7 @@ import sqlalchemy as sa
 
 from gateway.config import RouterConfig
 from gateway.counters import InProcessCounterStore
-from gateway.db.engine import make_engine
+from gateway.db.database import make_database
 from gateway.db.schema import shadow_runs
 from gateway.metrics import Metrics
 from gateway.pipeline import Gateway
@@ -29,7 +29,7 @@ class UnitEmbedder:
 
 @pytest.fixture
 async def db(sqlite_url: str):
-    engine = make_engine(sqlite_url)
+    engine = make_database(sqlite_url)
     yield engine
     await engine.dispose()
 
