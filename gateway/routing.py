@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from engines.api.client import EngineClient
+from engines.api.client import EngineClient, EngineUnavailable
 from engines.api.errors import APIError
 from engines.api.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.config import PolicyConfig, Settings
@@ -185,7 +185,15 @@ async def cascade_stream(gateway: Gateway, state: RequestState, request: Request
     elapsed = time.perf_counter() - state.started
     probe = StreamProbe(replace(plan, buffer_s=buffer_budget_s(small_slo, elapsed)))
     first, rest = served.value
-    exhausted = await _fill(probe, first, rest)
+    try:
+        exhausted = await _fill(probe, first, rest)
+    except EngineUnavailable:
+        await _close(rest)  # the small tier died before the client saw anything: the large one answers
+        large = await open_stream_with_fallback(gateway.clients, [plan.escalate_to], open_stream)
+        return Served(large.tier, True, large.value)
+    except BaseException:
+        await _close(rest)
+        raise
     state.confidence = probe.confidence
     if should_escalate(state.confidence, plan.tau):
         try:

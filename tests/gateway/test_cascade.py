@@ -301,3 +301,13 @@ async def test_a_stream_without_logprobs_is_relayed_without_buffering_for_a_deci
 def test_policy_shadow_rate_must_be_a_share():
     with pytest.raises(msgspec.ValidationError, match="shadow_rate"):
         msgspec.convert({"shadow_rate": 1.5}, PolicyConfig)
+
+
+async def test_a_small_stream_that_dies_inside_the_window_is_answered_by_large(cascade_gateway, tiers, records):
+    gateway = cascade_gateway(logprob=HIGH)
+    tiers["small"].fail_after = 2  # dies after two words, while they are still held back
+    reply = await gateway.chat(await start(gateway), chat("hi", stream=True, max_tokens=3))
+    events = await collect(reply.stream)
+    assert b"small-" not in b"".join(events)
+    assert stream_text(events) == "large-a large-b large-c"
+    assert (records[0].tier, records[0].fallback, records[0].escalated) == ("large", True, False)
