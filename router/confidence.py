@@ -5,12 +5,13 @@
 is shorter), a number in (-inf, 0]: 0 means every token was the model's certain choice.
 
 Why this candidate: on GSM8K answers of our own small tier, labelled against the reference answers
-(`sluice router label`), it separated right from wrong answers as well as the best whole-answer
-statistic, and unlike those it is known after `k` tokens, so one definition serves non-streamed and
-streamed requests alike (a stream must decide before it shows the client anything). The minimum logprob
-rewards short answers and is dominated by a single hesitant token (a number's formatting, a synonym),
-and the whole-answer mean needs the full answer. BENCHMARKS.md ("Cascade confidence") has the AUROC of
-each candidate and the number of questions it rests on.
+(`sluice router label`), it separated right from wrong answers best among the statistics known after the
+first `k` tokens, which is what a stream needs (it must decide before it shows the client anything); one
+definition serves non-streamed and streamed requests alike, so τ means the same on both. The minimum
+logprob over the whole answer separated better, but only once the answer is complete. On this tier every
+candidate separated weakly (a small, often truncated model); BENCHMARKS.md ("Cascade confidence") has the
+AUROC of each candidate and the number of questions it rests on, and the study should be rerun on more
+labels and on other tiers.
 
 The other candidates stay here, named, so the study in `bench/router_cascade.py` can be rerun.
 """
