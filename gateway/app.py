@@ -36,6 +36,8 @@ from gateway.db.database import make_database
 from gateway.keys import DEFAULT_KEY_CACHE_TTL_S, KeyCache
 from gateway.metrics import Metrics
 from gateway.pipeline import Gateway, RecordSink, RequestState, request_ids
+from gateway.routing import build_router
+from gateway.shadow import ShadowSampler
 
 log = logging.getLogger("sluice.gateway")
 
@@ -130,7 +132,13 @@ def create_app(
                 clients = built
             key_cache = KeyCache(db, ttl_s=key_cache_ttl_s)
             stack.push_async_callback(key_cache.aclose)
-            gateway = Gateway(settings, clients, counters, sink, Metrics(), keys=key_cache)
+            router = await asyncio.to_thread(build_router, settings)
+            metrics = Metrics()
+            shadow = ShadowSampler(settings, clients, db, metrics, router.embedder)
+            stack.push_async_callback(shadow.close)
+            gateway = Gateway(
+                settings, clients, counters, sink, metrics, keys=key_cache, router=router, shadow=shadow
+            )
             stack.push_async_callback(gateway.drain)
             app.state.gateway = gateway
             app.state.db = db

@@ -195,6 +195,7 @@ BENCHMARKS = {
     "dashboard": "bench.dashboard",
     "load": "bench.load",
     "structured": "bench.structured",
+    "router": "bench.router",
 }
 
 
@@ -266,6 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
     revoke.add_argument("key_id")
     revoke.set_defaults(handler=cmd_keys)
 
+    from gateway.router_cli import add_router_commands
+
+    add_router_commands(sub)
+
     bench = sub.add_parser("bench", help="run a benchmark (results in bench/results/)")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
@@ -284,6 +289,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"configuration error: {exc}", file=sys.stderr)
         return 2
     except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:  # bad training data or artifact: TrainingDataError, ArtifactError
         print(f"error: {exc}", file=sys.stderr)
         return 1
 

@@ -102,6 +102,8 @@ class TierConfig(_Section):
     # Reserved: the latency objectives the router and the dashboard will read; nothing reads them yet.
     slo_ttft_p99_ms: float = 1000.0
     slo_itl_p99_ms: float = 200.0
+    # Does the tier return token logprobs? false (an upstream without them): classifier-only routing, no cascade.
+    logprobs: bool = True
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 120.0
     # What the tier can do (engines.api.fields.capabilities): a request that needs what a tier lacks goes
@@ -113,6 +115,10 @@ class TierConfig(_Section):
 
 class PolicyConfig(_Section):
     """Defaults for every key of a feature; a key may override each field."""
+
+    # Share of requests served by the small tier (not escalated, not cached) that the large tier also answers
+    # in the background, for the online quality delta (`shadow_runs`).
+    shadow_rate: float = 0.0
 
     allowed_tiers: list[str] = msgspec.field(default_factory=lambda: ["small", "large"])
     max_prompt_tokens: int = 8192
@@ -130,6 +136,15 @@ class PolicyConfig(_Section):
     # May prompts and answers of this feature be shown (dashboard: shadow-run disagreements)?
     log_content: bool = False
 
+    # Serve this feature's `sluice`/`auto` requests from one tier, bypassing the router.
+    route_tier: str | None = None
+    # This feature's quality bar (share of large-only quality, 0.8–1.0); None: router.quality_target.
+    quality_target: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.shadow_rate <= 1.0:
+            raise ConfigError(f"shadow_rate: must be between 0 and 1 (a share of requests), got {self.shadow_rate}")
+
 
 class TenantConfig(_Section):
     """Limits of a whole tenant, beside each key's: every key of the tenant counts against them, so a
@@ -139,6 +154,16 @@ class TenantConfig(_Section):
     spend_per_month_usd: float | None = None
     rpm: int | None = None
     tpm: int | None = None
+
+
+class RouterConfig(_Section):
+    # Router artifact: a directory from `sluice router train` (its LATEST version is used and reloaded when it
+    # changes) or one version directory; empty: the shipped default classifier (router/default).
+    artifact: str = ""
+    # Default quality bar: the operating point keeps quality >= this share of large-only quality.
+    quality_target: float = 0.95
+    # Shadow runs (large answering in the background) at most this many at a time; more are dropped.
+    shadow_concurrency: int = 2
 
 
 def _default_tiers() -> dict[str, TierConfig]:
@@ -167,6 +192,7 @@ class Settings(_Section):
     database: DatabaseConfig = msgspec.field(default_factory=DatabaseConfig)
     redis: RedisConfig = msgspec.field(default_factory=RedisConfig)
     models: ModelsConfig = msgspec.field(default_factory=ModelsConfig)
+    router: RouterConfig = msgspec.field(default_factory=RouterConfig)
     tiers: dict[str, TierConfig] = msgspec.field(default_factory=dict)
     # Feature name → policy. "default" applies to features not listed.
     policies: dict[str, PolicyConfig] = msgspec.field(default_factory=lambda: {"default": PolicyConfig()})
@@ -188,6 +214,11 @@ class Settings(_Section):
             unknown = [t for t in policy.allowed_tiers if t not in self.tiers]
             if unknown:
                 raise ConfigError(f"policies.{feature}.allowed_tiers: unknown tier(s) {unknown}")
+            if policy.route_tier is not None and policy.route_tier not in self.tiers:
+                raise ConfigError(f"policies.{feature}.route_tier: {policy.route_tier!r} is not a configured tier")
+            if policy.quality_target is not None:
+                _check_quality_target(f"policies.{feature}.quality_target", policy.quality_target)
+        _check_quality_target("router.quality_target", self.router.quality_target)
         if "default" not in self.policies:
             self.policies["default"] = PolicyConfig()
 
@@ -197,6 +228,12 @@ class Settings(_Section):
     @property
     def models_cache_dir(self) -> Path:
         return Path(self.models.cache_dir).expanduser()
+
+
+def _check_quality_target(key: str, value: float) -> None:
+    # Operating points are stored for 0.80 … 1.00 of large-only quality.
+    if not 0.8 <= value <= 1.0:
+        raise ConfigError(f"{key}: must be between 0.8 and 1.0 (a share of large-only quality), got {value}")
 
 
 def parse_value(raw: str) -> Any:

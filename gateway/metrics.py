@@ -43,6 +43,14 @@ class Metrics:
             ["code"],
             registry=r,
         )
+        self.shadow_runs = Counter(
+            "sluice_shadow_runs", "Shadow runs of the large tier by outcome (recorded|dropped|failed)", ["outcome"],
+            registry=r,
+        )
+        self.shadow_agreement = Histogram(
+            "sluice_shadow_agreement", "Agreement of the small tier's answer with the large tier's, per shadow run",
+            buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0), registry=r,
+        )
         self.in_flight = Gauge("sluice_in_flight_requests", "Requests being served, by tier", ["tier"], registry=r)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -57,7 +57,12 @@ from gateway.fallback import Served, call_with_fallback, candidate_tiers, open_s
 from gateway.keys import KeyCache
 from gateway.metrics import Metrics
 from gateway.relay import EventStream, StreamAccount, relay
-from router.decision import ModelNotAllowed, ModelNotFound, RouteDecision, decide
+from gateway.routing import Router, cascade_call, cascade_stream
+from router.cascade import CascadePlan
+from router.decision import ModelNotAllowed, ModelNotFound, RouteDecision
+
+if TYPE_CHECKING:
+    from gateway.shadow import ShadowSampler
 
 RecordSink = Callable[[RequestRecord], None]
 
@@ -81,6 +86,12 @@ class RequestState:
     model_requested: str = ""
     stream: bool = False
     route: RouteDecision | None = None
+    cascade: CascadePlan | None = None  # set when the small tier's answer may be escalated
+    router_version: str | None = None
+    prompt_embedding: Any = None  # np.ndarray: computed once (router, response cache)
+    escalated: bool = False
+    confidence: float | None = None  # the small tier's, when the cascade asked for logprobs
+    abandoned_cost_usd: float = 0.0  # an escalated request's small attempt
     tier: str | None = None
     fallback: bool = False
     admitted: bool = False  # counted by the limits, so its spend is settled
@@ -131,6 +142,8 @@ class Gateway:
         metrics: Metrics,
         keys: KeyCache | None = None,
         clock: Callable[[], float] = time.time,
+        router: Router | None = None,
+        shadow: ShadowSampler | None = None,
     ) -> None:
         self.settings = settings
         self.clients = clients
@@ -141,6 +154,8 @@ class Gateway:
         self.keys = keys
         self.auth = Authenticator(settings, keys)
         self.charges = ChargeBatcher(counters, clock)
+        self.router = router or Router(settings)
+        self.shadow = shadow
 
     async def authenticate(self, authorization: str | None) -> Principal:
         return await self.auth.authenticate(authorization)
@@ -179,7 +194,8 @@ class Gateway:
         policy = self._begin(state, request)
         check_request(request)
         state.needs = capabilities(request)
-        state.route = self._capable(self._route(request, policy), state.needs, policy)
+        await self._route(state, request, policy)
+        state.route = self._capable(state.route, state.needs, policy)
         candidates = [t for t in candidate_tiers(state.route.tier, policy, self.clients)
                       if supports(self.settings.tiers.get(t), state.needs)]
         request, headers = await self._admit(state, request, candidates)
@@ -194,9 +210,10 @@ class Gateway:
         state.stream = request.stream
         return state.principal.policy
 
-    def _route(self, request: Request, policy: PolicyConfig) -> RouteDecision:
+    async def _route(self, state: RequestState, request: Request, policy: PolicyConfig) -> None:
+        """The tier (classifier for `sluice`/`auto`) and, for the small tier, the cascade's plan."""
         try:
-            return decide(request.model, self.clients, policy.allowed_tiers, self.settings.server.default_tier)
+            routed = await self.router.route(state, request, policy, self.clients)
         except ModelNotFound as exc:
             raise APIError(
                 404,
@@ -211,6 +228,7 @@ class Gateway:
                 code="model_not_allowed",
                 param="model",
             ) from exc
+        state.route, state.cascade, state.router_version = routed.decision, routed.cascade, routed.router_version
 
     def _capable(self, route: RouteDecision, needs: Capabilities, policy: PolicyConfig) -> RouteDecision:
         """The route, moved to a tier that supports what the request uses when its own does not."""
@@ -232,7 +250,7 @@ class Gateway:
         state.admitted, state.admitted_at, state.reserved = True, now, reserve
         await self._count_tenant(state, now)
         headers = {"x-request-id": state.response_id or state.request_id, "x-sluice-cache": "miss",
-                   "x-sluice-escalated": "false"}  # fmt: skip
+                   "x-sluice-route": state.route.tier}  # fmt: skip
         if clamped:
             headers["x-sluice-max-tokens-clamped"] = str(policy.max_output_tokens)
         return request, headers
@@ -266,19 +284,25 @@ class Gateway:
                       headers: dict[str, str]) -> Reply:  # fmt: skip
         """A whole answer, from the first tier that can serve."""
 
-        async def call(tier: str, client: EngineClient) -> Any:
+        async def call(tier: str, client: EngineClient, request: Request = request) -> Any:
             with self._in_flight(tier):
                 if isinstance(request, ChatCompletionRequest):
                     return await client.chat(request)
                 return await client.complete(request)
 
-        served = await call_with_fallback(self.clients, candidates, call)
+        if state.cascade is not None:
+            served = await cascade_call(self, state, request, candidates, call)
+        else:
+            served = await call_with_fallback(self.clients, candidates, call)
         self._served(state, served)
         self._charge_usage(state, served.value.usage)
+        _cascade_headers(state, headers)
         headers["x-sluice-tier"] = served.tier
         headers["x-sluice-cost-usd"] = f"{state.cost_usd:.8f}"
         body = msgspec.json.encode(served.value)
         self.finish(state, 200)
+        if self.shadow is not None:
+            self.shadow.maybe_submit(state, request, served.value)
         return Reply(headers=headers, body=body)
 
     async def _stream(self, state: RequestState, request: Request, candidates: list[str],
@@ -292,35 +316,43 @@ class Gateway:
                 return client.chat_stream(upstream)
             return client.complete_stream(upstream)
 
-        served = await self._open(state, candidates, open_stream)
+        served = await self._open(state, upstream, candidates, open_stream)
         state.ttft_ms = (time.perf_counter() - state.started) * 1000
+        _cascade_headers(state, headers)
         headers["x-sluice-tier"] = served.tier
         first, rest = served.value
-        events = relay(first, rest, wants_stream_usage(request.stream_options), lambda a: self._end_stream(state, a))
+        include_usage = wants_stream_usage(request.stream_options)
+        events = relay(first, rest, include_usage, lambda a: self._end_stream(state, a, request))
         return Reply(headers=headers, stream=EventStream(events))
 
-    async def _open(self, state: RequestState, candidates: list[str],
+    async def _open(self, state: RequestState, upstream: Request, candidates: list[str],
                     open_stream: Callable[[EngineClient], AsyncIterator[Any]]) -> Served[Any]:  # fmt: skip
-        """Open the stream, counted in flight on the tier serving it until `_end_stream`."""
+        """Open the stream (through the cascade's decision window when it has a plan), counted in flight
+        on the tier serving it until `_end_stream`."""
         assert state.route is not None
         self._enter(state.route.tier)
         try:
-            served = await open_stream_with_fallback(self.clients, candidates, open_stream)
+            if state.cascade is not None:
+                served = await cascade_stream(self, state, upstream, candidates, open_stream)
+            else:
+                served = await open_stream_with_fallback(self.clients, candidates, open_stream)
         except BaseException:
             self._leave(state.route.tier)
             raise
-        if served.fallback:
+        if served.tier != state.route.tier:
             self._leave(state.route.tier)
             self._enter(served.tier)
         self._served(state, served)
         return served
 
-    def _end_stream(self, state: RequestState, account: StreamAccount) -> None:
+    def _end_stream(self, state: RequestState, account: StreamAccount, request: Request) -> None:
         assert state.tier is not None
         self._leave(state.tier)
         state.itl_ms_mean = account.itl_ms_mean()
         self._charge_usage(state, account.usage or self._produced_usage(state, account.texts))
         self.finish(state, 200, account.error_code)
+        if self.shadow is not None and account.error_code is None:
+            self.shadow.maybe_submit(state, request, "".join(account.texts))
 
     def _produced_usage(self, state: RequestState, texts: list[str]) -> Usage:
         """Usage of a stream that ended before its usage chunk (the client left): the prompt as
@@ -347,6 +379,7 @@ class Gateway:
         state.cached_tokens = usage.cached_tokens
         tier = self.settings.tiers[state.tier]
         state.cost_usd = request_cost(tier, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+        state.cost_usd += state.abandoned_cost_usd
 
     @contextmanager
     def _in_flight(self, tier: str) -> Iterator[None]:
@@ -421,7 +454,8 @@ def record_of(state: RequestState, status: int, error_code: str | None) -> Reque
         route=route.tier if route else None,
         route_score=route.score if route else None,
         tier=state.tier,
-        escalated=False,
+        escalated=state.escalated,
+        confidence=state.confidence,
         fallback=state.fallback,
         cache_status="miss",
         stream=state.stream,
@@ -437,6 +471,12 @@ def record_of(state: RequestState, status: int, error_code: str | None) -> Reque
         used_tools=state.needs.uses_tools,
         response_format=state.needs.response_format,
     )
+
+
+def _cascade_headers(state: RequestState, headers: dict[str, str]) -> None:
+    headers["x-sluice-escalated"] = "true" if state.escalated else "false"
+    if state.confidence is not None:
+        headers["x-sluice-confidence"] = f"{state.confidence:.4f}"
 
 
 def _printable(text: str) -> str:

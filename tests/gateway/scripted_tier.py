@@ -16,10 +16,13 @@ from engines.api.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChoiceLogprobs,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     DeltaMessage,
+    TokenLogprob,
     Usage,
     new_id,
     now,
@@ -38,6 +41,9 @@ class ScriptedTier:
         self.streams_closed_early = 0
         self.calls_cancelled = 0
         self.held = asyncio.Event()
+        # Logprob of each word's token, returned when a request asks for logprobs; None: like an upstream
+        # that returns none.
+        self.logprobs: list[float] | None = None
 
     def count_prompt_tokens(self, request: ChatCompletionRequest | CompletionRequest) -> int:
         if isinstance(request, ChatCompletionRequest):
@@ -63,11 +69,29 @@ class ScriptedTier:
             self.calls_cancelled += 1
             raise
 
+    def _chat_logprobs(self, request: ChatCompletionRequest, first: int, words: list[str]) -> ChoiceLogprobs | None:
+        if not request.logprobs or self.logprobs is None:
+            return None
+        values = self.logprobs[first : first + len(words)]
+        return ChoiceLogprobs(content=[TokenLogprob(token=w, logprob=lp) for w, lp in zip(words, values, strict=True)])
+
+    def _completion_logprobs(
+        self, request: CompletionRequest, first: int, words: list[str]
+    ) -> CompletionLogprobs | None:
+        if request.logprobs is None or self.logprobs is None:
+            return None
+        return CompletionLogprobs(tokens=list(words), token_logprobs=list(self.logprobs[first : first + len(words)]))
+
     async def chat(self, request: ChatCompletionRequest) -> ChatCompletion:
         words = self._answer(request)
         if self.hold_after is not None:
             await self._hold()
-        choice = ChatChoice(index=0, message=AssistantMessage(content=" ".join(words)), finish_reason="length")
+        choice = ChatChoice(
+            index=0,
+            message=AssistantMessage(content=" ".join(words)),
+            finish_reason="length",
+            logprobs=self._chat_logprobs(request, 0, words),
+        )
         return ChatCompletion(
             id=new_id("chatcmpl"),
             created=now(),
@@ -78,7 +102,9 @@ class ScriptedTier:
 
     async def complete(self, request: CompletionRequest) -> Completion:
         words = self._answer(request)
-        choice = CompletionChoice(index=0, text=" ".join(words), finish_reason="length")
+        choice = CompletionChoice(
+            index=0, text=" ".join(words), finish_reason="length", logprobs=self._completion_logprobs(request, 0, words)
+        )
         return Completion(
             id=new_id("cmpl"), created=now(), model=self.model_name, choices=[choice], usage=self._usage(request, words)
         )
@@ -103,11 +129,15 @@ class ScriptedTier:
         rid, created = new_id("chatcmpl"), now()
         count = 0
         async with aclosing(self._words(request)) as words:
-            async for _, text in words:
+            async for i, text in words:
                 count += 1
                 delta = DeltaMessage(role="assistant" if count == 1 else None, content=text)
+                logprobs = self._chat_logprobs(request, i, [text])
                 yield ChatCompletionChunk(
-                    id=rid, created=created, model=self.model_name, choices=[ChatChunkChoice(index=0, delta=delta)]
+                    id=rid,
+                    created=created,
+                    model=self.model_name,
+                    choices=[ChatChunkChoice(index=0, delta=delta, logprobs=logprobs)],
                 )
         done = ChatChunkChoice(index=0, delta=DeltaMessage(), finish_reason="length")
         yield ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=[done])
@@ -118,9 +148,9 @@ class ScriptedTier:
         rid, created = new_id("cmpl"), now()
         count = 0
         async with aclosing(self._words(request)) as words:
-            async for _, text in words:
+            async for i, text in words:
                 count += 1
-                choice = CompletionChoice(index=0, text=text)
+                choice = CompletionChoice(index=0, text=text, logprobs=self._completion_logprobs(request, i, [text]))
                 yield Completion(id=rid, created=created, model=self.model_name, choices=[choice])
         usage = Usage.of(self.count_prompt_tokens(request), count)
         yield Completion(id=rid, created=created, model=self.model_name, choices=[], usage=usage)

@@ -1,0 +1,139 @@
+"""Training a difficulty classifier from rows of (prompt, small_score, large_score) and writing its artifact.
+
+The label is "the large tier was needed": large_score > small_score (for 0/1 scores, large right and small wrong),
+each row weighted by how much it matters, |large_score − small_score| (ties weigh `TIE_WEIGHT`), so rows scored on a
+continuous scale (judge ratings) count by their gap. The model is a logistic regression on standardised
+[MiniLM embedding | lexical] features with sigmoid calibration, exported with skl2onnx and run by onnxruntime.
+
+The rows are split 80/20 (seed): the model is fitted on the 80% and the validation 20% gives the metrics and the
+operating-point table stored with the artifact (thresholds chosen on rows the model never saw).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from skl2onnx import to_onnx
+from sklearn.calibration import CalibratedClassifierCV
+from sklearn.linear_model import LogisticRegression
+from sklearn.pipeline import Pipeline, make_pipeline
+from sklearn.preprocessing import StandardScaler
+
+from router.artifact import RouterArtifact, write_artifact
+from router.data import TrainingDataError, TrainingRow
+from router.features import FEATURE_VERSION, LEXICAL_NAMES, feature_matrix
+from router.metrics import apgr, cpt, full_curve, large_fraction_for, routing_curve
+from router.tune import operating_points
+
+MIN_ROWS = 20
+TIE_WEIGHT = 0.25
+C = 0.05  # inverse L2 strength, chosen on the RouteLLM validation split (see BENCHMARKS.md)
+
+
+def split_indices(n: int, seed: int = 0, test_fraction: float = 0.2) -> tuple[np.ndarray, np.ndarray]:
+    """(train, test) row indices: a random permutation, the first `test_fraction` held out."""
+    order = np.random.default_rng(seed).permutation(n)
+    n_test = round(test_fraction * n)
+    return np.sort(order[n_test:]), np.sort(order[:n_test])
+
+
+def fingerprint(rows: Sequence[TrainingRow]) -> str:
+    """sha256 over the rows in order (prompt and scores), as recorded with each artifact."""
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps(asdict(row), sort_keys=True).encode() + b"\n")
+    return digest.hexdigest()
+
+
+def labels(rows: Sequence[TrainingRow]) -> tuple[np.ndarray, np.ndarray]:
+    """(label, sample weight) per row: the large tier needed, weighted by the score gap."""
+    gain = np.array([r.large_score - r.small_score for r in rows])
+    return (gain > 0).astype(np.int64), np.where(gain == 0, TIE_WEIGHT, np.abs(gain))
+
+
+def fit_classifier(features: np.ndarray, rows: Sequence[TrainingRow], seed: int = 0) -> Pipeline:
+    y, weight = labels(rows)
+    if len(set(y.tolist())) < 2:
+        raise TrainingDataError("training rows need both outcomes: some where large beat small, some where not")
+    folds = int(min(3, np.bincount(y).min()))
+    model = LogisticRegression(C=C, max_iter=3000, random_state=seed)
+    calibrated = CalibratedClassifierCV(model, method="sigmoid", cv=folds) if folds >= 2 else model
+    pipeline = make_pipeline(StandardScaler(), calibrated)
+    pipeline.fit(features, y, **{f"{pipeline.steps[-1][0]}__sample_weight": weight})
+    return pipeline
+
+
+def validation_metrics(scores: np.ndarray, rows: Sequence[TrainingRow]) -> dict[str, float]:
+    small = np.array([r.small_score for r in rows])
+    large = np.array([r.large_score for r in rows])
+    curve = routing_curve(scores, small, large)
+    return {
+        "rows": len(rows),
+        "apgr": apgr(curve),
+        "cpt50": cpt(curve, 0.5),
+        "cpt80": cpt(curve, 0.8),
+        "large_fraction_for_95": large_fraction_for(full_curve(scores, small, large), 0.95),
+        "small_quality": curve.small_quality,
+        "large_quality": curve.large_quality,
+    }
+
+
+def _embed(prompts: list[str]) -> tuple[np.ndarray, str]:
+    from router.embed_cache import embed_cached
+    from router.embedding import Embedder
+
+    embedder = Embedder.load()
+    return embed_cached(embedder, prompts), embedder.version
+
+
+def train_router(
+    rows: list[TrainingRow],
+    out_dir: Path,
+    *,
+    quality_target: float = 0.95,
+    seed: int = 0,
+    embeddings: np.ndarray | None = None,
+    embedder_version: str | None = None,
+) -> RouterArtifact:
+    """Fit, validate, pick operating points and write a new version under `out_dir` (LATEST points at it).
+    `embeddings` (one MiniLM row per prompt) skips embedding the prompts here."""
+    if len(rows) < MIN_ROWS:
+        raise TrainingDataError(f"need at least {MIN_ROWS} training rows, got {len(rows)}")
+    prompts = [r.prompt for r in rows]
+    if embeddings is None:
+        embeddings, embedder_version = _embed(prompts)
+    features = feature_matrix(embeddings, prompts)
+    fit, val = split_indices(len(rows), seed)
+    model = fit_classifier(features[fit], [rows[i] for i in fit], seed)
+    val_rows = [rows[i] for i in val]
+    scores = model.predict_proba(features[val])[:, 1]
+    small = np.array([r.small_score for r in val_rows])
+    large = np.array([r.large_score for r in val_rows])
+    points = operating_points(scores, small, large)
+    onnx_model = to_onnx(model, features[:1], options={id(model): {"zipmap": False}}, target_opset=17)
+    digest = fingerprint(rows)
+    meta: dict[str, Any] = {
+        "version": time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{digest[:8]}",
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "features": {
+            "version": FEATURE_VERSION,
+            "embedder": embedder_version,
+            "embedding_dim": int(embeddings.shape[1]),
+            "lexical": list(LEXICAL_NAMES),
+        },
+        "model": "StandardScaler + LogisticRegression (sigmoid-calibrated), label: large_score > small_score",
+        "score": {"class_index": 1, "meaning": "P(the large tier is needed)"},
+        "training_data": {"sha256": digest, "rows": len(rows), "fit_rows": len(fit), "seed": seed},
+        "validation": validation_metrics(scores, val_rows),
+        "operating_points": [asdict(p) for p in points],
+        "default_quality_target": quality_target,
+        "tuned_on": "validation split",
+    }
+    return RouterArtifact.load(write_artifact(Path(out_dir), onnx_model.SerializeToString(), meta))
