@@ -19,8 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("gateway", "router", "engines", "kernels", "bench", "migrations")
-# Where the gateway constructs engines: the app's assembly and the CLI.
-GATEWAY_ASSEMBLY = {"gateway.assembly", "gateway.cli"}
+# Where the gateway constructs engines: the app's assembly and the CLI (router_cli: `sluice router label`).
+GATEWAY_ASSEMBLY = {"gateway.assembly", "gateway.cli", "gateway.router_cli"}
 REQUEST_PATH = [
     "engines/api",
     "gateway/auth.py",
