@@ -99,7 +99,7 @@ class TierConfig(_Section):
     price_input_per_mtok: float = 0.0
     price_output_per_mtok: float = 0.0
     price_cached_input_per_mtok: float = 0.0
-    # Reserved: the latency objectives the router and the dashboard will read; nothing reads them yet.
+    # Latency objectives: the cascade bounds its stream probe by the TTFT one; the dashboard draws both.
     slo_ttft_p99_ms: float = 1000.0
     slo_itl_p99_ms: float = 200.0
     # Does the tier return token logprobs? false (an upstream without them): classifier-only routing, no cascade.
