@@ -36,8 +36,8 @@ from router.tune import operating_points
 
 MIN_ROWS = 20
 TIE_WEIGHT = 0.25
-C = 0.05  # inverse L2 strength, chosen on the RouteLLM validation split (see BENCHMARKS.md)
-NEIGHBOUR_KS = (25, 100, 300)
+C = 0.01  # inverse L2 strength, chosen on the RouteLLM validation split (see BENCHMARKS.md)
+NEIGHBOUR_KS = (25, 50, 100, 200)
 BLEND_WEIGHTS = (1.0, 0.75, 0.5, 0.25, 0.0)  # weight of the regression; the rest goes to neighbour smoothing
 
 
