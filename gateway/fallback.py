@@ -1,4 +1,4 @@
-"""The tiers the gateway can call, and which to try when one is down.
+"""Fallback: which tiers to try for a request, and trying them in turn when one is down.
 
 A tier that is down or times out (`EngineUnavailable`) is replaced by the other tiers the key may
 use, in configuration order, when its policy allows fallback; when none can serve, the request
@@ -11,9 +11,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from engines.client import EngineClient, EngineUnavailable
-from gateway.config import PolicyConfig, Settings, TierConfig
-from gateway.errors import GatewayError, service_unavailable
+from engines.api.client import EngineClient, EngineUnavailable
+from engines.api.errors import APIError, service_unavailable
+from engines.api.sse import close
+from gateway.config import PolicyConfig
 
 _T = TypeVar("_T")
 
@@ -25,7 +26,7 @@ def candidate_tiers(primary: str, policy: PolicyConfig, tiers: Mapping[str, obje
     return [primary, *(t for t in tiers if t != primary and t in policy.allowed_tiers)]
 
 
-def unavailable(tried: list[str]) -> GatewayError:
+def unavailable(tried: list[str]) -> APIError:
     return service_unavailable(
         f"No tier could serve the request (tried {', '.join(tried)}). Retry later.", "tier_unavailable"
     )
@@ -59,50 +60,10 @@ async def open_stream_with_fallback(
         try:
             first = await anext(stream)
         except EngineUnavailable:
-            await _close(stream)
+            await close(stream)
             continue
         except BaseException:
-            await _close(stream)
+            await close(stream)
             raise
         return Served(tier, tier != candidates[0], (first, stream))
     raise unavailable(candidates)
-
-
-async def _close(stream: AsyncIterator[object]) -> None:
-    aclose = getattr(stream, "aclose", None)
-    if aclose is not None:
-        await aclose()
-
-
-def build_client(name: str, tier: TierConfig, settings: Settings) -> EngineClient:
-    """The client for one configured tier: an upstream over HTTP when `url` is set, else an engine
-    in this process. Slow (loads a tokenizer or a whole model): call it off the event loop."""
-    from engines.client import HttpEngineClient, build_in_process_client
-    from engines.loader import load_tokenizer
-    from engines.registry import resolve_model
-    from engines.tiers import TierSpec
-
-    cache_dir = str(settings.models_cache_dir)
-    if tier.url:
-        # `model` is not read for an upstream tier: only `tokenizer` makes budgets exact; without it
-        # the client estimates prompt tokens.
-        return HttpEngineClient(
-            tier.url,
-            tier.upstream_model or name,
-            api_key=tier.api_key,
-            tokenizer=load_tokenizer(resolve_model(tier.tokenizer, cache_dir)) if tier.tokenizer else None,
-            connect_timeout=tier.connect_timeout_s,
-            read_timeout=tier.read_timeout_s,
-        )
-    spec = TierSpec(
-        name=name,
-        model=tier.model,
-        dtype=tier.dtype,
-        quantization=None if tier.quantization == "none" else tier.quantization,
-        kv_cache_dtype=tier.kv_cache_dtype,
-        kv_cache_mb=tier.kv_cache_mb,
-        max_num_seqs=tier.max_num_seqs,
-        max_num_batched_tokens=tier.max_num_batched_tokens,
-        max_model_len=tier.max_model_len,
-    )
-    return build_in_process_client(spec, cache_dir=cache_dir)
