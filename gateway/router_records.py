@@ -7,12 +7,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 from gateway.db import migrate
-from gateway.db.engine import make_engine
+from gateway.db.database import make_database
 from gateway.db.schema import eval_runs, router_versions
 
 
 async def _insert(url: str, table: Any, row: dict[str, Any]) -> None:
-    engine = make_engine(url)
+    engine = make_database(url)
     try:
         await migrate.upgrade_async(engine)
         async with engine.begin() as conn:

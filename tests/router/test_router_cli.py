@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 
 from gateway.cli import main
-from gateway.db.engine import make_engine
+from gateway.db.database import make_database
 from router.artifact import RouterArtifact
 from router.data import write_rows
 from tests.router import synthetic
@@ -70,7 +70,7 @@ def test_train_tune_eval_round_trip_records_in_the_database(
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
     async def counts() -> tuple[int, int]:
-        engine = make_engine(sqlite_url)
+        engine = make_database(sqlite_url)
         async with engine.connect() as conn:
             versions = (await conn.execute(sa.text("select count(*) from router_versions"))).scalar_one()
             runs = (await conn.execute(sa.text("select count(*) from eval_runs"))).scalar_one()
