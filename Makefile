@@ -9,7 +9,7 @@ TEST_DATABASE_URL ?= postgresql+asyncpg://postgres@127.0.0.1:5432/test
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/0
 PYTEST_ARGS ?=
 
-.PHONY: run test venv models models-test services browser lint bench-engine bench-gateway bench-kernels bench-dashboard bench-structured clean
+.PHONY: run test venv models models-test services browser lint bench-engine bench-gateway bench-kernels bench-dashboard bench-structured bench-router router-default clean
 
 run: venv models
 	SLUICE_SERVER__ALLOW_ANONYMOUS=$${SLUICE_SERVER__ALLOW_ANONYMOUS:-true} $(BIN)/sluice serve
@@ -59,6 +59,13 @@ bench-dashboard: venv services
 
 bench-structured: venv models
 	$(BIN)/sluice bench structured
+
+bench-router: venv
+	$(BIN)/sluice bench router
+
+# The shipped classifier (router/default) from RouteLLM's MMLU + GSM8K data in ../shared/data.
+router-default: venv
+	$(BIN)/sluice router build-default
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache bench/results var

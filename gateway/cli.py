@@ -196,6 +196,7 @@ BENCHMARKS = {
     "load": "bench.load",
     "structured": "bench.structured",
     "router": "bench.router",
+    "capacity_sim": "bench.capacity_sim",
 }
 
 

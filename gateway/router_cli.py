@@ -120,10 +120,18 @@ def cmd_build_default(args: argparse.Namespace) -> int:
 
     rows = routellm_rows()
     train, _ = split_indices(len(rows), seed=0)
+    train_rows = [rows[i] for i in train]
+    if args.cached_train_only:
+        from router.embed_cache import lookup
+        from router.embedding import Embedder
+
+        _, found = lookup(Embedder.load().version, [r.prompt for r in train_rows])
+        train_rows = [r for r, ok in zip(train_rows, found, strict=True) if ok]
+        print(f"training on the {len(train_rows)} of {len(train)} training rows whose embeddings are cached")
     out = Path(args.out) if args.out else DEFAULT_ARTIFACT_DIR
     shutil.rmtree(out, ignore_errors=True)  # one shipped version, no history
     args.no_db = True
-    _train([rows[i] for i in train], out, 0.95, args)
+    _train(train_rows, out, 0.95, args)
     return 0
 
 
@@ -234,6 +242,8 @@ def add_router_commands(sub: Any) -> None:
 
     build = actions.add_parser("build-default", help="train the shipped classifier from RouteLLM data")
     build.add_argument("--out", default="", help="default: router/default")
+    build.add_argument("--cached-train-only", action="store_true",
+                       help="train only on rows whose embeddings are already cached (slow CPUs)")
     common(build, db=False)
     build.set_defaults(handler=cmd_build_default)
 

@@ -25,6 +25,8 @@ import numpy as np
 import onnxruntime as ort
 
 from router.features import FEATURE_VERSION, feature_matrix
+from router.neighbours import FILE as NEIGHBOURS_FILE
+from router.neighbours import NeighbourIndex
 
 LATEST = "LATEST"
 MODEL_FILE = "model.onnx"
@@ -49,10 +51,13 @@ class OperatingPoint:
 
 
 class RouterArtifact:
-    def __init__(self, path: Path, meta: dict[str, Any], session: ort.InferenceSession) -> None:
+    def __init__(self, path: Path, meta: dict[str, Any], session: ort.InferenceSession,
+                 neighbours: NeighbourIndex | None = None) -> None:
         self.path = path
         self.meta = meta
         self._session = session
+        self._neighbours = neighbours
+        self._weight = float(meta["score"].get("regression_weight", 1.0))
         self._input = session.get_inputs()[0].name
         self._points = sorted(
             (OperatingPoint(**p) for p in meta["operating_points"]), key=lambda p: p.quality_target
@@ -79,7 +84,8 @@ class RouterArtifact:
         options.intra_op_num_threads = 1
         options.inter_op_num_threads = 1
         session = ort.InferenceSession(str(path / MODEL_FILE), options, providers=["CPUExecutionProvider"])
-        return cls(path, meta, session)
+        neighbours = NeighbourIndex.load(path) if (path / NEIGHBOURS_FILE).exists() else None
+        return cls(path, meta, session, neighbours)
 
     def score(self, embeddings: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
         """P(the large tier is needed) per prompt, float64 in [0, 1]; higher = harder."""
@@ -87,7 +93,11 @@ class RouterArtifact:
             return np.zeros(0)
         features = feature_matrix(embeddings, prompts)
         probabilities = self._session.run(None, {self._input: features})[1]
-        return np.asarray(probabilities, dtype=np.float64)[:, int(self.meta["score"]["class_index"])]
+        scores = np.asarray(probabilities, dtype=np.float64)[:, int(self.meta["score"]["class_index"])]
+        if self._neighbours is not None and self._weight < 1.0:
+            smoothed = self._neighbours.score(embeddings).astype(np.float64)
+            scores = self._weight * scores + (1.0 - self._weight) * smoothed
+        return scores
 
     @property
     def operating_points(self) -> list[OperatingPoint]:
@@ -128,14 +138,17 @@ def _point_latest(root: Path, version: str) -> None:
     os.replace(tmp, root / LATEST)
 
 
-def write_artifact(root: Path, model: bytes, meta: dict[str, Any]) -> Path:
-    """Write a new version under `root` and point LATEST at it; returns the version directory."""
+def write_artifact(root: Path, model: bytes, meta: dict[str, Any], extra: dict[str, bytes] | None = None) -> Path:
+    """Write a new version (model, meta and any extra files) under `root` and point LATEST at it; returns the
+    version directory."""
     root.mkdir(parents=True, exist_ok=True)
     version = str(meta["version"])
     staging = root / f".{version}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     (staging / MODEL_FILE).write_bytes(model)
+    for name, data in (extra or {}).items():
+        (staging / name).write_bytes(data)
     write_json_atomic(staging / META_FILE, meta)
     os.replace(staging, root / version)
     _point_latest(root, version)

@@ -18,8 +18,8 @@ from router.data import TrainingDataError, TrainingRow
 
 
 def data_dir() -> Path:
-    """`$SLUICE_DATA_DIR`, else `../shared/data` beside the repository."""
-    return Path(os.environ.get("SLUICE_DATA_DIR") or Path(__file__).resolve().parent.parent.parent / "shared" / "data")
+    """`$SHARED_DATA_DIR`, else `../shared/data` beside the repository."""
+    return Path(os.environ.get("SHARED_DATA_DIR") or Path(__file__).resolve().parent.parent.parent / "shared" / "data")
 
 
 ROUTELLM_DIR = data_dir() / "routing" / "routellm"
@@ -52,7 +52,7 @@ def routellm_rows(root: Path = ROUTELLM_DIR, benchmarks: tuple[str, ...] = ("mml
     """Decontaminated rows of the named benchmarks, MMLU domains in file-name order, then GSM8K."""
     if not root.is_dir():
         raise FileNotFoundError(
-            f"RouteLLM data not found at {root} (set SLUICE_DATA_DIR or place it at ../shared/data)"
+            f"RouteLLM data not found at {root} (set SHARED_DATA_DIR or place it at ../shared/data)"
         )
     rows: list[TrainingRow] = []
     if "mmlu" in benchmarks:

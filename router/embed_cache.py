@@ -59,3 +59,19 @@ def _save(path: Path, known: dict[str, np.ndarray]) -> None:
     tmp = path.with_suffix(".tmp.npz")
     np.savez(tmp, keys=np.array(list(known)), vectors=np.stack(list(known.values())))
     os.replace(tmp, path)
+
+
+def lookup(version: str, prompts: Sequence[str], cache_dir: Path = DEFAULT_CACHE_DIR) -> tuple[np.ndarray, np.ndarray]:
+    """(vectors, found) for prompts already cached under `version`, computing nothing; rows not found are zero."""
+    path = _path(cache_dir, version)
+    known: dict[str, np.ndarray] = {}
+    if path.exists():
+        with np.load(path) as data:
+            known = dict(zip(data["keys"].tolist(), data["vectors"], strict=True))
+    found = np.array([_key(p) in known for p in prompts], dtype=bool)
+    dim = next(iter(known.values())).shape[0] if known else 384
+    vectors = np.zeros((len(prompts), dim), np.float32)
+    for i, prompt in enumerate(prompts):
+        if found[i]:
+            vectors[i] = known[_key(prompt)]
+    return vectors, found

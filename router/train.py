@@ -30,11 +30,15 @@ from router.artifact import RouterArtifact, write_artifact
 from router.data import TrainingDataError, TrainingRow
 from router.features import FEATURE_VERSION, LEXICAL_NAMES, feature_matrix
 from router.metrics import apgr, cpt, full_curve, large_fraction_for, routing_curve
+from router.neighbours import FILE as NEIGHBOURS_FILE
+from router.neighbours import NeighbourIndex
 from router.tune import operating_points
 
 MIN_ROWS = 20
 TIE_WEIGHT = 0.25
-C = 0.05  # inverse L2 strength, chosen on the RouteLLM validation split (see BENCHMARKS.md)
+C = 0.01  # inverse L2 strength, chosen on the RouteLLM validation split (see BENCHMARKS.md)
+NEIGHBOUR_KS = (25, 50, 100, 200)
+BLEND_WEIGHTS = (1.0, 0.75, 0.5, 0.25, 0.0)  # weight of the regression; the rest goes to neighbour smoothing
 
 
 def split_indices(n: int, seed: int = 0, test_fraction: float = 0.2) -> tuple[np.ndarray, np.ndarray]:
@@ -68,6 +72,26 @@ def fit_classifier(features: np.ndarray, rows: Sequence[TrainingRow], seed: int 
     pipeline = make_pipeline(StandardScaler(), calibrated)
     pipeline.fit(features, y, **{f"{pipeline.steps[-1][0]}__sample_weight": weight})
     return pipeline
+
+
+def choose_blend(
+    regression: np.ndarray, embeddings: np.ndarray, index: NeighbourIndex, rows: Sequence[TrainingRow]
+) -> tuple[float, int, np.ndarray]:
+    """(regression weight, k, blended scores) with the best APGR over every threshold on the validation rows."""
+    small = np.array([r.small_score for r in rows])
+    large = np.array([r.large_score for r in rows])
+    best: tuple[float, float, int, np.ndarray] | None = None
+    for k in NEIGHBOUR_KS:
+        index.k = k
+        smoothed = index.score(embeddings)
+        for weight in BLEND_WEIGHTS:
+            scores = weight * regression + (1.0 - weight) * smoothed
+            value = apgr(full_curve(scores, small, large))
+            if best is None or value > best[0] + 1e-9:
+                best = (value, weight, k, scores)
+    assert best is not None
+    index.k = best[2]
+    return best[1], best[2], best[3]
 
 
 def validation_metrics(scores: np.ndarray, rows: Sequence[TrainingRow]) -> dict[str, float]:
@@ -113,7 +137,8 @@ def train_router(
     fit, val = split_indices(len(rows), seed)
     model = fit_classifier(features[fit], [rows[i] for i in fit], seed)
     val_rows = [rows[i] for i in val]
-    scores = model.predict_proba(features[val])[:, 1]
+    index = NeighbourIndex.fit(embeddings[fit], labels([rows[i] for i in fit])[0].astype(np.float32), k=1)
+    weight, k, scores = choose_blend(model.predict_proba(features[val])[:, 1], embeddings[val], index, val_rows)
     small = np.array([r.small_score for r in val_rows])
     large = np.array([r.large_score for r in val_rows])
     points = operating_points(scores, small, large)
@@ -128,12 +153,20 @@ def train_router(
             "embedding_dim": int(embeddings.shape[1]),
             "lexical": list(LEXICAL_NAMES),
         },
-        "model": "StandardScaler + LogisticRegression (sigmoid-calibrated), label: large_score > small_score",
-        "score": {"class_index": 1, "meaning": "P(the large tier is needed)"},
+        "model": "StandardScaler + LogisticRegression (sigmoid-calibrated) blended with k-nearest-neighbour "
+        "smoothing (router.neighbours); label: large_score > small_score",
+        "score": {
+            "class_index": 1,
+            "regression_weight": weight,
+            "neighbours_k": k if weight < 1.0 else None,
+            "meaning": "P(the large tier is needed): regression_weight × the model's probability + the rest × "
+            "the share of the k nearest training prompts that needed it",
+        },
         "training_data": {"sha256": digest, "rows": len(rows), "fit_rows": len(fit), "seed": seed},
         "validation": validation_metrics(scores, val_rows),
         "operating_points": [asdict(p) for p in points],
         "default_quality_target": quality_target,
         "tuned_on": "validation split",
     }
-    return RouterArtifact.load(write_artifact(Path(out_dir), onnx_model.SerializeToString(), meta))
+    extra = {NEIGHBOURS_FILE: index.to_bytes()} if weight < 1.0 else {}
+    return RouterArtifact.load(write_artifact(Path(out_dir), onnx_model.SerializeToString(), meta, extra))
