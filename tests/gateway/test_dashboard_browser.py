@@ -20,7 +20,7 @@ import sqlalchemy as sa
 import uvicorn
 
 from gateway.app import create_app
-from gateway.db.engine import make_engine
+from gateway.db.database import make_database
 from gateway.db.migrate import upgrade_async
 from gateway.db.schema import api_keys
 from tests.dashboard_data import seed
@@ -59,7 +59,7 @@ def dashboard_url(tmp_path: Path) -> Iterator[tuple[str, str]]:
 
     async def prepare() -> None:
         await upgrade_async(database)
-        engine = make_engine(database)
+        engine = make_database(database)
         await seed(engine, settings, end=datetime.now(UTC))
         await engine.dispose()
 
@@ -79,7 +79,7 @@ def dashboard_url(tmp_path: Path) -> Iterator[tuple[str, str]]:
 
 
 async def _revoked_ids(database: str) -> set[str]:
-    engine = make_engine(database)
+    engine = make_database(database)
     try:
         async with engine.connect() as connection:
             query = sa.select(api_keys.c.id).where(api_keys.c.revoked_at.is_not(None))

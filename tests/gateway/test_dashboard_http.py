@@ -18,7 +18,7 @@ from gateway.admin import auth, queries
 from gateway.admin.queries import Scope
 from gateway.app import create_app
 from gateway.config import PolicyConfig, Settings
-from gateway.db.engine import make_engine
+from gateway.db.database import make_database
 from gateway.db.migrate import upgrade_async
 from gateway.keys import list_keys
 from tests.conftest import _new_postgres_database
@@ -35,7 +35,7 @@ PANELS = ("escalation", "cost", "cache", "latency", "quality", "keys", "errors",
 @pytest.fixture(scope="module", params=["postgres", "sqlite"])
 async def seeded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple]:
     async def seeded_at(url: str) -> Seeded:
-        engine = make_engine(url)
+        engine = make_database(url)
         try:
             return await seed(engine, make_settings(database_url=url), end=datetime.now(UTC), count=1500)
         finally:
@@ -107,7 +107,7 @@ async def test_the_admin_key_as_bearer_token_reads_the_api(seeded: tuple) -> Non
 async def test_the_api_reports_the_seeded_figures(seeded: tuple) -> None:
     url, data = seeded
     settings = make_settings(database_url=url)
-    engine = make_engine(url)
+    engine = make_database(url)
     async with AsyncTestClient(app_for(settings), base_url=BASE) as client:
         response = await client.get("/admin/api/escalation", params={"range": "30d"}, headers=BEARER)
         escalation = response.json()
@@ -199,7 +199,7 @@ async def test_writes_with_the_cookie_need_the_csrf_token_and_the_same_origin(se
         foreign = {"origin": "https://evil.example"}
         assert (await client.post(revoke, data={"csrf": csrf}, headers=foreign)).status_code == 403
         assert (await client.post(revoke, data={"csrf": csrf})).status_code == 403  # neither Origin nor Referer
-        engine = make_engine(url)
+        engine = make_database(url)
         assert key.id in {k.id for k in await list_keys(engine, include_revoked=False)}
         done = await client.post(revoke, data={"csrf": csrf}, headers=SAME_ORIGIN, follow_redirects=False)
         assert done.status_code == 303
@@ -216,7 +216,7 @@ async def test_keys_are_created_and_their_limits_edited_from_the_page(seeded: tu
         assert created.status_code == 201
         secret = re.search(r'id="new-secret">([^<]+)<', created.text).group(1)
         assert secret.startswith("sk-sluice-")
-        engine = make_engine(url)
+        engine = make_database(url)
         (key,) = [k for k in await list_keys(engine, tenant="initech")]
         assert key.policy == {"rpm": 60}
         limits = {"csrf": csrf, "rpm": "", "tpm": "1000", "spend_per_day_usd": "2.5"}

@@ -16,7 +16,7 @@ from gateway.admin import queries
 from gateway.admin.queries import Scope
 from gateway.config import PolicyConfig
 from gateway.db import histogram
-from gateway.db.engine import make_engine
+from gateway.db.database import make_database
 from gateway.db.migrate import upgrade_async
 from tests.conftest import _new_postgres_database
 from tests.dashboard_data import seed
@@ -35,13 +35,13 @@ SCOPES = {
 async def seeded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple]:
     if request.param == "postgres":
         async with _new_postgres_database(migrated=True) as url:
-            engine = make_engine(url)
+            engine = make_database(url)
             yield engine, await seed(engine, SETTINGS, end=END)
             await engine.dispose()
     else:
         url = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('dash') / 'sluice.db'}"
         await upgrade_async(url)
-        engine = make_engine(url)
+        engine = make_database(url)
         yield engine, await seed(engine, SETTINGS, end=END)
         await engine.dispose()
 

@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.accounting import RequestRecord, rollup_deltas, write_batch
 from gateway.db import histogram, migrate
-from gateway.db.engine import make_engine
+from gateway.db.database import make_database
 from gateway.db.schema import daily_errors, daily_usage, hourly_usage, key_hourly_usage, requests
 
 START = datetime(2026, 3, 1, 22, 10, tzinfo=UTC)
@@ -31,7 +31,7 @@ def database_url(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
-    engine = make_engine(database_url)
+    engine = make_database(database_url)
     yield engine
     await engine.dispose()
 
@@ -185,7 +185,7 @@ async def test_revision_0003_rolls_up_the_requests_recorded_before_it(empty_url:
     await migrate.upgrade_async(url, "0002")
     tenant = "before-0003"
     records = seeded_records(tenant, 200)
-    engine = make_engine(url)
+    engine = make_database(url)
     try:
         async with engine.begin() as connection:
             await connection.execute(requests.insert(), [r.row() for r in records])
