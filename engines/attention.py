@@ -6,7 +6,7 @@ Each step writes the new tokens' K/V at `slot_mapping`, then attends:
   - decode rows (one query token each) as one padded batch over their gathered context;
   - prefill chunks one by one, causally over the cached prefix plus the chunk itself.
 Context is gathered a whole block at a time (one `index_select` row per block, not per token):
-a block of K is one contiguous run of memory, and copying it whole is ~3x faster than slot by
+a block of K is one contiguous run of memory, and copying it whole is much faster than slot by
 slot, which matters because decode attention on CPU is bound by these copies. Slots past a
 sequence's length in its last block (and padding blocks) are masked out.
 """

@@ -7,20 +7,18 @@ w8a8: int8 weights as above and int8 activations with one scale per row, taken o
 product in int32 through `torch._int_mm` (oneDNN; VNNI instructions where the CPU has them).
 
 The weight-only matmuls always run on bfloat16 activations (`COMPUTE_DTYPE`): with float32 ones the
-int8 kernel is unvectorised (1 row × 4096²: 48 ms vs 11 ms). `activation_dtype` is the model's
-activation dtype: the layer returns it, and adds its bias in it.
+int8 kernel is unvectorised, several times slower. `activation_dtype` is the model's activation
+dtype: the layer returns it, and adds its bias in it.
 
 Which is fastest depends on the CPU, and on the number of rows (decode steps have few, prefill
-chunks many); `python -m bench.kernels` times all three here. On the development Xeon (AVX-512 VNNI,
-2 threads, 896→9728) w8a8 beat float32 at every row count (1 row 0.26 vs 0.69 ms, 32 rows 1.1 vs
-3.3, 512 rows 10.9 vs 33.3) while int8 weight-only lost from about 16 rows on. On an AVX2-only EPYC
-int8 weight-only beat float32 up to ~48 rows, and with oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2)
-w8a8 is no faster than float32 beyond a few rows. Hence
-`auto`: w8a8 on CPUs with int8 dot-product instructions (VNNI, AMX), else int8 weight-only for
-few-row steps with the float32 weights kept for prefill chunks (`RowDispatchLinear`, built by
-`quantize_model(keep_dense=True)`). w8a8 costs some quality (Qwen2.5 0.5B, GSM8K text: perplexity
-+1.2%, top-1 agreement with float32 94.6%; int8 weight-only: -0.3%, 97.3%); `bench/engine.py`
-measures it in every run.
+chunks many); `python -m bench.kernels` times all three here, and BENCHMARKS.md records the runs.
+With int8 dot-product instructions (VNNI, AMX) w8a8 beats float32 at every row count while int8
+weight-only loses on many-row prefill chunks; on AVX2-only CPUs int8 weight-only wins only for
+few-row steps, and w8a8 is no faster than float32 beyond a few rows. Hence `auto`: w8a8 on CPUs
+with int8 dot-product instructions, else int8 weight-only for few-row steps with the float32
+weights kept for prefill chunks (`RowDispatchLinear`, built by `quantize_model(keep_dense=True)`).
+w8a8 costs some quality (perplexity and top-1 agreement with float32, in BENCHMARKS.md);
+`bench/engine.py` measures it in every run.
 """
 
 from __future__ import annotations

@@ -178,13 +178,18 @@ def build_serving(async_engine: Any, spec: TierSpec) -> tuple[OpenAIServing, Eng
 
 
 def run_engine_server(
-    spec: TierSpec, host: str = "127.0.0.1", port: int = 8100, *, api_key: str | None = None
+    spec: TierSpec,
+    host: str = "127.0.0.1",
+    port: int = 8100,
+    *,
+    api_key: str | None = None,
+    cache_dir: str | None = None,
 ) -> None:
     """Load the tier's model (slow) and serve it until interrupted."""
     from engines.llm_engine import AsyncLLMEngine, LLMEngine
 
     logger.info("loading %s (%s)", spec.name, spec.model)
-    engine = LLMEngine(spec.engine_config())
+    engine = LLMEngine(spec.engine_config(cache_dir))
 
     async def serve() -> None:
         async_engine = AsyncLLMEngine(engine)

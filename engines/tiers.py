@@ -1,12 +1,15 @@
 """What one tier serves and how: a model plus the engine settings that fit it.
 
 A `TierSpec` is the launcher's view (demo model names, megabytes of KV cache); `engine_config()`
-turns it into the engine library's plain `EngineConfig`, resolving demo names to files.
+turns it into the engine library's plain `EngineConfig`, resolving demo names to files. The demo
+tiers' specs (`engines/small/spec.py`, `engines/large/spec.py`) are where their engine defaults are
+defined; the gateway's configuration overrides them field by field (`tier_spec`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 from dataclasses import dataclass
 
@@ -25,7 +28,6 @@ class TierSpec:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     max_model_len: int = 4096
-    speculative_drafter: str | None = None  # a demo model name; reserved for speculative decoding
     served_model_name: str | None = None
     num_threads: int | None = None
 
@@ -51,3 +53,21 @@ class TierSpec:
             num_threads=self.num_threads,
             served_model_name=self.served_name,
         )
+
+
+DEMO_TIERS = ("small", "large")
+
+
+def demo_spec(name: str) -> TierSpec | None:
+    """The spec of a demo tier (`engines/<name>/spec.py`); None for other names."""
+    if name not in DEMO_TIERS:
+        return None
+    return importlib.import_module(f"engines.{name}.spec").SPEC
+
+
+def tier_spec(name: str, model: str, **overrides: object) -> TierSpec:
+    """The tier `name`: its demo spec (or the `TierSpec` defaults) with `overrides` that are not None.
+    `quantization="none"` turns quantisation off."""
+    base = demo_spec(name) or TierSpec(name=name, model=model)
+    spec = base.replace(model=model or None, **overrides)
+    return dataclasses.replace(spec, quantization=None) if spec.quantization == "none" else spec

@@ -4,7 +4,20 @@ and the CLI call it; the request path sees only `engines.api.client.EngineClient
 from __future__ import annotations
 
 from engines.api.client import EngineClient, HttpEngineClient
+from engines.tiers import TierSpec, tier_spec
 from gateway.config import Settings, TierConfig
+
+# The keys of a tier's configuration that are engine settings (`engines.tiers.TierSpec` fields).
+ENGINE_FIELDS = (
+    "dtype",
+    "quantization",
+    "kv_cache_dtype",
+    "kv_cache_mb",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "num_threads",
+)
 
 
 def build_client(name: str, tier: TierConfig, settings: Settings) -> EngineClient:
@@ -13,7 +26,6 @@ def build_client(name: str, tier: TierConfig, settings: Settings) -> EngineClien
     from engines.loader import load_tokenizer
     from engines.registry import resolve_model
     from engines.serving import build_in_process_client
-    from engines.tiers import TierSpec
 
     cache_dir = str(settings.models_cache_dir)
     if tier.url:
@@ -27,15 +39,10 @@ def build_client(name: str, tier: TierConfig, settings: Settings) -> EngineClien
             connect_timeout=tier.connect_timeout_s,
             read_timeout=tier.read_timeout_s,
         )
-    spec = TierSpec(
-        name=name,
-        model=tier.model,
-        dtype=tier.dtype,
-        quantization=None if tier.quantization == "none" else tier.quantization,
-        kv_cache_dtype=tier.kv_cache_dtype,
-        kv_cache_mb=tier.kv_cache_mb,
-        max_num_seqs=tier.max_num_seqs,
-        max_num_batched_tokens=tier.max_num_batched_tokens,
-        max_model_len=tier.max_model_len,
-    )
-    return build_in_process_client(spec, cache_dir=cache_dir)
+    return build_in_process_client(engine_spec(name, tier), cache_dir=cache_dir)
+
+
+def engine_spec(name: str, tier: TierConfig) -> TierSpec:
+    """The engine spec of a configured tier: in-process, or served by `sluice engine --tier <name>`."""
+    fields = {f: getattr(tier, f) for f in ENGINE_FIELDS}
+    return tier_spec(name, tier.model, **fields)

@@ -11,11 +11,9 @@ import msgspec
 
 from engines.api.client import EngineClient
 from engines.api.errors import APIError
-from engines.api.protocol import ChatCompletionRequest, CompletionRequest
+from engines.api.protocol import ChatCompletionRequest, Request
 from gateway.config import PolicyConfig
 from gateway.counters import Admission, Limits
-
-Request = ChatCompletionRequest | CompletionRequest
 
 
 def count_prompt_tokens(client: EngineClient, request: Request) -> int:

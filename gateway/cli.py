@@ -51,15 +51,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
-    import dataclasses
-    import importlib
-
+    """One tier over HTTP, with the engine settings the gateway would give it in-process: the same
+    TOML file and `SLUICE_*` overrides (`[tiers.<name>]`), the demo tier's spec for what is unset."""
     from engines.server import run_engine_server
+    from gateway.assembly import engine_spec
 
-    spec = importlib.import_module(f"engines.{args.tier}.spec").SPEC
+    settings = _settings(args)
+    tier = settings.tiers.get(args.tier)
+    if tier is None:
+        print(f"error: tier {args.tier!r} is not configured ({', '.join(sorted(settings.tiers))})", file=sys.stderr)
+        return 2
+    spec = engine_spec(args.tier, tier)
     if args.model:
-        spec = dataclasses.replace(spec, model=args.model)
-    run_engine_server(spec, host=args.host, port=args.port)
+        spec = spec.replace(model=args.model)
+    run_engine_server(spec, host=args.host, port=args.port, cache_dir=str(settings.models_cache_dir))
     return 0
 
 
@@ -189,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(handler=cmd_serve)
 
     engine = sub.add_parser("engine", help="serve one engine tier over an OpenAI-compatible HTTP API")
-    engine.add_argument("--tier", required=True, choices=["small", "large"])
+    engine.add_argument("--tier", required=True, help="a configured tier: small, large, or one of [tiers.*]")
     engine.add_argument("--host", default="127.0.0.1")
     engine.add_argument("--port", type=int, default=8100)
     engine.add_argument("--model", help="override the tier's model: demo model name or path")

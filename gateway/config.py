@@ -72,18 +72,23 @@ class TierConfig(_Section):
     api_key: str = ""
     # Tokenizer for counting prompt tokens of an upstream tier: a demo model name or model path.
     tokenizer: str = ""
-    dtype: Literal["float32", "bfloat16"] = "float32"  # bf16 is emulated on CPUs without AVX-512 BF16
+    # The engine settings of an in-process tier, and of `sluice engine --tier <name>`. Unset: the
+    # tier's spec holds the default (`engines/<name>/spec.py`, or `engines.tiers.TierSpec`), the one
+    # place engine defaults are defined.
+    dtype: Literal["float32", "bfloat16"] | None = None  # bf16 is emulated on CPUs without AVX-512 BF16
     # auto: w8a8 on CPUs with int8 dot products (VNNI/AMX), else int8 weight-only (engines.quantization).
-    quantization: Literal["none", "auto", "w8a8", "int8", "int4"] = "auto"
+    quantization: Literal["none", "auto", "w8a8", "int8", "int4"] | None = None
     # auto: bfloat16 on CPUs with native bf16 (AVX-512 BF16, AMX), else the same as dtype.
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    kv_cache_mb: int = 512
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 4096
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] | None = None
+    kv_cache_mb: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    num_threads: int | None = None
     price_input_per_mtok: float = 0.0
     price_output_per_mtok: float = 0.0
     price_cached_input_per_mtok: float = 0.0
+    # Reserved: the latency objectives the router and the dashboard will read; nothing reads them yet.
     slo_ttft_p99_ms: float = 1000.0
     slo_itl_p99_ms: float = 200.0
     connect_timeout_s: float = 2.0
@@ -100,6 +105,7 @@ class PolicyConfig(_Section):
     spend_per_month_usd: float | None = None
     rpm: int | None = None
     tpm: int | None = None
+    # Reserved: the response cache's mode; nothing reads it until the cache lands.
     cache: Literal["off", "exact", "semantic"] = "semantic"
     fallback: bool = True  # may the other tier serve when this one is down
     # May prompts and answers of this feature be shown (dashboard: shadow-run disagreements)?

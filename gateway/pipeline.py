@@ -26,10 +26,9 @@ import msgspec
 from engines.api.client import EngineClient
 from engines.api.errors import APIError, service_unavailable
 from engines.api.protocol import (
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    Completion,
     CompletionRequest,
+    Request,
     StreamOptions,
     Usage,
     wants_stream_usage,
@@ -48,8 +47,6 @@ from gateway.metrics import Metrics
 from gateway.relay import EventStream, StreamAccount, relay
 from router.decision import ModelNotAllowed, ModelNotFound, RouteDecision, decide
 
-Request = ChatCompletionRequest | CompletionRequest
-Chunk = ChatCompletionChunk | Completion
 RecordSink = Callable[[RequestRecord], None]
 
 UNIQUE_SUFFIX_LEN = 12

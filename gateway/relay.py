@@ -14,8 +14,8 @@ from contextlib import suppress
 
 import anyio
 
-from engines.api.protocol import ChatCompletionChunk, ErrorDetail, Usage
-from engines.api.sse import Chunk, sse_events
+from engines.api.protocol import ChatCompletionChunk, Chunk, ErrorDetail, Usage
+from engines.api.sse import sse_events
 
 
 class StreamAccount:

@@ -238,6 +238,11 @@ class ErrorResponse(msgspec.Struct, kw_only=True):
     error: ErrorDetail
 
 
+# Either endpoint's request, and either endpoint's stream chunk.
+Request = ChatCompletionRequest | CompletionRequest
+Chunk = ChatCompletionChunk | Completion
+
+
 # ---------------------------------------------------------------------------------------------
 # Helpers shared by every producer of these objects
 # ---------------------------------------------------------------------------------------------

@@ -16,9 +16,8 @@ from typing import TypeVar
 import msgspec
 
 from engines.api.errors import APIError, invalid, validation_error
-from engines.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, stop_list
+from engines.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, Request, stop_list
 
-Request = ChatCompletionRequest | CompletionRequest
 RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest)
 
 MAX_N = 16

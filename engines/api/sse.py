@@ -16,9 +16,7 @@ import anyio
 
 from engines.api.client import EngineUnavailable
 from engines.api.errors import APIError
-from engines.api.protocol import SSE_DONE, ChatCompletionChunk, Completion, ErrorDetail, ErrorResponse, sse_event
-
-Chunk = ChatCompletionChunk | Completion
+from engines.api.protocol import SSE_DONE, Chunk, ErrorDetail, ErrorResponse, sse_event
 
 log = logging.getLogger(__name__)
 

@@ -77,7 +77,7 @@ def test_profile_summary_ranks_sluice_frames_and_packages(tmp_path: Path) -> Non
     collapsed = tmp_path / "profile.txt"
     collapsed.write_text(
         "run (asyncio/runners.py:1);chat (gateway/pipeline.py:2);post (httpx/_client.py:3) 3\n"
-        "run (asyncio/runners.py:1);write (gateway/accounting.py:4) 1\n"
+        "run (asyncio/runners.py:1);write (gateway/accounting/writer.py:4) 1\n"
     )
     frames = hot_frames(collapsed)
     assert frames["sluice_frames_by_inclusive_pct"][0] == {"frame": "chat (gateway/pipeline.py:2)", "pct": 75.0}
