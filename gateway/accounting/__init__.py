@@ -1,4 +1,5 @@
-"""Request accounting off the request path: one `requests` row per request plus `daily_usage` rollups.
+"""Request accounting off the request path: one `requests` row per request plus the rollups the dashboard
+reads (`daily_usage`, `hourly_usage` with latency histograms, `key_hourly_usage`, `daily_errors`).
 
 The gateway builds a `RequestRecord` per request and calls `AccountingWriter.submit`, which only
 appends to an in-memory queue. A background task writes batches: a multi-row INSERT … ON CONFLICT
