@@ -18,6 +18,7 @@ import msgspec
 
 CONFIG_ENV = "SLUICE_CONFIG"
 ENV_PREFIX = "SLUICE_"
+TEST_ENV_PREFIX = "SLUICE_TEST_"
 DEFAULT_CONFIG_FILE = "sluice.toml"
 
 
@@ -246,7 +247,8 @@ def parse_value(raw: str) -> Any:
 
 def _apply_env(data: dict[str, Any], environ: dict[str, str]) -> None:
     for name, raw in sorted(environ.items()):
-        if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV:
+        # SLUICE_TEST_* name the test suite's servers (`make test` exports them to every command it runs).
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV or name.startswith(TEST_ENV_PREFIX):
             continue
         path = [part.lower() for part in name[len(ENV_PREFIX) :].split("__") if part]
         if len(path) < 2:

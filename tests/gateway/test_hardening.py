@@ -99,8 +99,8 @@ async def test_a_large_prompt_is_tokenised_off_the_event_loop(tiers, sqlite_url)
         return count(request)
 
     tiers["small"].count_prompt_tokens = counting
-    small = {**CHAT, "messages": [{"role": "user", "content": "short prompt"}]}
-    large = {**CHAT, "messages": [{"role": "user", "content": "word " * OFFLOAD_PROMPT_CHARS}]}
+    small = {**CHAT, "model": "sluice-small", "messages": [{"role": "user", "content": "short prompt"}]}
+    large = {**CHAT, "model": "sluice-small", "messages": [{"role": "user", "content": "word " * OFFLOAD_PROMPT_CHARS}]}
     async with serve(make_settings(database_url=sqlite_url, max_prompt_tokens=10**6), tiers, []) as client:
         assert (await client.post("/v1/chat/completions", json=small)).status_code == 200
         assert (await client.post("/v1/chat/completions", json=large)).status_code == 200
