@@ -19,8 +19,9 @@ from redis.asyncio import Redis
 from engines.api.client import EngineClient
 from engines.api.errors import APIError, validation_error
 from gateway.assembly import build_client
+from gateway.cache.hook import build_cache, cache_models
 from gateway.config import Settings
-from gateway.controllers.admin import AdminKeysController, provide_db
+from gateway.controllers.admin import AdminCacheController, AdminKeysController, provide_db
 from gateway.controllers.http import provide_gateway
 from gateway.controllers.openai import OpenAIController
 from gateway.controllers.ops import OpsController
@@ -114,7 +115,12 @@ def create_app(
                 clients = built
             key_cache = KeyCache(db, ttl_s=key_cache_ttl_s)
             stack.push_async_callback(key_cache.aclose)
-            gateway = Gateway(settings, clients, counters, sink, Metrics(), keys=key_cache)
+            models = cache_models(settings)
+            cache = build_cache(settings, models, redis_prefix)
+            stack.push_async_callback(cache.aclose)
+            gateway = Gateway(
+                settings, clients, counters, sink, Metrics(), keys=key_cache, cache=cache, embedder=models.embedder
+            )
             stack.push_async_callback(gateway.drain)
             app.state.gateway = gateway
             app.state.db = db
@@ -128,7 +134,7 @@ def create_app(
                 gc.unfreeze()
 
     return Litestar(
-        route_handlers=[OpenAIController, AdminKeysController, OpsController],
+        route_handlers=[OpenAIController, AdminKeysController, AdminCacheController, OpsController],
         dependencies={
             "gateway": Provide(provide_gateway, sync_to_thread=False),
             "db": Provide(provide_db, sync_to_thread=False),

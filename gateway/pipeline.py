@@ -14,7 +14,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -39,11 +39,16 @@ from engines.api.protocol import (
     wants_stream_usage,
 )
 from engines.api.rules import check_request
+from gateway import embeddings
 from gateway.accounting import RequestRecord
 from gateway.budgets import check_prompt_length, clamp_output, count_prompt_tokens, limits_of, refusal
+from gateway.cache.hook import cache_policy, query_embedding
+from gateway.cache.replay import assemble, replay
+from gateway.cache.service import Lookup, ResponseCache
 from gateway.config import PolicyConfig, Settings
 from gateway.cost import request_cost
 from gateway.counters import Charge, CounterStore, CountersUnavailable
+from gateway.embeddings import EmbeddingsRequest
 from gateway.keys import SECRET_PREFIX, KeyCache, KeyStoreUnavailable, effective_policy
 from gateway.metrics import Metrics
 from gateway.tiers import call_with_fallback, candidate_tiers, open_stream_with_fallback
@@ -103,6 +108,11 @@ class RequestState:
     ttft_ms: float | None = None
     itl_ms_mean: float | None = None
     finished: bool = False
+    cache_control: str | None = None  # the client's Cache-Control header
+    cache_status: str = "off"  # off | bypass | miss | exact | semantic
+    cache_similarity: float | None = None
+    cost_saved_usd: float = 0.0
+    prompt_embedding: Any = None  # of the last user message (chat) or the prompt: shared by router and cache
 
 
 @dataclass(slots=True)
@@ -162,6 +172,8 @@ class Gateway:
         metrics: Metrics,
         keys: KeyCache | None = None,
         clock: Callable[[], float] = time.time,
+        cache: ResponseCache | None = None,
+        embedder: Callable[[], Awaitable[Any]] | None = None,
     ) -> None:
         self.settings = settings
         self.clients = clients
@@ -170,6 +182,9 @@ class Gateway:
         self.metrics = metrics
         self.keys = keys
         self.clock = clock
+        self.cache = cache
+        self.embedder = embedder  # loads (once) and returns the embedding service
+        self._cache_writes: set[asyncio.Task[None]] = set()
         self._principals: dict[str, tuple[object, Principal]] = {}
         self._pending_charges: dict[str, Charge] = {}
         self._charging: asyncio.Task[None] | None = None
@@ -222,8 +237,31 @@ class Gateway:
     async def complete(self, state: RequestState, request: CompletionRequest) -> Reply:
         return await self._serve(state, request)
 
-    async def _serve(self, state: RequestState, request: Request) -> Reply:
+    async def embeddings(self, state: RequestState, request: EmbeddingsRequest) -> Reply:
+        return await self._serve(state, request)
+
+    async def _embed(self, state: RequestState, request: EmbeddingsRequest) -> Reply:
+        """Admitted and accounted like a completion: its tokens count against the key's limits."""
+        principal = state.principal
+        if principal is None or self.embedder is None:
+            raise RuntimeError("authenticate before serving; the embedding service is not configured")
+        state.model_requested = request.model
+        embedder = await self.embedder()
+        texts = embeddings.texts_of(request, embedder.dim)
+        tokens = embedder.count_tokens(texts)
+        state.counted_prompt_tokens = tokens
+        check_prompt_length(tokens, principal.policy)
+        await self._admit(state, tokens)
+        vectors = await embedder.embed_async(texts)
+        state.tier, state.prompt_tokens = "embed", tokens
+        body = msgspec.json.encode(embeddings.response(vectors, tokens, request.encoding_format))
+        self.finish(state, 200)
+        return Reply(headers={"x-request-id": state.response_id or state.request_id}, body=body)
+
+    async def _serve(self, state: RequestState, request: Request | EmbeddingsRequest) -> Reply:
         try:
+            if isinstance(request, EmbeddingsRequest):
+                return await self._embed(state, request)
             return await self._serve_or_raise(state, request)
         except APIError as exc:
             self.finish(state, exc.status_code, exc.code)
@@ -262,9 +300,29 @@ class Gateway:
         state.counted_prompt_tokens = prompt_tokens
         check_prompt_length(prompt_tokens, policy)
         request, clamped = clamp_output(request, policy)
-        limits = limits_of(policy)
+        await self._admit(state, prompt_tokens)
+
+        headers = {
+            "x-request-id": state.response_id or state.request_id,
+            "x-sluice-cache": "miss",
+            "x-sluice-escalated": "false",
+        }
+        if clamped:
+            headers["x-sluice-max-tokens-clamped"] = str(policy.max_output_tokens)
+        lookup = await self._cache_begin(state, request)
+        if lookup.hit is not None:
+            return self._cached_reply(state, request, lookup, headers)
         try:
-            admission = await self.counters.admit(principal.subject, limits, prompt_tokens, self.clock())
+            return await self._generate(state, request, headers, lookup)
+        except BaseException:
+            self._cache_release(lookup)
+            raise
+
+    async def _admit(self, state: RequestState, prompt_tokens: int) -> None:
+        assert state.principal is not None
+        limits = limits_of(state.principal.policy)
+        try:
+            admission = await self.counters.admit(state.principal.subject, limits, prompt_tokens, self.clock())
         except CountersUnavailable as exc:
             # Fail closed: without the shared counters no limit or budget could hold.
             raise service_unavailable(
@@ -274,16 +332,13 @@ class Gateway:
             raise refusal(admission, limits)
         state.admitted = True
 
-        headers = {
-            "x-request-id": state.response_id or state.request_id,
-            "x-sluice-cache": "miss",
-            "x-sluice-escalated": "false",
-        }
-        if clamped:
-            headers["x-sluice-max-tokens-clamped"] = str(policy.max_output_tokens)
-        candidates = candidate_tiers(state.route.tier, policy, self.clients)
+    async def _generate(
+        self, state: RequestState, request: Request, headers: dict[str, str], lookup: Lookup
+    ) -> Reply:
+        assert state.principal is not None and state.route is not None
+        candidates = candidate_tiers(state.route.tier, state.principal.policy, self.clients)
         if request.stream:
-            return await self._stream(state, request, candidates, headers)
+            return await self._stream(state, request, candidates, headers, lookup)
 
         async def call(tier: str, client: EngineClient) -> Any:
             self._enter(tier)
@@ -300,11 +355,60 @@ class Gateway:
         headers["x-sluice-tier"] = served.tier
         headers["x-sluice-cost-usd"] = f"{state.cost_usd:.8f}"
         body = msgspec.json.encode(served.value)
+        if lookup.leader:
+            await self.cache.store(lookup, body, state.cost_usd)  # type: ignore[union-attr]
         self.finish(state, 200)
         return Reply(headers=headers, body=body)
 
+    # -- response cache -------------------------------------------------------------------------
+
+    async def _cache_begin(self, state: RequestState, request: Request) -> Lookup:
+        principal, route = state.principal, state.route
+        if self.cache is None or principal is None or route is None:
+            return Lookup("off")
+        lookup = await self.cache.begin(
+            request, cache_policy(principal.policy), tenant=principal.tenant, feature=principal.feature,
+            endpoint=state.endpoint, tier=route.tier, control=state.cache_control, embedding=state.prompt_embedding,
+        )
+        query_embedding(state, lookup)
+        state.cache_status = lookup.status
+        return lookup
+
+    def _cache_release(self, lookup: Lookup) -> None:
+        if self.cache is not None:
+            self.cache.release(lookup)
+
+    def _cache_store_later(self, lookup: Lookup, body: bytes | None, cost_usd: float) -> None:
+        """Keep a streamed answer without holding up the stream's end (its followers wait for it)."""
+        if self.cache is None or body is None:
+            self._cache_release(lookup)
+            return
+        task = asyncio.get_running_loop().create_task(self.cache.store(lookup, body, cost_usd))
+        self._cache_writes.add(task)
+        task.add_done_callback(self._cache_writes.discard)
+
+    def _cached_reply(self, state: RequestState, request: Request, lookup: Lookup, headers: dict[str, str]) -> Reply:
+        hit = lookup.hit
+        assert hit is not None
+        state.cache_similarity, state.cost_saved_usd = hit.similarity, hit.entry.cost_usd
+        headers["x-sluice-cache"] = hit.status
+        headers["x-sluice-cost-usd"] = f"{0.0:.8f}"
+        if not request.stream:
+            self.finish(state, 200)
+            return Reply(headers=headers, body=hit.entry.body)
+        events = replay(hit.entry.body, state.endpoint, wants_stream_usage(request.stream_options))
+        state.ttft_ms = (time.perf_counter() - state.started) * 1000
+        return Reply(headers=headers, stream=EventStream(self._replay(state, events)))
+
+    async def _replay(self, state: RequestState, events: list[bytes]) -> AsyncGenerator[bytes, None]:
+        try:
+            for event in events:
+                yield event
+        finally:
+            self.finish(state, 200)
+
     async def _stream(
-        self, state: RequestState, request: Request, candidates: list[str], headers: dict[str, str]
+        self, state: RequestState, request: Request, candidates: list[str], headers: dict[str, str], lookup: Lookup
     ) -> Reply:
         include_usage = wants_stream_usage(request.stream_options)
         # Upstream always reports usage: spend is charged from it whether or not the client wants it.
@@ -329,10 +433,11 @@ class Gateway:
         state.ttft_ms = (time.perf_counter() - state.started) * 1000
         headers["x-sluice-tier"] = served.tier
         first, rest = served.value
-        return Reply(headers=headers, stream=EventStream(self._relay(state, first, rest, include_usage)))
+        relay = self._relay(state, first, rest, include_usage, lookup)
+        return Reply(headers=headers, stream=EventStream(relay))
 
     async def _relay(
-        self, state: RequestState, first: Chunk, rest: AsyncIterator[Chunk], include_usage: bool
+        self, state: RequestState, first: Chunk, rest: AsyncIterator[Chunk], include_usage: bool, lookup: Lookup
     ) -> AsyncGenerator[bytes, None]:
         """Pass chunks through as they come. Ends with `finish` however the stream ends: the
         upstream stream is closed (cancelling its work) and what was produced is charged."""
@@ -341,9 +446,13 @@ class Gateway:
         chunk_times: list[float] = []
         error_code: str | None = None
         chunk: Chunk | None = first
+        kept: list[Chunk] | None = [] if lookup.leader else None  # what the cache keeps of a led miss
+        complete = False
         try:
             while chunk is not None:
                 chunk_times.append(time.perf_counter())
+                if kept is not None:
+                    kept.append(chunk)
                 if chunk.usage is not None:
                     usage = chunk.usage
                     if not include_usage:
@@ -352,6 +461,7 @@ class Gateway:
                 if chunk.choices or chunk.usage is not None:
                     yield sse_event(chunk)
                 chunk = await anext(rest, None)
+            complete = True
             yield SSE_DONE
         except Exception as exc:
             # Headers are sent: the failure can only be told in the stream, the way OpenAI does.
@@ -380,6 +490,8 @@ class Gateway:
             if usage is None:
                 usage = self._produced_usage(state, texts)
             self._charge_usage(state, usage)
+            if lookup.leader:
+                self._cache_store_later(lookup, assemble(kept or [], usage) if complete else None, state.cost_usd)
             self.finish(state, 200, error_code)
 
     def _produced_usage(self, state: RequestState, texts: list[str]) -> Usage:
@@ -429,7 +541,9 @@ class Gateway:
             tier=state.tier,
             escalated=False,
             fallback=state.fallback,
-            cache_status="miss",
+            cache_status=state.cache_status,
+            cache_similarity=state.cache_similarity,
+            cost_saved_usd=state.cost_saved_usd,
             stream=state.stream,
             prompt_tokens=state.prompt_tokens,
             completion_tokens=state.completion_tokens,
