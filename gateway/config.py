@@ -63,7 +63,7 @@ class CacheConfig(_Section):
     """The response cache (gateway/cache); which features use it is each policy's `cache` key."""
 
     max_entries_per_scope: int = 10_000  # past this the oldest entries of the scope are evicted
-    candidates: int = 4  # nearest cached questions the matcher reads
+    candidates: int = 2  # nearest cached questions the matcher reads
     matcher_dir: str = ""  # empty: the shipped matcher (gateway/cache/matcher)
     redis_timeout_ms: int = 250  # a slower Redis is treated as down: the cache is bypassed
     retry_after_s: float = 1.0  # how long the cache stays bypassed after Redis failed

@@ -80,7 +80,7 @@ class ResponseCache:
         models: Callable[[], Awaitable[tuple[Embeds, Matcher]]],
         *,
         max_entries_per_scope: int = 10_000,
-        candidates: int = 4,
+        candidates: int = 2,
         retry_after_s: float = 1.0,
         flight_wait_s: float = 60.0,
         clock: Callable[[], float] = time.time,
@@ -192,7 +192,7 @@ class ResponseCache:
         if not found:
             return False
         texts = [replica.index.texts[k] for k, _ in found]
-        scores = await asyncio.to_thread(matcher.score, [lookup.key.query] * len(found), texts)
+        scores = await matcher.score_async([lookup.key.query] * len(found), texts)
         for i in np.argsort(-scores):
             if scores[i] < matcher.threshold:
                 break

