@@ -128,18 +128,24 @@ class LLMEngine:
         if num_kv_blocks < 1:
             raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds no KV block; raise it")
         self.block_manager = BlockManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   eos_token_ids)
         self.runner = ModelRunner(self.model, self.model_config, config.block_size, num_kv_blocks,
                                   self.kv_cache_dtype)
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self._rng = random.Random(config.seed)
-        self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer]] = {}
+        self._requests: dict[str, Sequence] = {}
         self._num_generated_tokens_total = 0
 
     # -- requests ----------------------------------------------------------------------------------
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError, with a message fit for the caller, if the request can never be served."""
+        """Raise ValueError, with a message fit for the caller, if the request can never be served.
+
+        The engine is a library with callers of its own (benchmarks, tests), so it keeps its
+        preconditions; requests that come through the OpenAI layer have passed the contract's
+        rules (`engines.api.rules`) and fail here only on the KV-cache capacity, which only the
+        engine knows."""
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise ValueError("the prompt is empty; at least one token is required")
@@ -165,16 +171,24 @@ class LLMEngine:
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             generator = torch.Generator().manual_seed(seed)
-        seq = Sequence(request_id, prompt_token_ids, params, generator)
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
-        self._requests[request_id] = (seq, detokenizer)
+        seq = Sequence(request_id, prompt_token_ids, params, generator, detokenizer)
+        self._requests[request_id] = seq
         self.scheduler.add(seq)
 
-    def abort_request(self, request_id: str) -> None:
-        """Drop a request and free its KV blocks; unknown or finished ids are ignored."""
-        entry = self._requests.pop(request_id, None)
-        if entry is not None:
-            self.scheduler.finish(entry[0], "abort")
+    def abort_request(self, request_id: str) -> Sequence | None:
+        """Drop a request and free its KV blocks; returns it, or None for unknown or finished ids."""
+        seq = self._requests.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq, "abort")
+        return seq
+
+    def abort_all(self) -> list[str]:
+        """Drop every request (a step failed); returns their ids."""
+        request_ids = list(self._requests)
+        for request_id in request_ids:
+            self.abort_request(request_id)
+        return request_ids
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -187,45 +201,16 @@ class LLMEngine:
         if not batch.seqs:
             return []
         logits, seqs = self.runner.execute(batch)
-        self.scheduler.advance(batch)
-        if not seqs:
-            return []
-        token_ids, logprobs = sample(logits, [seq.params for seq in seqs], [seq.generator for seq in seqs])
+        token_ids, logprobs = ([], []) if not seqs else sample(logits, [s.params for s in seqs],
+                                                                [s.generator for s in seqs])
+        texts = self.scheduler.postprocess(batch, token_ids)
+        self._num_generated_tokens_total += len(seqs)
         outputs = []
-        for seq, token_id, logprob in zip(seqs, token_ids, logprobs, strict=True):
-            outputs.append(self._append_token(seq, token_id, logprob))
+        for seq, token_id, text, logprob in zip(seqs, token_ids, texts, logprobs, strict=True):
+            if seq.is_finished:
+                del self._requests[seq.request_id]
+            outputs.append(_delta(seq, token_id, text, logprob))
         return outputs
-
-    def _append_token(self, seq: Sequence, token_id: int, logprob: object) -> RequestOutput:
-        _, detokenizer = self._requests[seq.request_id]
-        params = seq.params
-        seq.append_token(token_id)
-        self._num_generated_tokens_total += 1
-        finish_reason = None
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
-            finish_reason = "stop"
-            new_text = detokenizer.flush()  # a stop token is never part of the text
-        else:
-            new_text = detokenizer.add_token(token_id)
-            if detokenizer.stopped:
-                finish_reason = "stop"
-            elif seq.num_output_tokens >= params.max_tokens:
-                finish_reason = "length"
-                new_text += detokenizer.flush()
-        if finish_reason is not None:
-            self.scheduler.finish(seq, finish_reason)
-            del self._requests[seq.request_id]
-        return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=[token_id],
-            new_text=new_text,
-            logprobs=[logprob] if logprob is not None else [],  # type: ignore[list-item]
-            finished=finish_reason is not None,
-            finish_reason=finish_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            num_output_tokens=seq.num_output_tokens,
-        )
 
     def precision(self) -> dict[str, str]:
         """The dtypes and quantisation this engine runs with (`auto` settings resolved for this CPU)."""
@@ -249,6 +234,20 @@ class LLMEngine:
             prefix_cache_hit_tokens=self.scheduler.prefix_cache_hit_tokens,
             num_generated_tokens_total=self._num_generated_tokens_total,
         )
+
+
+def _delta(seq: Sequence, token_id: int, text: str, logprob: object) -> RequestOutput:
+    return RequestOutput(
+        request_id=seq.request_id,
+        new_token_ids=[token_id],
+        new_text=text,
+        logprobs=[logprob] if logprob is not None else [],  # type: ignore[list-item]
+        finished=seq.is_finished,
+        finish_reason=seq.finish_reason,
+        num_prompt_tokens=seq.num_prompt_tokens,
+        num_cached_tokens=seq.num_cached_tokens,
+        num_output_tokens=seq.num_output_tokens,
+    )
 
 
 class AsyncLLMEngine:
@@ -290,7 +289,6 @@ class AsyncLLMEngine:
         If the consumer stops iterating or is cancelled before the end (a client disconnect), the
         request is aborted and its KV blocks freed.
         """
-        self.engine.check_request(prompt_token_ids, params)  # reads only immutable configuration
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         with self._condition:
@@ -349,9 +347,7 @@ class AsyncLLMEngine:
             self._deliver(request_id, exc)
 
     def _abort(self, request_id: str) -> None:
-        entry = self.engine._requests.get(request_id)
-        self.engine.abort_request(request_id)
-        seq = entry[0] if entry else None
+        seq = self.engine.abort_request(request_id)
         self._deliver(request_id, RequestOutput(
             request_id=request_id, new_token_ids=[], new_text="", logprobs=[], finished=True, finish_reason="abort",
             num_prompt_tokens=seq.num_prompt_tokens if seq else 0,
@@ -385,10 +381,10 @@ class AsyncLLMEngine:
                 outputs = self.engine.step()
             except Exception as exc:  # keep serving others: fail every in-flight request, free its blocks
                 logger.exception("engine step failed")
-                for request_id in list(self.engine._requests):
-                    self.engine.abort_request(request_id)
+                for request_id in self.engine.abort_all():
                     self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"))
                 outputs = []
+            # Before delivering: a consumer that has an output sees statistics that count it.
+            self._stats = self.engine.stats()
             for output in outputs:
                 self._deliver(output.request_id, output)
-            self._stats = self.engine.stats()

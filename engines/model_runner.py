@@ -28,10 +28,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Compute the batch; return float32 logits [S, V] for the S sequences whose step completes their tokens.
-
-        Only those sequences get logits (a prefill chunk that stops mid-prompt needs none), and
-        only their last row goes through the LM head.
+        """Compute the batch; return float32 logits [S, V] for the S sequences that sample this step
+        (`batch.sampled`, in that order). Only their last row goes through the LM head.
         """
         order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)  # decode rows first
         input_ids: list[int] = []
@@ -39,8 +37,7 @@ class ModelRunner:
         slot_mapping: list[int] = []
         decode_seqs: list[Sequence] = []
         prefills: list[PrefillChunk] = []
-        sample_rows: list[int] = []
-        sample_seqs: list[Sequence] = []
+        last_rows: dict[int, int] = {}  # batch index → the row of its last token
         size = self.block_size
         for i in order:
             seq, num_new = batch.seqs[i], batch.num_new_tokens[i]
@@ -54,9 +51,7 @@ class ModelRunner:
                 decode_seqs.append(seq)
             else:
                 prefills.append(self._prefill_chunk(seq, row, row + num_new))
-            if end == seq.num_tokens:
-                sample_rows.append(row + num_new - 1)
-                sample_seqs.append(seq)
+            last_rows[i] = row + num_new - 1
 
         metadata = AttentionMetadata(
             block_size=size,
@@ -70,10 +65,11 @@ class ModelRunner:
             metadata.decode_block_tables, metadata.decode_mask = self._decode_context(decode_seqs)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
                             self.kv_caches, metadata)
+        sample_rows = [last_rows[i] for i, samples in enumerate(batch.samples) if samples]
         if not sample_rows:
             return torch.empty(0, self.config.vocab_size), []
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows)])
-        return logits.float(), sample_seqs
+        return logits.float(), batch.sampled
 
     def _decode_context(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         context_lens = torch.tensor([seq.num_computed_tokens + 1 for seq in seqs])

@@ -23,7 +23,6 @@ from litestar.response import Response, Stream
 
 from engines.api.errors import APIError
 from engines.api.protocol import (
-    SSE_DONE,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -34,12 +33,12 @@ from engines.api.protocol import (
     ModelCard,
     ModelList,
     encode,
-    sse_event,
     wants_stream_usage,
 )
-from engines.api.rules import decode_request
+from engines.api.rules import check_request, decode_request
+from engines.api.sse import sse_events
 from engines.metrics import EngineMetrics
-from engines.serving import OpenAIServing, is_usage_chunk
+from engines.serving import OpenAIServing
 from engines.tiers import TierSpec
 
 logger = logging.getLogger(__name__)
@@ -65,9 +64,7 @@ def _internal_error_handler(_: Request, exc: Exception) -> Response[bytes]:
     return _error_response(500, ErrorDetail(message=f"internal error: {type(exc).__name__}", type="server_error"))
 
 
-async def _sse(
-    stream: AsyncGenerator[ChatCompletionChunk | Completion, None], include_usage: bool
-) -> Stream:
+async def _sse(stream: AsyncGenerator[ChatCompletionChunk | Completion, None], include_usage: bool) -> Stream:
     """Server-sent events of a stream. Its first chunk is awaited before the response starts, so a
     request the engine refuses still gets a plain JSON error with its status code."""
     try:
@@ -75,24 +72,7 @@ async def _sse(
     except BaseException:
         await stream.aclose()
         raise
-
-    async def events() -> AsyncGenerator[bytes, None]:
-        try:
-            chunk: ChatCompletionChunk | Completion | None = first
-            while chunk is not None:
-                if include_usage or not is_usage_chunk(chunk):
-                    yield sse_event(chunk)
-                chunk = await anext(stream, None)
-        except APIError as exc:  # the status line is already sent; report in-band, as OpenAI does
-            yield sse_event(exc.response())
-        except Exception as exc:
-            logger.exception("stream failed", exc_info=exc)
-            yield sse_event(ErrorResponse(error=ErrorDetail(message=f"internal error: {exc}", type="server_error")))
-        finally:
-            await stream.aclose()
-        yield SSE_DONE
-
-    body = events()
+    body = sse_events(first, stream, include_usage)
     # Litestar stops iterating on disconnect but leaves the generator suspended; closing it right
     # after the response ends is what aborts the engine requests deterministically.
     return Stream(
@@ -119,6 +99,7 @@ async def chat_completions(
 ) -> Response[Any]:
     body = decode_request(await request.body(), ChatCompletionRequest)
     _check_model(body.model, serving)
+    check_request(body)
     if body.stream:
         return await _sse(serving.chat_stream(body), wants_stream_usage(body.stream_options))
     completion: ChatCompletion = await serving.chat(body)
@@ -129,6 +110,7 @@ async def chat_completions(
 async def completions(request: Request[Any, Any, Any], serving: NamedDependency[OpenAIServing]) -> Response[Any]:
     body = decode_request(await request.body(), CompletionRequest)
     _check_model(body.model, serving)
+    check_request(body)
     if body.stream:
         return await _sse(serving.complete_stream(body), wants_stream_usage(body.stream_options))
     completion: Completion = await serving.complete(body)

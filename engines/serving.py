@@ -2,9 +2,12 @@
 engine deltas become `ChatCompletion` / `ChatCompletionChunk` / `Completion` objects.
 
 This is the one place that does the mapping; the engine server and the gateway's in-process
-client both call it. Streams always end with a usage-only chunk (`choices: []`, `usage` set),
-whether or not the client asked for `stream_options.include_usage`: in-process callers charge
-from it, and the HTTP layer drops it when the client did not ask.
+client both call it. Requests arrive checked (`engines.api.rules.check_request`, run once at the
+edge: the engine server or the gateway); what is checked here are the rules of this model.
+
+Streams always end with a usage-only chunk (`choices: []`, `usage` set), whether or not the client
+asked for `stream_options.include_usage`: in-process callers charge from it, and the HTTP layer
+drops it when the client did not ask.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from engines.api.protocol import (
     new_id,
     now,
 )
-from engines.api.rules import Decoding, check_request, check_token_ids, decoding, max_tokens_for
+from engines.api.rules import Decoding, check_token_ids, decoding, max_tokens_for
 from engines.outputs import RequestOutput
 from engines.outputs import TokenLogprob as EngineTokenLogprob
 from engines.sampling_params import SamplingParams
@@ -196,14 +199,14 @@ class OpenAIServing:
         return calls
 
     def prepare_chat(self, request: ChatCompletionRequest) -> list[EngineCall]:
-        """Validate a chat request and map it to engine calls; raises APIError."""
-        check_request(request)
+        """Map a checked chat request to engine calls; raises APIError on the rules of this model
+        (context length, token ids)."""
         prompt = chat_prompt_token_ids(self.tokenizer, request)
         return self._calls(new_id("chatcmpl"), [prompt], decoding(request))
 
     def prepare_completion(self, request: CompletionRequest) -> list[EngineCall]:
-        """Validate a text-completion request and map it to engine calls; raises APIError."""
-        check_request(request)
+        """Map a checked text-completion request to engine calls; raises APIError on the rules of
+        this model (context length, token ids)."""
         return self._calls(new_id("cmpl"), completion_prompts(self.tokenizer, request), decoding(request))
 
     # -- running ----------------------------------------------------------------------------

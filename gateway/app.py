@@ -26,7 +26,7 @@ from gateway.controllers.http import provide_gateway
 from gateway.controllers.openai import OpenAIController
 from gateway.controllers.ops import OpsController
 from gateway.counters import CounterStore, InProcessCounterStore, LocalFallbackCounterStore, RedisCounterStore
-from gateway.db.engine import make_engine
+from gateway.db.database import make_database
 from gateway.keys import DEFAULT_KEY_CACHE_TTL_S, KeyCache
 from gateway.metrics import Metrics
 from gateway.pipeline import Gateway, RecordSink, RequestState
@@ -82,7 +82,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
-            db = make_engine(settings.database.url, pool_size=settings.database.pool_size)
+            db = make_database(settings.database.url, pool_size=settings.database.pool_size)
             stack.push_async_callback(db.dispose)
             sink = record_sink
             if sink is None:

@@ -12,7 +12,7 @@ from engines.api.protocol import (
     CompletionRequest,
     ContentPart,
 )
-from engines.api.rules import decode_request
+from engines.api.rules import check_request, decode_request
 from engines.serving import OpenAIServing, is_usage_chunk
 from tests.serving.conftest import (
     BLOCK_SIZE,
@@ -118,7 +118,8 @@ def test_invalid_parameters_raise_an_openai_invalid_request_error(
     serving: OpenAIServing, request_: ChatCompletionRequest | CompletionRequest, param: str
 ) -> None:
     with pytest.raises(APIError) as raised:
-        if isinstance(request_, ChatCompletionRequest):
+        check_request(request_)  # the rules of the API, once at the edge (engine server or gateway)
+        if isinstance(request_, ChatCompletionRequest):  # then the rules of this model
             serving.prepare_chat(request_)
         else:
             serving.prepare_completion(request_)
@@ -138,7 +139,7 @@ def test_a_request_beyond_the_context_length_is_refused_with_context_length_exce
 
 def test_streams_validate_when_called_before_anything_is_sent(serving: OpenAIServing) -> None:
     with pytest.raises(APIError):
-        serving.chat_stream(chat("Hi", temperature=-1.0))
+        serving.chat_stream(chat("Hi", max_tokens=MAX_MODEL_LEN))
 
 
 def test_decoding_a_body_names_the_offending_field() -> None:

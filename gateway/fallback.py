@@ -1,4 +1,4 @@
-"""The tiers the gateway can call, and which to try when one is down.
+"""Fallback: which tiers to try for a request, and trying them in turn when one is down.
 
 A tier that is down or times out (`EngineUnavailable`) is replaced by the other tiers the key may
 use, in configuration order, when its policy allows fallback; when none can serve, the request
@@ -13,6 +13,7 @@ from typing import Generic, TypeVar
 
 from engines.api.client import EngineClient, EngineUnavailable
 from engines.api.errors import APIError, service_unavailable
+from engines.api.sse import close
 from gateway.config import PolicyConfig
 
 _T = TypeVar("_T")
@@ -59,16 +60,10 @@ async def open_stream_with_fallback(
         try:
             first = await anext(stream)
         except EngineUnavailable:
-            await _close(stream)
+            await close(stream)
             continue
         except BaseException:
-            await _close(stream)
+            await close(stream)
             raise
         return Served(tier, tier != candidates[0], (first, stream))
     raise unavailable(candidates)
-
-
-async def _close(stream: AsyncIterator[object]) -> None:
-    aclose = getattr(stream, "aclose", None)
-    if aclose is not None:
-        await aclose()
