@@ -170,7 +170,7 @@ async def test_embeddings_over_http_follow_the_openai_shape_and_are_accounted(sq
     served = [r for r in records if r.status == 200]
     assert [(r.endpoint, r.tier, r.prompt_tokens) for r in served] == [
         ("embeddings", "embed", 4),
-        ("embeddings", "embed", 6),
+        ("embeddings", "embed", 7),
     ]
 
 
