@@ -71,7 +71,8 @@ def quality(data: Path, matcher: Matcher, split: str) -> dict[str, Any]:
     cosine = np.array([float(vectors[p.text_a] @ vectors[p.text_b]) for p in pairs])
     shown = np.flatnonzero(cosine >= matcher.floor)  # only these reach the matcher, as in the cache
     scores = np.zeros(len(pairs), dtype=np.float32)
-    scores[shown] = matcher.score_many([pairs[i].text_a for i in shown], [pairs[i].text_b for i in shown])
+    probabilities = matcher.score_many([pairs[i].text_a for i in shown], [pairs[i].text_b for i in shown])
+    scores[shown] = matcher.rule_score(probabilities, cosine[shown])
     ours_fhr, ours_recall = rates_at(np.where(cosine >= matcher.floor, scores, -1.0), labels, matcher.threshold)
     cos_threshold, cos_fhr, cos_recall = pick_threshold(cosine, labels, ours_fhr)
     ref_threshold, ref_fhr, ref_recall = pick_threshold(cosine, labels, TARGET_FHR)
@@ -88,7 +89,8 @@ def quality(data: Path, matcher: Matcher, split: str) -> dict[str, Any]:
             "recall": ours_recall,
             "threshold": matcher.threshold,
             "cosine_floor": matcher.floor,
-            "rule": "cosine >= cosine_floor and matcher >= threshold (both shipped in meta.json)",
+            "rule": "cosine >= cosine_floor and rule score >= threshold (meta.json: threshold, floor, combine)",
+            "combine": matcher.combine,
         },
         "recall_ratio": ours_recall / cos_recall if cos_recall else float("inf"),
         "cosine_only_at_1pct_fhr": {"false_hit_rate": ref_fhr, "recall": ref_recall, "threshold": ref_threshold},

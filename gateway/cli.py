@@ -246,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = cache_sub.add_parser("train-matcher", help="build the semantic tier's matcher from labelled pairs")
     train.add_argument("--data", required=True, help="QQP pairs (../shared/data/semcache/qqp_pairs.jsonl.gz)")
     train.add_argument("--out", required=True, help="artifact directory (the shipped one: gateway/cache/matcher)")
-    train.add_argument("--train-pairs", type=int, default=12_800, help="training pairs drawn (the shipped run's)")
+    train.add_argument("--train-pairs", type=int, default=9_600, help="training pairs drawn (the shipped run's)")
     train.add_argument("--from-checkpoint", help="export this training checkpoint instead of training")
     train.set_defaults(handler=cmd_cache_train_matcher)
 

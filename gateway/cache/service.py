@@ -192,7 +192,8 @@ class ResponseCache:
         if not found:
             return False
         texts = [replica.index.texts[k] for k, _ in found]
-        scores = await matcher.score_async([lookup.key.query] * len(found), texts)
+        probabilities = await matcher.score_async([lookup.key.query] * len(found), texts)
+        scores = matcher.rule_score(probabilities, np.array([cosine for _, cosine in found]))
         for i in np.argsort(-scores):
             if scores[i] < matcher.threshold:
                 break

@@ -43,6 +43,7 @@ class TrainConfig:
     seed: int = 0
     threads: int = 1  # one thread: on a shared CPU a second one mostly waits for the first
     target_fhr: float = 0.01
+    validation_pairs: int = 3000  # the operating point is chosen on these (the first of the split)
     quantize: bool = True
 
 
@@ -205,7 +206,7 @@ def build(
     tok = _tokenizer(minilm, cfg.max_length)
     export_onnx(model, minilm, tok, out / "model.onnx", cfg.quantize)
     shutil.copyfile(minilm / "tokenizer.json", out / "tokenizer.json")
-    meta = _operating_point(out, splits["validation"], cfg.target_fhr)
+    meta = _operating_point(out, splits["validation"][: cfg.validation_pairs], cfg.target_fhr)
     meta |= {
         "format": MATCHER_FORMAT,
         "version": f"minilm{cfg.layers}-qqp{cfg.train_pairs // 1000}k-s{cfg.seed}",
@@ -223,8 +224,11 @@ def build(
 
 
 def _operating_point(out: Path, val: list[Pair], target_fhr: float) -> dict:
-    """The cosine floor (candidates below it never reach the matcher: 1% of validation duplicates) and the
-    matcher threshold with the floor applied, for a validation false-hit rate ≤ target."""
+    """The cosine floor (candidates below it never reach the matcher: 1% of validation duplicates), the
+    rule's score (a logistic regression over the cosine and the matcher's logit) and its threshold, all
+    on validation, for a validation false-hit rate ≤ target."""
+    from sklearn.linear_model import LogisticRegression
+
     from gateway.cache.verifier import Matcher
     from router.embedding import Embedder
 
@@ -235,11 +239,37 @@ def _operating_point(out: Path, val: list[Pair], target_fhr: float) -> dict:
     floor = math.floor(float(np.quantile(cosine[labels == 1], 0.01)) * 20) / 20
     matcher = Matcher.load(out, threshold=0.5)
     shown = np.flatnonzero(cosine >= floor)
+    probabilities = matcher.score_many([val[i].text_a for i in shown], [val[i].text_b for i in shown])
+    p = np.clip(probabilities.astype(np.float64), 1e-7, 1 - 1e-7)
+    features = np.stack([cosine[shown], np.log(p / (1 - p))], axis=1)
+    fit = LogisticRegression(C=1.0).fit(features, labels[shown])
+    matcher.combine = {
+        "cosine": float(fit.coef_[0][0]),
+        "logit": float(fit.coef_[0][1]),
+        "bias": float(fit.intercept_[0]),
+    }
     scores = np.full(len(val), -1.0, dtype=np.float32)
-    scores[shown] = matcher.score_many([val[i].text_a for i in shown], [val[i].text_b for i in shown])
+    scores[shown] = matcher.rule_score(probabilities, cosine[shown])
     threshold, fhr, recall = pick_threshold(scores, labels, target_fhr)
-    validation = {"false_hit_rate": fhr, "recall": recall, "pairs": len(val), "target_fhr": target_fhr}
-    return {"threshold": threshold, "cosine_floor": floor, "validation": validation}
+    matcher_only = pick_threshold(
+        np.where(cosine >= floor, probabilities_full(len(val), shown, probabilities), -1.0), labels, target_fhr
+    )
+    cosine_only = pick_threshold(cosine, labels, target_fhr)
+    validation = {
+        "false_hit_rate": fhr,
+        "recall": recall,
+        "pairs": len(val),
+        "target_fhr": target_fhr,
+        "matcher_alone": {"threshold": matcher_only[0], "false_hit_rate": matcher_only[1], "recall": matcher_only[2]},
+        "cosine_alone": {"threshold": cosine_only[0], "false_hit_rate": cosine_only[1], "recall": cosine_only[2]},
+    }
+    return {"threshold": threshold, "cosine_floor": floor, "combine": matcher.combine, "validation": validation}
+
+
+def probabilities_full(n: int, shown: np.ndarray, probabilities: np.ndarray) -> np.ndarray:
+    full = np.full(n, -1.0, dtype=np.float32)
+    full[shown] = probabilities
+    return full
 
 
 def _cfg_dict(cfg: TrainConfig) -> dict:
@@ -253,8 +283,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--data", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--minilm", type=Path, default=None, help="MiniLM directory (default: the packaged one)")
-    ap.add_argument("--train-pairs", type=int, default=TrainConfig.train_pairs)
-    ap.add_argument("--layers", type=int, default=TrainConfig.layers)
+    ap.add_argument("--train-pairs", type=int, default=TrainConfig().train_pairs)
+    ap.add_argument("--layers", type=int, default=TrainConfig().layers)
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--from-checkpoint", type=Path, default=None)
     args = ap.parse_args(argv)

@@ -59,6 +59,9 @@ class Matcher:
     version: str
     meta: dict
     floor: float = 0.5  # cosine below which a candidate is not even shown to the matcher
+    # The rule's score: a logistic regression over the cosine and the matcher's logit, fit on validation
+    # (None: the matcher's probability alone).
+    combine: dict[str, float] | None = None
     _queue: list[tuple[list[str], list[str], asyncio.Future[np.ndarray]]] = field(default_factory=list)
     _worker: asyncio.Task[None] | None = None
 
@@ -78,7 +81,16 @@ class Matcher:
         session = ort.InferenceSession(str(directory / "model.onnx"), opts, providers=_providers(ort))
         chosen = threshold if threshold is not None else float(meta["threshold"])
         version = str(meta.get("version", "unversioned"))
-        return cls(session, tok, chosen, version, meta, float(meta.get("cosine_floor", 0.5)))
+        floor = float(meta.get("cosine_floor", 0.5))
+        return cls(session, tok, chosen, version, meta, floor, meta.get("combine"))
+
+    def rule_score(self, probabilities: np.ndarray, cosines: np.ndarray) -> np.ndarray:
+        """What the threshold applies to, for candidates at or above the floor."""
+        if not self.combine:
+            return np.asarray(probabilities, dtype=np.float32)
+        p = np.clip(np.asarray(probabilities, dtype=np.float64), 1e-7, 1 - 1e-7)
+        z = self.combine["cosine"] * np.asarray(cosines) + self.combine["logit"] * np.log(p / (1 - p))
+        return (1.0 / (1.0 + np.exp(-(z + self.combine["bias"])))).astype(np.float32)
 
     def score(self, queries: Sequence[str], candidates: Sequence[str]) -> np.ndarray:
         """P(same question) for each (query, candidate) pair, float32 of shape (n,)."""
