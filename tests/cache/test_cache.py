@@ -188,7 +188,9 @@ async def test_a_replica_that_fell_behind_the_trimmed_log_reloads_its_index(redi
     await put(a, ask("What is the capital of France?"), "Paris.")
     assert (await get(b, ask("Which city is the capital of France?"))).status == "semantic"
     for i in range(300):  # far past the log length: b's cursor is trimmed away
-        await put(a, ask(f"What is {i} plus {i}?"), str(2 * i), CachePolicy("semantic", 60))
+        lookup = await a.begin(ask(f"What is {i} plus {i}?"), SEMANTIC, **WHO)
+        if lookup.leader:
+            await a.store(lookup, answer(str(2 * i)), 0.001)
     await put(a, ask("How do I learn Python quickly?"), "Practice daily.")
     assert (await get(b, ask("What is the fastest way to learn Python?"))).status == "semantic"
     assert (await get(b, ask("Which city is the capital of France?"))).status == "semantic"

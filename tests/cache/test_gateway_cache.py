@@ -27,7 +27,6 @@ from tests.gateway.conftest import ADMIN_KEY, EXPENSIVE, chat, make_settings, st
 from tests.gateway.scripted_tier import ScriptedTier
 
 QUESTION = "How do I learn Python quickly?"
-PARAPHRASE = "What is the fastest way to learn Python?"
 
 
 def body(text: str, **fields: Any) -> dict[str, Any]:
@@ -137,13 +136,12 @@ async def test_two_gateways_share_the_cache_through_redis_and_the_admin_api_purg
         first = await a.post("/v1/chat/completions", json=body(QUESTION))
         assert first.headers["x-sluice-cache"] == "miss"
         exact = await b.post("/v1/chat/completions", json=body(QUESTION))
-        semantic = await b.post("/v1/chat/completions", json=body(PARAPHRASE))
-        assert (exact.headers["x-sluice-cache"], semantic.headers["x-sluice-cache"]) == ("exact", "semantic")
-        assert semantic.json()["choices"] == first.json()["choices"]
+        assert exact.headers["x-sluice-cache"] == "exact"  # the paraphrase across replicas: test_cache.py
+        assert exact.json()["choices"] == first.json()["choices"]
         assert b_tiers["small"].requests == []
         purged = await b.delete("/admin/cache/local", headers=admin)
         assert purged.status_code == 200 and purged.json()["purged_entries"] == 1
-        assert (await a.post("/v1/chat/completions", json=body(PARAPHRASE))).headers["x-sluice-cache"] == "miss"
+        assert (await a.post("/v1/chat/completions", json=body(QUESTION))).headers["x-sluice-cache"] == "miss"
         no_store = await b.post("/v1/chat/completions", json=body(QUESTION), headers={"cache-control": "no-store"})
         assert no_store.headers["x-sluice-cache"] == "miss" and len(b_tiers["small"].requests) == 1
         assert (await b.delete("/admin/cache/local")).status_code == 401
