@@ -195,7 +195,7 @@ async def _time_lookups(cache: Any, queries: list[str], concurrency: int) -> lis
     return timings
 
 
-async def latency(data: Path, sizes: list[int], n_queries: int, redis_url: str) -> dict[str, Any]:
+async def latency(data: Path, sizes: list[int], n_queries: int, redis_url: str, redis_max: int) -> dict[str, Any]:
     from gateway.cache.service import ResponseCache
     from gateway.cache.store import MemoryCacheStore, RedisCacheStore
     from router.embedding import Embedder
@@ -222,6 +222,8 @@ async def latency(data: Path, sizes: list[int], n_queries: int, redis_url: str) 
     results: dict[str, Any] = {"queries": len(queries), "paraphrase_queries": len(positives), "cells": []}
     for name, make_store in stores:
         for size in sizes:
+            if name == "redis" and size > redis_max:
+                continue
             cache = ResponseCache(make_store(), models, max_entries_per_scope=size)
             scope = _Scope(f"{embedder.version}+{matcher.version}")
             started = time.perf_counter()
@@ -364,6 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes", default="1000,10000,100000")
     ap.add_argument("--queries", type=int, default=200)
     ap.add_argument("--redis-url", default="", help="also measure lookups on this Redis")
+    ap.add_argument("--redis-max-entries", type=int, default=10_000, help="largest scope measured on Redis")
     ap.add_argument("--e2e-pairs", type=int, default=200)
     args = ap.parse_args(argv)
     if not args.data.exists():
@@ -374,7 +377,9 @@ def main(argv: list[str] | None = None) -> None:
     print_quality(figures["quality"])
     if not args.quality_only:
         sizes = [int(s) for s in args.sizes.split(",")]
-        figures["latency"] = asyncio.run(latency(args.data, sizes, args.queries, args.redis_url))
+        figures["latency"] = asyncio.run(
+            latency(args.data, sizes, args.queries, args.redis_url, args.redis_max_entries)
+        )
         print_latency(figures["latency"])
         figures["end_to_end"] = asyncio.run(end_to_end(args.data, args.e2e_pairs, 50, 20.0))
         print_e2e(figures["end_to_end"])
