@@ -8,6 +8,7 @@ to asyncio consumers; it is the API the engine HTTP server and in-process tiers 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import random
@@ -29,8 +30,9 @@ from engines.outputs import RequestOutput
 from engines.quantization import quantize_model, resolve_quantization
 from engines.sampler import sample
 from engines.sampling_params import SamplingParams
-from engines.scheduler import Scheduler
+from engines.scheduler import ScheduledBatch, Scheduler
 from engines.sequence import Sequence
+from engines.speculative import Speculator
 from engines.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -82,6 +84,16 @@ def build_model(model_config: ModelConfig, tensors: dict[str, torch.Tensor], dty
     return model.eval()
 
 
+def check_same_vocabulary(target: ModelConfig, target_tokenizer: Tokenizer, drafter: ModelConfig,
+                          drafter_tokenizer: Tokenizer, drafter_name: str) -> None:
+    """A drafter must speak the target's token ids: same vocabulary size and the same token for every id."""
+    same_size = target.vocab_size == drafter.vocab_size and target_tokenizer.vocab_size == drafter_tokenizer.vocab_size
+    # Every 97th id is enough to tell two different tokenizers apart; all of them would take seconds.
+    if not same_size or any(target_tokenizer.token_bytes(i) != drafter_tokenizer.token_bytes(i)
+                            for i in range(0, target_tokenizer.vocab_size, 97)):
+        raise ValueError(f"speculative drafter {drafter_name} does not share the target's vocabulary")
+
+
 class LLMEngine:
     """Continuous-batching inference over a paged KV cache with prefix caching.
 
@@ -94,13 +106,16 @@ class LLMEngine:
         self._setup(load_checkpoint(config.model), config, consume_checkpoint=True)
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: Checkpoint, config: EngineConfig) -> LLMEngine:
-        """An engine over an already loaded checkpoint (`config.model` is then only a label)."""
+    def from_checkpoint(cls, checkpoint: Checkpoint, config: EngineConfig, drafter: Checkpoint | None = None
+                        ) -> LLMEngine:
+        """An engine over an already loaded checkpoint (`config.model` is then only a label), with an
+        already loaded speculative drafter (`config.speculative_model` is then only a label)."""
         engine = cls.__new__(cls)
-        engine._setup(checkpoint, config)
+        engine._setup(checkpoint, config, drafter=drafter)
         return engine
 
-    def _setup(self, checkpoint: Checkpoint, config: EngineConfig, consume_checkpoint: bool = False) -> None:
+    def _setup(self, checkpoint: Checkpoint, config: EngineConfig, consume_checkpoint: bool = False,
+               drafter: Checkpoint | None = None) -> None:
         if config.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {config.dtype!r}; expected one of {sorted(DTYPES)}")
         if config.device != "cpu":
@@ -111,17 +126,8 @@ class LLMEngine:
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.dtype = DTYPES[config.dtype]
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
-        self.model = build_model(self.model_config, checkpoint.tensors, self.dtype, self.max_model_len,
-                                 consume=consume_checkpoint)
         self.quantization = resolve_quantization(config.quantization)
-        if self.quantization is not None:
-            self.model.untie_lm_head()
-            # Weight-only modes with float32 activations keep the float weights for prefill chunks,
-            # where sgemm beats the packed kernels.
-            quantize_model(self.model, self.quantization, activation_dtype=self.dtype,
-                           keep_dense=self.dtype == torch.float32)
-            logger.info("%s: weights quantised %s (requested %s)", config.model, self.quantization,
-                        config.quantization)
+        self.model = self._load_model(checkpoint, consume_checkpoint)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         num_kv_blocks = config.num_kv_blocks or config.kv_cache_bytes // kv_block_bytes(
             self.model_config, config.block_size, self.kv_cache_dtype)
@@ -131,10 +137,36 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.model_config, config.block_size, num_kv_blocks,
                                   self.kv_cache_dtype)
+        self.speculator = None
+        if drafter is not None or config.speculative_model:
+            self.speculator = self._load_speculator(num_kv_blocks, drafter)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self._rng = random.Random(config.seed)
         self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer]] = {}
         self._num_generated_tokens_total = 0
+
+    def _load_model(self, checkpoint: Checkpoint, consume: bool) -> torch.nn.Module:
+        config = self.config
+        model = build_model(checkpoint.config, checkpoint.tensors, self.dtype, self.max_model_len, consume=consume)
+        if self.quantization is not None:
+            model.untie_lm_head()
+            # Weight-only modes with float32 activations keep the float weights for prefill chunks,
+            # where sgemm beats the packed kernels.
+            quantize_model(model, self.quantization, activation_dtype=self.dtype,
+                           keep_dense=self.dtype == torch.float32)
+            logger.info("%s: weights quantised %s (requested %s)", config.model, self.quantization, config.quantization)
+        return model
+
+    def _load_speculator(self, num_kv_blocks: int, checkpoint: Checkpoint | None) -> Speculator:
+        """The drafter: same precision settings, a KV cache of its own with the target's block layout."""
+        name = str(self.config.speculative_model or "drafter")
+        owned = checkpoint is None
+        if checkpoint is None:
+            checkpoint = load_checkpoint(name)
+        check_same_vocabulary(self.model_config, self.tokenizer, checkpoint.config, checkpoint.tokenizer, name)
+        model = self._load_model(checkpoint, consume=owned)
+        runner = ModelRunner(model, checkpoint.config, self.config.block_size, num_kv_blocks, self.kv_cache_dtype)
+        return Speculator(runner, self.config.num_speculative_tokens)
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -186,8 +218,14 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
+        if self.speculator is not None:
+            outputs = self._speculative_step(batch, self.speculator)
+            if outputs is not None:
+                return outputs
         logits, seqs = self.runner.execute(batch)
         self.scheduler.advance(batch)
+        if self.speculator is not None:
+            self.speculator.sync(batch.seqs)
         if not seqs:
             return []
         token_ids, logprobs = sample(logits, [seq.params for seq in seqs], [seq.generator for seq in seqs])
@@ -195,6 +233,35 @@ class LLMEngine:
         for seq, token_id, logprob in zip(seqs, token_ids, logprobs, strict=True):
             outputs.append(self._append_token(seq, token_id, logprob))
         return outputs
+
+    def _speculative_step(self, batch: ScheduledBatch, speculator: Speculator) -> list[RequestOutput] | None:
+        """A draft-and-verify round when every scheduled sequence decodes and the cache has room; else None."""
+        seqs = batch.seqs
+        if any(num_new != 1 for num_new in batch.num_new_tokens):
+            return None  # prefill chunks in the step: a plain step, and the drafter follows
+        k = speculator.num_drafts(seqs, self.max_model_len)
+        manager = self.block_manager
+        num_needed = sum(manager.num_blocks_for(seq.num_computed_tokens + k + 1) - len(seq.block_table)
+                         for seq in seqs)
+        if k == 0 or num_needed > manager.num_free_blocks:
+            return None
+        for seq in seqs:
+            manager.may_append(seq, k + 1)
+        results = speculator.step(seqs, k, self.runner, manager)
+        return [self._append_tokens(seq, result.token_ids, result.logprobs)
+                for seq, result in zip(seqs, results, strict=True)]
+
+    def _append_tokens(self, seq: Sequence, token_ids: list[int], logprobs: list) -> RequestOutput:
+        """Append tokens one by one (stopping where the request finishes) as one delta."""
+        output = self._append_token(seq, token_ids[0], logprobs[0])
+        for token_id, logprob in zip(token_ids[1:], logprobs[1:], strict=True):
+            if output.finished:
+                break
+            more = self._append_token(seq, token_id, logprob)
+            output = dataclasses.replace(
+                more, new_token_ids=output.new_token_ids + more.new_token_ids, new_text=output.new_text + more.new_text,
+                logprobs=output.logprobs + more.logprobs)
+        return output
 
     def _append_token(self, seq: Sequence, token_id: int, logprob: object) -> RequestOutput:
         _, detokenizer = self._requests[seq.request_id]

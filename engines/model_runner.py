@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 
 from engines.attention import AttentionMetadata, PrefillChunk
 from engines.config import ModelConfig
 from engines.scheduler import ScheduledBatch
 from engines.sequence import Sequence
+
+
+@dataclass
+class TokenSpan:
+    """Tokens at positions [start, start + len(token_ids)) of one sequence whose K/V live at `block_table`'s
+    slots (positions before `start` are cached). `logits`: which rows go through the LM head."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    logits: Literal["none", "last", "all"] = "last"
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -26,70 +40,85 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=kv_cache_dtype), torch.zeros(shape, dtype=kv_cache_dtype))
                           for _ in range(config.num_hidden_layers)]
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Compute the batch; return float32 logits [S, V] for the S sequences whose step completes their tokens.
 
         Only those sequences get logits (a prefill chunk that stops mid-prompt needs none), and
         only their last row goes through the LM head.
         """
-        order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)  # decode rows first
+        spans = []
+        sample_seqs: list[Sequence] = []
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            wants_logits = end == seq.num_tokens
+            logits = "last" if wants_logits else "none"
+            spans.append(TokenSpan(seq.token_ids[start:end], start, seq.block_table, logits))
+            if wants_logits:
+                sample_seqs.append(seq)
+        return self.forward(spans), sample_seqs
+
+    @torch.inference_mode()
+    def forward(self, spans: list[TokenSpan]) -> torch.Tensor:
+        """Compute every span's tokens (writing their K/V); return float32 logits of the rows the spans ask
+        for, span by span in the order given: [sum of each span's 0, 1 or len(token_ids) rows, V]."""
+        order = sorted(range(len(spans)), key=lambda i: len(spans[i].token_ids) != 1)  # decode rows first
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
-        decode_seqs: list[Sequence] = []
+        decode_spans: list[TokenSpan] = []
         prefills: list[PrefillChunk] = []
-        sample_rows: list[int] = []
-        sample_seqs: list[Sequence] = []
+        logit_rows: dict[int, list[int]] = {}
         size = self.block_size
         for i in order:
-            seq, num_new = batch.seqs[i], batch.num_new_tokens[i]
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            span = spans[i]
+            num_new = len(span.token_ids)
+            start, end = span.start, span.start + num_new
             row = len(input_ids)
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(span.token_ids)
             positions.extend(range(start, end))
-            table = seq.block_table
+            table = span.block_table
             slot_mapping.extend(table[p // size] * size + p % size for p in range(start, end))
             if num_new == 1:
-                decode_seqs.append(seq)
+                decode_spans.append(span)
             else:
-                prefills.append(self._prefill_chunk(seq, row, row + num_new))
-            if end == seq.num_tokens:
-                sample_rows.append(row + num_new - 1)
-                sample_seqs.append(seq)
+                prefills.append(self._prefill_chunk(span, row))
+            if span.logits == "last":
+                logit_rows[i] = [row + num_new - 1]
+            elif span.logits == "all":
+                logit_rows[i] = list(range(row, row + num_new))
 
         metadata = AttentionMetadata(
             block_size=size,
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
-            num_decode_tokens=len(decode_seqs),
+            num_decode_tokens=len(decode_spans),
             decode_block_tables=None,
             decode_mask=None,
             prefills=prefills,
         )
-        if decode_seqs:
-            metadata.decode_block_tables, metadata.decode_mask = self._decode_context(decode_seqs)
+        if decode_spans:
+            metadata.decode_block_tables, metadata.decode_mask = self._decode_context(decode_spans)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
                             self.kv_caches, metadata)
-        if not sample_rows:
-            return torch.empty(0, self.config.vocab_size), []
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows)])
-        return logits.float(), sample_seqs
+        rows = [row for i in range(len(spans)) for row in logit_rows.get(i, ())]
+        if not rows:
+            return torch.empty(0, self.config.vocab_size)
+        return self.model.compute_logits(hidden[torch.tensor(rows)]).float()
 
-    def _decode_context(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        context_lens = torch.tensor([seq.num_computed_tokens + 1 for seq in seqs])
+    def _decode_context(self, spans: list[TokenSpan]) -> tuple[torch.Tensor, torch.Tensor]:
+        context_lens = torch.tensor([span.start + 1 for span in spans])
         max_blocks = -(-int(context_lens.max()) // self.block_size)
-        tables = torch.tensor([seq.block_table[:max_blocks] + [0] * (max_blocks - len(seq.block_table[:max_blocks]))
-                               for seq in seqs], dtype=torch.long)
+        tables = torch.tensor([span.block_table[:max_blocks] + [0] * (max_blocks - len(span.block_table[:max_blocks]))
+                               for span in spans], dtype=torch.long)
         mask = torch.arange(max_blocks * self.block_size).unsqueeze(0) < context_lens.unsqueeze(1)
         return tables, mask[:, None, None, :]
 
-    def _prefill_chunk(self, seq: Sequence, start_row: int, end_row: int) -> PrefillChunk:
-        num_computed = seq.num_computed_tokens
+    def _prefill_chunk(self, span: TokenSpan, start_row: int) -> PrefillChunk:
+        num_computed, num_new = span.start, len(span.token_ids)
+        end_row = start_row + num_new
         if num_computed == 0:
             return PrefillChunk(start_row, end_row, 0, block_table=None, mask=None)
-        num_new = end_row - start_row
         num_blocks = -(-(num_computed + num_new) // self.block_size)
-        table = torch.tensor(seq.block_table[:num_blocks], dtype=torch.long)
+        table = torch.tensor(span.block_table[:num_blocks], dtype=torch.long)
         # Query i sits at position num_computed + i and sees every key up to that position (and no
         # slot past the chunk's end in its last block).
         key_positions = torch.arange(num_blocks * self.block_size).unsqueeze(0)
