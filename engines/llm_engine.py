@@ -13,7 +13,7 @@ import logging
 import os
 import random
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,12 +27,12 @@ from engines.loader import Checkpoint, load_checkpoint
 from engines.model_runner import ModelRunner, kv_block_bytes
 from engines.models import model_class
 from engines.outputs import RequestOutput
-from engines.quantization import quantize_model, resolve_quantization
+from engines.quantization import Int8Embedding, quantize_model, resolve_quantization
 from engines.sampler import sample
 from engines.sampling_params import SamplingParams
 from engines.scheduler import ScheduledBatch, Scheduler
 from engines.sequence import Sequence
-from engines.speculative import Speculator
+from engines.speculative import Speculator, weight_bytes
 from engines.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ def resolve_kv_cache_dtype(name: str | None, dtype: torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
-def build_model(model_config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+def build_model(model_config: ModelConfig, tensors: MutableMapping[str, torch.Tensor], dtype: torch.dtype,
                 max_positions: int, *, consume: bool = False) -> torch.nn.Module:
     """Instantiate the architecture without random init, in `dtype`, and load `tensors` into it."""
     with torch.device("meta"):
@@ -149,11 +149,15 @@ class LLMEngine:
         config = self.config
         model = build_model(checkpoint.config, checkpoint.tensors, self.dtype, self.max_model_len, consume=consume)
         if self.quantization is not None:
+            tied = model.lm_head is None
             model.untie_lm_head()
-            # Weight-only modes with float32 activations keep the float weights for prefill chunks,
-            # where sgemm beats the packed kernels.
+            # With float32 activations, int8 weight-only layers run prefill chunks through sgemm on the
+            # weights dequantised a layer at a time: it beats the packed kernel there.
             quantize_model(model, self.quantization, activation_dtype=self.dtype,
-                           keep_dense=self.dtype == torch.float32)
+                           dequantize_many_rows=self.dtype == torch.float32)
+            # The float32 embedding table goes too (a tied head's int8 table serves both).
+            model.embed_tokens = Int8Embedding.from_embedding(model.embed_tokens, self.dtype,
+                                                              model.lm_head if tied else None)
             logger.info("%s: weights quantised %s (requested %s)", config.model, self.quantization, config.quantization)
         return model
 
@@ -166,7 +170,7 @@ class LLMEngine:
         check_same_vocabulary(self.model_config, self.tokenizer, checkpoint.config, checkpoint.tokenizer, name)
         model = self._load_model(checkpoint, consume=owned)
         runner = ModelRunner(model, checkpoint.config, self.config.block_size, num_kv_blocks, self.kv_cache_dtype)
-        return Speculator(runner, self.config.num_speculative_tokens)
+        return Speculator(runner, self.config.num_speculative_tokens, weight_bytes(model) / weight_bytes(self.model))
 
     # -- requests ----------------------------------------------------------------------------------
 

@@ -17,9 +17,13 @@ list). After a fully accepted round the drafter lags by one token (it never ran 
 catches up in its next first forward; blocks are offered to the prefix cache only once both caches
 hold them, so a prefix shared later is whole for the drafter too.
 
-k adapts to the acceptance rate: with per-draft acceptance probability α (measured) and drafter /
-target forward-time ratio r (measured), a round of k drafts emits (1 - α^(k+1)) / (1 - α) tokens in
-k·r + 1 target-forward times; each round uses the k in [1, num_speculative_tokens] that maximises that.
+k adapts to the acceptance rate: with per-draft acceptance probability α (a running average of what
+the target accepted) and drafter / target cost ratio r, a round of k drafts emits (1 - α^(k+1)) / (1 - α)
+tokens in k·r + 1 target-forward times; each round uses the k in [1, num_speculative_tokens] that
+maximises that. r is the ratio of the models' weight bytes (a decode forward streams its weights), not a
+timing, so that k, and with it a seeded sampled request's draws, depends only on tokens. It does depend
+on the other requests in the engine (α is shared): with speculation on, a seed reproduces a request's
+samples for the same sequence of requests, no longer whatever the batch.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from engines.outputs import TokenLogprob
 from engines.sampler import filtered_probs, token_logprobs
 from engines.sequence import Sequence
 
-_EMA_WEIGHT = 0.1  # weight of the newest round in the running averages of α and r
+_EMA_WEIGHT = 0.1  # weight of the newest round in the running average of α
 
 
 @dataclass
@@ -45,6 +49,8 @@ class SpeculativeStats:
     num_tested_tokens: int = 0  # drafts the target judged (those after a rejection are never looked at)
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0  # accepted drafts plus one target token per sequence and round
+    draft_seconds: float = 0.0  # time in drafter forwards (and draft sampling)
+    verify_seconds: float = 0.0  # time in target forwards
 
     @property
     def acceptance_rate(self) -> float:
@@ -107,17 +113,23 @@ def best_num_drafts(alpha: float, cost_ratio: float, max_drafts: int) -> int:
     return max(range(1, max_drafts + 1), key=rate)
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's parameters and buffers (each tensor once, however often it is shared)."""
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 class Speculator:
     """The drafter of one engine: its model runner (own KV cache, the target's block tables) and k's adaptation."""
 
-    def __init__(self, runner: ModelRunner, max_drafts: int) -> None:
+    def __init__(self, runner: ModelRunner, max_drafts: int, cost_ratio: float) -> None:
         if max_drafts < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
         self.runner = runner
         self.max_drafts = max_drafts
+        self.cost_ratio = cost_ratio  # drafter forward / target forward, in weight bytes streamed
         self.stats = SpeculativeStats()
-        self._alpha = 0.8  # optimistic start: k begins at its maximum and settles as rounds are measured
-        self._cost_ratio = 0.0
+        self._alpha = 0.8  # optimistic start: k begins high and settles as rounds are judged
 
     def sync(self, seqs: list[Sequence]) -> None:
         """After a plain step: let the drafter compute the K/V the target just did."""
@@ -132,7 +144,7 @@ class Speculator:
 
     def num_drafts(self, seqs: list[Sequence], max_model_len: int) -> int:
         """This round's k: the adapted one, capped so that no sequence runs past its length limits (0: no round)."""
-        k = best_num_drafts(self._alpha, self._cost_ratio, self.max_drafts)
+        k = best_num_drafts(self._alpha, self.cost_ratio, self.max_drafts)
         for seq in seqs:
             # The round computes positions up to num_tokens - 1 + k and emits up to k + 1 tokens.
             k = min(k, max_model_len - seq.num_tokens, seq.params.max_tokens - seq.num_output_tokens - 1)
@@ -155,7 +167,9 @@ class Speculator:
                    for seq, draft, probs, rows in zip(seqs, drafts, draft_probs, logits, strict=True)]
         for seq, result in zip(seqs, results, strict=True):
             self._roll_back(seq, len(result.token_ids), block_manager)
-        self._learn(results, k, (drafted - started) / k, verified_at - drafted)
+        self._learn(results, k)
+        self.stats.draft_seconds += drafted - started
+        self.stats.verify_seconds += verified_at - drafted
         return results
 
     def _propose(self, seqs: list[Sequence], k: int) -> tuple[list[list[int]], list[torch.Tensor | None]]:
@@ -199,7 +213,7 @@ class Speculator:
         # The emitted tokens are appended after this: blocks they fill are offered in the next round.
         block_manager.cache_computed_blocks(seq, min(seq.num_draft_computed_tokens, seq.num_tokens))
 
-    def _learn(self, results: list[Verified], k: int, draft_time: float, verify_time: float) -> None:
+    def _learn(self, results: list[Verified], k: int) -> None:
         stats = self.stats
         accepted = sum(result.num_accepted for result in results)
         tested = sum(min(result.num_accepted + 1, k) for result in results)
@@ -209,6 +223,3 @@ class Speculator:
         stats.num_accepted_tokens += accepted
         stats.num_emitted_tokens += sum(len(result.token_ids) for result in results)
         self._alpha += _EMA_WEIGHT * (accepted / tested - self._alpha)
-        ratio = draft_time / verify_time if verify_time > 0 else 0.0
-        self._cost_ratio = ratio if stats.num_rounds == 1 else self._cost_ratio + _EMA_WEIGHT * (
-            ratio - self._cost_ratio)

@@ -25,7 +25,10 @@ class TierSpec:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     max_model_len: int = 4096
-    speculative_drafter: str | None = None  # a demo model name; reserved for speculative decoding
+    # Speculative decoding: a drafter sharing the tokenizer (demo model name or path) proposing up to
+    # `num_speculative_tokens` tokens per decode step (engines.speculative); None: off.
+    speculative_drafter: str | None = None
+    num_speculative_tokens: int = 4
     served_model_name: str | None = None
     num_threads: int | None = None
 
@@ -50,4 +53,7 @@ class TierSpec:
             max_model_len=self.max_model_len,
             num_threads=self.num_threads,
             served_model_name=self.served_name,
+            speculative_model=str(resolve_model(self.speculative_drafter, cache_dir)) if self.speculative_drafter
+            else None,
+            num_speculative_tokens=self.num_speculative_tokens,
         )

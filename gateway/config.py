@@ -81,6 +81,10 @@ class TierConfig(_Section):
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     max_model_len: int = 4096
+    # Speculative decoding: a drafter model sharing this tier's tokenizer (demo name or path; "" = off)
+    # proposes up to num_speculative_tokens tokens per decode step, the tier's model verifies them.
+    speculative_draft: str = ""
+    num_speculative_tokens: int = 4
     price_input_per_mtok: float = 0.0
     price_output_per_mtok: float = 0.0
     price_cached_input_per_mtok: float = 0.0

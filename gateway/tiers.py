@@ -104,5 +104,7 @@ def build_client(name: str, tier: TierConfig, settings: Settings) -> EngineClien
         max_num_seqs=tier.max_num_seqs,
         max_num_batched_tokens=tier.max_num_batched_tokens,
         max_model_len=tier.max_model_len,
+        speculative_drafter=tier.speculative_draft or None,
+        num_speculative_tokens=tier.num_speculative_tokens,
     )
     return build_in_process_client(spec, cache_dir=cache_dir)

@@ -77,3 +77,10 @@ def test_missing_or_broken_file_is_named(tmp_path: Path) -> None:
     broken.write_text("[server\n")
     with pytest.raises(ConfigError, match=r"broken\.toml"):
         load_settings(broken, environ={})
+
+
+def test_speculative_decoding_is_off_until_a_tier_names_a_drafter() -> None:
+    settings = load_settings(environ={"SLUICE_TIERS__LARGE__SPECULATIVE_DRAFT": "small"})
+    assert settings.tiers["large"].speculative_draft == "small"
+    assert settings.tiers["small"].speculative_draft == ""
+    assert settings.tiers["large"].num_speculative_tokens == 4

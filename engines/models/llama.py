@@ -7,6 +7,8 @@ quantization can swap them in place.
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -134,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     @torch.no_grad()
-    def load_weights(self, tensors: dict[str, torch.Tensor], *, consume: bool = False) -> None:
+    def load_weights(self, tensors: MutableMapping[str, torch.Tensor], *, consume: bool = False) -> None:
         """Copy HF-named tensors in (merging q/k/v and gate/up); every parameter must be covered exactly once.
 
         `consume` empties `tensors` as it goes, so that the float32 checkpoint and the model are never

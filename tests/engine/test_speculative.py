@@ -3,6 +3,9 @@ rejected tokens' KV slots go back to the block manager, and k follows the accept
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,6 +14,7 @@ from engines.llm_engine import LLMEngine
 from engines.loader import Checkpoint
 from engines.sampling_params import SamplingParams
 from engines.speculative import best_num_drafts, greedy_accept, rejection_sample
+from engines.tiers import TierSpec
 from tests.engine.conftest import TinyModel, generated_ids, make_engine, run_to_completion
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -155,3 +159,24 @@ def test_k_follows_the_acceptance_rate_and_the_drafter_cost() -> None:
     assert best_num_drafts(alpha=0.9, cost_ratio=0.3, max_drafts=8) < 8
     assert best_num_drafts(alpha=0.1, cost_ratio=0.3, max_drafts=8) == 1
     assert best_num_drafts(alpha=0.6, cost_ratio=0.2, max_drafts=8) < best_num_drafts(0.85, 0.2, 8)
+
+
+# -- configuration ---------------------------------------------------------------------------------
+
+
+def test_a_tier_turns_speculation_on_by_naming_a_drafter(tmp_path: Path) -> None:
+    target, drafter = tmp_path / "large.gguf", tmp_path / "small.gguf"
+    target.touch()
+    drafter.touch()
+    spec = TierSpec(name="large", model=str(target), speculative_drafter=str(drafter), num_speculative_tokens=6)
+    config = spec.engine_config()
+    assert config.speculative_model == str(drafter) and config.num_speculative_tokens == 6
+    assert TierSpec(name="large", model=str(target)).engine_config().speculative_model is None
+
+
+def test_a_drafter_with_another_vocabulary_is_refused(tiny_qwen2: TinyModel) -> None:
+    checkpoint = tiny_qwen2.checkpoint
+    other = Checkpoint(config=dataclasses.replace(checkpoint.config, vocab_size=checkpoint.config.vocab_size + 16),
+                       tensors=checkpoint.tensors, tokenizer=checkpoint.tokenizer)
+    with pytest.raises(ValueError, match="does not share the target's vocabulary"):
+        speculative_engine(tiny_qwen2, other)
