@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import random
@@ -75,12 +76,14 @@ def resolve_kv_cache_dtype(name: str | None, dtype: torch.dtype) -> torch.dtype:
 
 
 def build_model(model_config: ModelConfig, tensors: MutableMapping[str, torch.Tensor], dtype: torch.dtype,
-                max_positions: int, *, consume: bool = False) -> torch.nn.Module:
-    """Instantiate the architecture without random init, in `dtype`, and load `tensors` into it."""
+                max_positions: int, *, consume: bool = False,
+                on_layer_loaded: Callable[[torch.nn.Module], None] | None = None) -> torch.nn.Module:
+    """Instantiate the architecture without random init, in `dtype`, and load `tensors` into it
+    (`on_layer_loaded`: see `load_weights`)."""
     with torch.device("meta"):
         model = model_class(model_config)(model_config, max_positions=max_positions)
-    model = model.to(dtype).to_empty(device="cpu")
-    model.load_weights(tensors, consume=consume)
+    model = model.to(dtype)
+    model.load_weights(tensors, consume=consume, on_layer_loaded=on_layer_loaded)
     return model.eval()
 
 
@@ -147,14 +150,19 @@ class LLMEngine:
 
     def _load_model(self, checkpoint: Checkpoint, consume: bool) -> torch.nn.Module:
         config = self.config
-        model = build_model(checkpoint.config, checkpoint.tensors, self.dtype, self.max_model_len, consume=consume)
+        quantize = None
         if self.quantization is not None:
-            tied = model.lm_head is None
-            model.untie_lm_head()
             # With float32 activations, int8 weight-only layers run prefill chunks through sgemm on the
             # weights dequantised a layer at a time: it beats the packed kernel there.
-            quantize_model(model, self.quantization, activation_dtype=self.dtype,
-                           dequantize_many_rows=self.dtype == torch.float32)
+            quantize = functools.partial(quantize_model, mode=self.quantization, activation_dtype=self.dtype,
+                                         dequantize_many_rows=self.dtype == torch.float32)
+        # Each decoder layer is quantised as soon as it is loaded: the float32 model is never whole.
+        model = build_model(checkpoint.config, checkpoint.tensors, self.dtype, self.max_model_len, consume=consume,
+                            on_layer_loaded=quantize)
+        if quantize is not None:
+            tied = model.lm_head is None
+            model.untie_lm_head()
+            quantize(model)  # what is left: the head
             # The float32 embedding table goes too (a tied head's int8 table serves both).
             model.embed_tokens = Int8Embedding.from_embedding(model.embed_tokens, self.dtype,
                                                               model.lm_head if tied else None)
