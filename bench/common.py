@@ -47,6 +47,17 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def cpu_model() -> str:
+    """The CPU's model name as the kernel reports it: every figure carries it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def write_results(name: str, figures: dict[str, Any]) -> Path:
     """Write bench/results/<name>.json with the run's context beside the figures."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
@@ -55,7 +66,7 @@ def write_results(name: str, figures: dict[str, Any]) -> Path:
         "benchmark": name,
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": " ".join(sys.argv),
-        "machine": {"python": platform.python_version(), "processor": platform.processor() or platform.machine()},
+        "machine": {"python": platform.python_version(), "cpu": cpu_model()},
         **figures,
     }
     path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")

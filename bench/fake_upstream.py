@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from engines.protocol import (
+from engines.api.protocol import (
     SSE_DONE,
     AssistantMessage,
     ChatChoice,

@@ -15,11 +15,12 @@ client), never the servers' event loop. On a 2-core machine the gateway under te
 itself while the load generator and the fake upstream share core 0; Sluice and LiteLLM get the
 same placement. Redis and Postgres are system services and float.
 
-Each cell is measured in `--rounds` consecutive rounds (default 5). Besides the p99 over all of a
-cell's requests, the median of the rounds' p99s is reported: this VM's hypervisor slows it for a
-second or two at random (a quiet-machine run of the same code saw a 1-client p99 anywhere from 3.4
-to 8.3 ms, with p90 moving from 1.6 to 4.8 ms), and the median of rounds is the robust figure
-of what the gateway adds; both are printed and written.
+Each cell is measured in `--rounds` consecutive rounds (default 5). Targets are judged on the p99
+over all of a cell's requests (what clients see); beside it, the median of the rounds' p99s, the
+figure least moved when the machine's other work (or its hypervisor) slows a round down.
+
+The gateway's tiers are configured as docker-compose configures them: an upstream URL and the
+tier's real tokenizer, so prompt tokens are counted (chat template applied) as in production.
 
 Besides latency, each cell reports the CPU time the server's processes spent per request: on a
 machine shared with other work, latency and throughput move with the load, CPU per request hardly.
@@ -390,10 +391,10 @@ def fresh_postgres_database() -> Iterator[str]:
 def create_bench_key(database_url: str) -> str:
     """A virtual key whose limits never bind during the run, so every check runs but none refuses."""
     from gateway import keys
-    from gateway.db.engine import make_engine
+    from gateway.db.database import make_database
 
     async def create() -> keys.CreatedKey:
-        engine = make_engine(database_url)
+        engine = make_database(database_url)
         try:
             return await keys.create_key(
                 engine,
@@ -417,6 +418,10 @@ def sluice_environment(upstream_url: str, database_url: str, spool_dir: str) -> 
         SLUICE_SERVER__DEFAULT_TIER="small",
         SLUICE_TIERS__SMALL__URL=upstream_url,
         SLUICE_TIERS__LARGE__URL=upstream_url,
+        # As docker-compose configures the gateway: each tier's real tokenizer counts prompt tokens
+        # (chat template applied), which is work production requests pay for.
+        SLUICE_TIERS__SMALL__TOKENIZER="small",
+        SLUICE_TIERS__LARGE__TOKENIZER="large",
         # The cache would answer repeated prompts without the upstream: this measures the full path.
         SLUICE_POLICIES__DEFAULT__CACHE="off",
         SLUICE_POLICIES__DEFAULT__RPM="10000000",
@@ -537,14 +542,15 @@ def against_targets(summary: dict[str, Any]) -> dict[str, Any]:
             "target_at_most": TARGET_ADDED_P50_MS,
             "met": one["added_latency_p50_ms_over_direct"] <= TARGET_ADDED_P50_MS,
         }
+        # Judged on the p99 of all the cell's requests (what clients see); the median of the rounds'
+        # p99s stands beside it as the figure least moved by other work on the machine.
         pooled_p99 = one["added_latency_p99_ms_over_direct"]
-        added_p99 = one.get("added_latency_p99_ms_over_direct_median_of_rounds", pooled_p99)
         checks["sluice_added_p99_ms_at_1_client_plain"] = {
-            "measured": added_p99,
-            "measured_as": "median of the rounds' p99s" if "latency_p99_ms_by_round" in one else "p99 of the cell",
-            "pooled_p99_of_all_requests": pooled_p99,
+            "measured": pooled_p99,
+            "measured_as": "p99 of all the cell's requests (pooled over rounds)",
+            "median_of_rounds_p99": one.get("added_latency_p99_ms_over_direct_median_of_rounds"),
             "target_at_most": TARGET_ADDED_P99_MS,
-            "met": added_p99 <= TARGET_ADDED_P99_MS,
+            "met": pooled_p99 <= TARGET_ADDED_P99_MS,
         }
     ratio = summary.get("plain", {}).get("8_clients", {}).get("throughput_ratio_sluice_over_litellm")
     if ratio is not None:
@@ -693,7 +699,8 @@ def main(argv: list[str] | None = None) -> int:
                 "seconds_per_cell": seconds,
                 "warmup_seconds_per_cell": warmup_s,
                 "rounds_per_cell": rounds,
-                "sluice": "one uvicorn worker (uvloop, httptools), virtual key, Redis limits, Postgres accounting",
+                "sluice": "one uvicorn worker (uvloop, httptools), virtual key, Redis limits, Postgres accounting, "
+                "tiers with their real tokenizers (as docker-compose)",
                 "litellm": f"litellm[proxy]=={litellm_env.LITELLM_VERSION}, one worker, no database, master key",
                 "targets": {
                     "added_p50_ms_at_1_client_at_most": TARGET_ADDED_P50_MS,

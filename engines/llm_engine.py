@@ -8,7 +8,6 @@ to asyncio consumers; it is the API the engine HTTP server and in-process tiers 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 import os
@@ -27,7 +26,7 @@ from engines.detokenizer import IncrementalDetokenizer
 from engines.loader import Checkpoint, load_checkpoint
 from engines.model_runner import ModelRunner, kv_block_bytes
 from engines.models import model_class
-from engines.outputs import RequestOutput
+from engines.outputs import RequestOutput, TokenLogprob
 from engines.quantization import Int8Embedding, quantize_model, resolve_quantization
 from engines.sampler import sample
 from engines.sampling_params import SamplingParams
@@ -137,15 +136,16 @@ class LLMEngine:
         if num_kv_blocks < 1:
             raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds no KV block; raise it")
         self.block_manager = BlockManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   eos_token_ids)
         self.runner = ModelRunner(self.model, self.model_config, config.block_size, num_kv_blocks,
                                   self.kv_cache_dtype)
         self.speculator = None
         if drafter is not None or config.speculative_model:
             self.speculator = self._load_speculator(num_kv_blocks, drafter)
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self._rng = random.Random(config.seed)
-        self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer]] = {}
+        self._requests: dict[str, Sequence] = {}
         self._num_generated_tokens_total = 0
 
     def _load_model(self, checkpoint: Checkpoint, consume: bool) -> torch.nn.Module:
@@ -183,7 +183,12 @@ class LLMEngine:
     # -- requests ----------------------------------------------------------------------------------
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError, with a message fit for the caller, if the request can never be served."""
+        """Raise ValueError, with a message fit for the caller, if the request can never be served.
+
+        The engine is a library with callers of its own (benchmarks, tests), so it keeps its
+        preconditions; requests that come through the OpenAI layer have passed the contract's
+        rules (`engines.api.rules`) and fail here only on the KV-cache capacity, which only the
+        engine knows."""
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise ValueError("the prompt is empty; at least one token is required")
@@ -209,16 +214,24 @@ class LLMEngine:
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             generator = torch.Generator().manual_seed(seed)
-        seq = Sequence(request_id, prompt_token_ids, params, generator)
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
-        self._requests[request_id] = (seq, detokenizer)
+        seq = Sequence(request_id, prompt_token_ids, params, generator, detokenizer)
+        self._requests[request_id] = seq
         self.scheduler.add(seq)
 
-    def abort_request(self, request_id: str) -> None:
-        """Drop a request and free its KV blocks; unknown or finished ids are ignored."""
-        entry = self._requests.pop(request_id, None)
-        if entry is not None:
-            self.scheduler.finish(entry[0], "abort")
+    def abort_request(self, request_id: str) -> Sequence | None:
+        """Drop a request and free its KV blocks; returns it, or None for unknown or finished ids."""
+        seq = self._requests.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq, "abort")
+        return seq
+
+    def abort_all(self) -> list[str]:
+        """Drop every request (a step failed); returns their ids."""
+        request_ids = list(self._requests)
+        for request_id in request_ids:
+            self.abort_request(request_id)
+        return request_ids
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -235,15 +248,17 @@ class LLMEngine:
             if outputs is not None:
                 return outputs
         logits, seqs = self.runner.execute(batch)
-        self.scheduler.advance(batch)
         if self.speculator is not None:
-            self.speculator.sync(batch.seqs)
-        if not seqs:
-            return []
-        token_ids, logprobs = sample(logits, [seq.params for seq in seqs], [seq.generator for seq in seqs])
+            self.speculator.sync(batch)  # before postprocess, which frees the blocks of finished sequences
+        token_ids, logprobs = ([], []) if not seqs else sample(logits, [s.params for s in seqs],
+                                                                [s.generator for s in seqs])
+        texts = self.scheduler.postprocess(batch, token_ids)
+        self._num_generated_tokens_total += len(seqs)
         outputs = []
-        for seq, token_id, logprob in zip(seqs, token_ids, logprobs, strict=True):
-            outputs.append(self._append_token(seq, token_id, logprob))
+        for seq, token_id, text, logprob in zip(seqs, token_ids, texts, logprobs, strict=True):
+            if seq.is_finished:
+                del self._requests[seq.request_id]
+            outputs.append(_delta(seq, [token_id], text, [logprob]))
         return outputs
 
     def _speculative_step(self, batch: ScheduledBatch, speculator: Speculator) -> list[RequestOutput] | None:
@@ -259,52 +274,14 @@ class LLMEngine:
             return None
         for seq in seqs:
             manager.may_append(seq, k + 1)
-        results = speculator.step(seqs, k, self.runner, manager)
-        return [self._append_tokens(seq, result.token_ids, result.logprobs)
-                for seq, result in zip(seqs, results, strict=True)]
-
-    def _append_tokens(self, seq: Sequence, token_ids: list[int], logprobs: list) -> RequestOutput:
-        """Append tokens one by one (stopping where the request finishes) as one delta."""
-        output = self._append_token(seq, token_ids[0], logprobs[0])
-        for token_id, logprob in zip(token_ids[1:], logprobs[1:], strict=True):
-            if output.finished:
-                break
-            more = self._append_token(seq, token_id, logprob)
-            output = dataclasses.replace(
-                more, new_token_ids=output.new_token_ids + more.new_token_ids, new_text=output.new_text + more.new_text,
-                logprobs=output.logprobs + more.logprobs)
-        return output
-
-    def _append_token(self, seq: Sequence, token_id: int, logprob: object) -> RequestOutput:
-        _, detokenizer = self._requests[seq.request_id]
-        params = seq.params
-        seq.append_token(token_id)
-        self._num_generated_tokens_total += 1
-        finish_reason = None
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
-            finish_reason = "stop"
-            new_text = detokenizer.flush()  # a stop token is never part of the text
-        else:
-            new_text = detokenizer.add_token(token_id)
-            if detokenizer.stopped:
-                finish_reason = "stop"
-            elif seq.num_output_tokens >= params.max_tokens:
-                finish_reason = "length"
-                new_text += detokenizer.flush()
-        if finish_reason is not None:
-            self.scheduler.finish(seq, finish_reason)
-            del self._requests[seq.request_id]
-        return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=[token_id],
-            new_text=new_text,
-            logprobs=[logprob] if logprob is not None else [],  # type: ignore[list-item]
-            finished=finish_reason is not None,
-            finish_reason=finish_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            num_output_tokens=seq.num_output_tokens,
-        )
+        outputs = []
+        for seq, result in zip(seqs, speculator.step(seqs, k, self.runner, manager), strict=True):
+            num_taken, text = self.scheduler.append_tokens(seq, result.token_ids)
+            self._num_generated_tokens_total += num_taken
+            if seq.is_finished:
+                del self._requests[seq.request_id]
+            outputs.append(_delta(seq, result.token_ids[:num_taken], text, result.logprobs[:num_taken]))
+        return outputs
 
     def precision(self) -> dict[str, str]:
         """The dtypes and quantisation this engine runs with (`auto` settings resolved for this CPU)."""
@@ -328,6 +305,20 @@ class LLMEngine:
             prefix_cache_hit_tokens=self.scheduler.prefix_cache_hit_tokens,
             num_generated_tokens_total=self._num_generated_tokens_total,
         )
+
+
+def _delta(seq: Sequence, token_ids: list[int], text: str, logprobs: list[TokenLogprob | None]) -> RequestOutput:
+    return RequestOutput(
+        request_id=seq.request_id,
+        new_token_ids=token_ids,
+        new_text=text,
+        logprobs=[logprob for logprob in logprobs if logprob is not None],
+        finished=seq.is_finished,
+        finish_reason=seq.finish_reason,
+        num_prompt_tokens=seq.num_prompt_tokens,
+        num_cached_tokens=seq.num_cached_tokens,
+        num_output_tokens=seq.num_output_tokens,
+    )
 
 
 class AsyncLLMEngine:
@@ -369,7 +360,6 @@ class AsyncLLMEngine:
         If the consumer stops iterating or is cancelled before the end (a client disconnect), the
         request is aborted and its KV blocks freed.
         """
-        self.engine.check_request(prompt_token_ids, params)  # reads only immutable configuration
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         with self._condition:
@@ -428,9 +418,7 @@ class AsyncLLMEngine:
             self._deliver(request_id, exc)
 
     def _abort(self, request_id: str) -> None:
-        entry = self.engine._requests.get(request_id)
-        self.engine.abort_request(request_id)
-        seq = entry[0] if entry else None
+        seq = self.engine.abort_request(request_id)
         self._deliver(request_id, RequestOutput(
             request_id=request_id, new_token_ids=[], new_text="", logprobs=[], finished=True, finish_reason="abort",
             num_prompt_tokens=seq.num_prompt_tokens if seq else 0,
@@ -464,10 +452,10 @@ class AsyncLLMEngine:
                 outputs = self.engine.step()
             except Exception as exc:  # keep serving others: fail every in-flight request, free its blocks
                 logger.exception("engine step failed")
-                for request_id in list(self.engine._requests):
-                    self.engine.abort_request(request_id)
+                for request_id in self.engine.abort_all():
                     self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"))
                 outputs = []
+            # Before delivering: a consumer that has an output sees statistics that count it.
+            self._stats = self.engine.stats()
             for output in outputs:
                 self._deliver(output.request_id, output)
-            self._stats = self.engine.stats()

@@ -41,21 +41,15 @@ class ModelRunner:
                           for _ in range(config.num_hidden_layers)]
 
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Compute the batch; return float32 logits [S, V] for the S sequences whose step completes their tokens.
-
-        Only those sequences get logits (a prefill chunk that stops mid-prompt needs none), and
-        only their last row goes through the LM head.
+        """Compute the batch; return float32 logits [S, V] for the S sequences that sample this step
+        (`batch.sampled`, in that order). Only their last row goes through the LM head.
         """
         spans = []
-        sample_seqs: list[Sequence] = []
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            wants_logits = end == seq.num_tokens
-            logits = "last" if wants_logits else "none"
-            spans.append(TokenSpan(seq.token_ids[start:end], start, seq.block_table, logits))
-            if wants_logits:
-                sample_seqs.append(seq)
-        return self.forward(spans), sample_seqs
+        for seq, num_new, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples, strict=True):
+            start = seq.num_computed_tokens
+            spans.append(TokenSpan(seq.token_ids[start:start + num_new], start, seq.block_table,
+                                   "last" if samples else "none"))
+        return self.forward(spans), batch.sampled
 
     @torch.inference_mode()
     def forward(self, spans: list[TokenSpan]) -> torch.Tensor:

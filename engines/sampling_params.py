@@ -5,7 +5,9 @@ from dataclasses import dataclass, field
 
 @dataclass
 class SamplingParams:
-    """Per-request decoding parameters. temperature 0 means greedy."""
+    """Per-request decoding parameters. temperature 0 means greedy.
+
+    Invariants, asserted: callers with user input check it first (`engines.api.rules`)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -19,16 +21,11 @@ class SamplingParams:
     top_logprobs: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        if not 0 <= self.top_logprobs <= 20:
-            raise ValueError("top_logprobs must be between 0 and 20")
+        assert self.temperature >= 0, "temperature must be >= 0"
+        assert 0 < self.top_p <= 1, "top_p must be in (0, 1]"
+        assert self.top_k >= 0, "top_k must be >= 0"
+        assert self.max_tokens >= 1, "max_tokens must be >= 1"
+        assert 0 <= self.top_logprobs <= 20, "top_logprobs must be between 0 and 20"
 
     @property
     def greedy(self) -> bool:

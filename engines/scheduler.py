@@ -6,11 +6,17 @@ rest of the budget admits waiting sequences (FCFS), whose prompts are prefilled 
 steps when they do not fit. When the KV cache runs out, the most recently admitted running
 sequence is preempted: its blocks are freed and it is recomputed later (its prefix may still be
 in the prefix cache), so memory pressure slows the engine down but never crashes it.
+
+The scheduler is also the one place that decides, for each step, which sequences sample a token
+(those whose step completes their tokens: `ScheduledBatch.sampled`) and which finish
+(`postprocess`: a stop token, a stop string, or `max_tokens`), as nano-vllm's scheduler does.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from engines.block_manager import BlockManager
@@ -19,10 +25,19 @@ from engines.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
-    """The work of one step: `num_new_tokens[i]` tokens of `seqs[i]`, starting at its `num_computed_tokens`."""
+    """The work of one step: `num_new_tokens[i]` tokens of `seqs[i]`, starting at its `num_computed_tokens`.
+
+    `samples[i]`: the step completes `seqs[i]`'s tokens, so a token is sampled for it (a prefill
+    chunk that stops mid-prompt samples none). Fixed when the batch is made, before it runs."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    samples: list[bool] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = [
+            seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(self.seqs, self.num_new_tokens, strict=True)
+        ]
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -31,12 +46,19 @@ class ScheduledBatch:
     def num_batched_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    @property
+    def sampled(self) -> list[Sequence]:
+        """The sequences that sample a token this step, in batch order."""
+        return [seq for seq, samples in zip(self.seqs, self.samples, strict=True) if samples]
+
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 eos_token_ids: Iterable[int] = ()) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -53,7 +75,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
+        seqs: list[Sequence] = []
+        num_new_tokens: list[int] = []
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()  # ids of scheduled sequences
         num_preempted_before = self.num_preempted_total
@@ -69,8 +92,8 @@ class Scheduler:
             if not self._make_room(seq, num_new, scheduled):
                 continue
             self.block_manager.may_append(seq, num_new)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(num_new)
+            seqs.append(seq)
+            num_new_tokens.append(num_new)
             scheduled.add(id(seq))
             budget -= num_new
         preempted = self.num_preempted_total > num_preempted_before
@@ -92,20 +115,49 @@ class Scheduler:
                 self.prefix_cache_hit_tokens += seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(num_new)
+            seqs.append(seq)
+            num_new_tokens.append(num_new)
             budget -= num_new
-        return batch
+        return ScheduledBatch(seqs, num_new_tokens)
 
     def advance(self, batch: ScheduledBatch) -> list[Sequence]:
         """Record that the batch was computed; return the sequences that now need a sampled token."""
-        need_token = []
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += num_new
             self.block_manager.cache_computed_blocks(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                need_token.append(seq)
-        return need_token
+        return batch.sampled
+
+    def postprocess(self, batch: ScheduledBatch, token_ids: Seq[int]) -> list[str]:
+        """Record a computed step: every sequence advances, each of `batch.sampled` takes its sampled
+        token, and those the token ends are finished. Returns the text each token adds."""
+        return [self._append(seq, token_id) for seq, token_id in zip(self.advance(batch), token_ids, strict=True)]
+
+    def append_tokens(self, seq: Sequence, token_ids: Seq[int]) -> tuple[int, str]:
+        """Append the tokens of one speculative round (computed and advanced by the speculator) in order,
+        up to the one that finishes `seq`. Returns how many were taken and the text they add."""
+        texts = []
+        for token_id in token_ids:
+            texts.append(self._append(seq, token_id))
+            if seq.is_finished:
+                break
+        return len(texts), "".join(texts)
+
+    def _append(self, seq: Sequence, token_id: int) -> str:
+        """Append a sampled token and finish `seq` if it ends it: a stop token (never part of the text),
+        a stop string (the detokenizer matches it), or `max_tokens` reached."""
+        params, detokenizer = seq.params, seq.detokenizer
+        assert detokenizer is not None, "sequences that sample carry a detokenizer"
+        seq.append_token(token_id)
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            self.finish(seq, "stop")
+            return detokenizer.flush()
+        text = detokenizer.add_token(token_id)
+        if detokenizer.stopped:
+            self.finish(seq, "stop")
+        elif seq.num_output_tokens >= params.max_tokens:
+            self.finish(seq, "length")
+            text += detokenizer.flush()
+        return text
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire `seq` (running or waiting) and free its blocks."""

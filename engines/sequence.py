@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 import torch
 
 from engines.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engines.detokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(Enum):
@@ -24,7 +28,8 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | None = None,
+                 detokenizer: IncrementalDetokenizer | None = None) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -39,6 +44,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.params = params
         self.generator = generator  # per-request RNG: same seed, same samples, whatever the batch
+        self.detokenizer = detokenizer  # output text as tokens come, and stop-string matches
         self.finish_reason: str | None = None
         self.was_admitted = False  # prefix-cache statistics are counted on the first admission only
 

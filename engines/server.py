@@ -21,9 +21,8 @@ from litestar.di import NamedDependency, Provide
 from litestar.exceptions import HTTPException
 from litestar.response import Response, Stream
 
-from engines.metrics import EngineMetrics
-from engines.protocol import (
-    SSE_DONE,
+from engines.api.errors import APIError
+from engines.api.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -34,10 +33,12 @@ from engines.protocol import (
     ModelCard,
     ModelList,
     encode,
-    sse_event,
     wants_stream_usage,
 )
-from engines.serving import OpenAIError, OpenAIServing, decode_request, is_usage_chunk
+from engines.api.rules import check_request, decode_request
+from engines.api.sse import sse_events
+from engines.metrics import EngineMetrics
+from engines.serving import OpenAIServing
 from engines.tiers import TierSpec
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ def _error_response(status_code: int, detail: ErrorDetail) -> Response[bytes]:
     return Response(encode(ErrorResponse(error=detail)), status_code=status_code, media_type=JSON)
 
 
-def _openai_error_handler(_: Request, exc: OpenAIError) -> Response[bytes]:
+def _api_error_handler(_: Request, exc: APIError) -> Response[bytes]:
     return _error_response(exc.status_code, exc.detail)
 
 
@@ -63,9 +64,7 @@ def _internal_error_handler(_: Request, exc: Exception) -> Response[bytes]:
     return _error_response(500, ErrorDetail(message=f"internal error: {type(exc).__name__}", type="server_error"))
 
 
-async def _sse(
-    stream: AsyncGenerator[ChatCompletionChunk | Completion, None], include_usage: bool
-) -> Stream:
+async def _sse(stream: AsyncGenerator[ChatCompletionChunk | Completion, None], include_usage: bool) -> Stream:
     """Server-sent events of a stream. Its first chunk is awaited before the response starts, so a
     request the engine refuses still gets a plain JSON error with its status code."""
     try:
@@ -73,24 +72,7 @@ async def _sse(
     except BaseException:
         await stream.aclose()
         raise
-
-    async def events() -> AsyncGenerator[bytes, None]:
-        try:
-            chunk: ChatCompletionChunk | Completion | None = first
-            while chunk is not None:
-                if include_usage or not is_usage_chunk(chunk):
-                    yield sse_event(chunk)
-                chunk = await anext(stream, None)
-        except OpenAIError as exc:  # the status line is already sent; report in-band, as OpenAI does
-            yield sse_event(exc.response())
-        except Exception as exc:
-            logger.exception("stream failed", exc_info=exc)
-            yield sse_event(ErrorResponse(error=ErrorDetail(message=f"internal error: {exc}", type="server_error")))
-        finally:
-            await stream.aclose()
-        yield SSE_DONE
-
-    body = events()
+    body = sse_events(first, stream, include_usage)
     # Litestar stops iterating on disconnect but leaves the generator suspended; closing it right
     # after the response ends is what aborts the engine requests deterministically.
     return Stream(
@@ -103,9 +85,9 @@ async def _sse(
 
 def _check_model(requested: str, serving: OpenAIServing) -> None:
     if requested != serving.model_name:
-        raise OpenAIError(
+        raise APIError(
+            404,
             f"The model {requested!r} does not exist on this server; it serves {serving.model_name!r}",
-            status_code=404,
             param="model",
             code="model_not_found",
         )
@@ -117,6 +99,7 @@ async def chat_completions(
 ) -> Response[Any]:
     body = decode_request(await request.body(), ChatCompletionRequest)
     _check_model(body.model, serving)
+    check_request(body)
     if body.stream:
         return await _sse(serving.chat_stream(body), wants_stream_usage(body.stream_options))
     completion: ChatCompletion = await serving.chat(body)
@@ -127,6 +110,7 @@ async def chat_completions(
 async def completions(request: Request[Any, Any, Any], serving: NamedDependency[OpenAIServing]) -> Response[Any]:
     body = decode_request(await request.body(), CompletionRequest)
     _check_model(body.model, serving)
+    check_request(body)
     if body.stream:
         return await _sse(serving.complete_stream(body), wants_stream_usage(body.stream_options))
     completion: Completion = await serving.complete(body)
@@ -157,9 +141,7 @@ def _api_key_guard(api_key: str) -> Any:
             return
         given = request.headers.get("authorization", "").encode()
         if not hmac.compare_digest(given, expected):
-            raise OpenAIError(
-                "Incorrect API key provided.", status_code=401, param=None, code="invalid_api_key"
-            )
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
     return before_request
 
@@ -179,7 +161,7 @@ def create_engine_app(
             "metrics": Provide(lambda: metrics, sync_to_thread=False),
         },
         exception_handlers={
-            OpenAIError: _openai_error_handler,
+            APIError: _api_error_handler,
             HTTPException: _http_error_handler,
             Exception: _internal_error_handler,
         },

@@ -2,296 +2,66 @@
 engine deltas become `ChatCompletion` / `ChatCompletionChunk` / `Completion` objects.
 
 This is the one place that does the mapping; the engine server and the gateway's in-process
-client both call it. Streams always end with a usage-only chunk (`choices: []`, `usage` set),
-whether or not the client asked for `stream_options.include_usage`: in-process callers charge
-from it, and the HTTP layer drops it when the client did not ask.
+client both call it. Requests arrive checked (`engines.api.rules.check_request`, run once at the
+edge: the engine server or the gateway); what is checked here are the rules of this model.
+
+Streams always end with a usage-only chunk (`choices: []`, `usage` set), whether or not the client
+asked for `stream_options.include_usage`: in-process callers charge from it, and the HTTP layer
+drops it when the client did not ask.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING
 
-import msgspec
-
-from engines.outputs import RequestOutput
-from engines.outputs import TokenLogprob as EngineTokenLogprob
-from engines.protocol import (
+from engines.api.errors import APIError
+from engines.api.prompts import PromptTokenizer, chat_prompt_token_ids, completion_prompts, count_prompt_tokens
+from engines.api.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatMessage,
     ChoiceLogprobs,
     Completion,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     DeltaMessage,
-    ErrorDetail,
-    ErrorResponse,
     TokenLogprob,
     TopLogprob,
     Usage,
     new_id,
     now,
-    stop_list,
 )
+from engines.api.rules import Decoding, check_token_ids, decoding, max_tokens_for
+from engines.outputs import RequestOutput
+from engines.outputs import TokenLogprob as EngineTokenLogprob
 from engines.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engines.llm_engine import AsyncLLMEngine
     from engines.metrics import EngineMetrics
-
-MAX_N = 16
-MAX_STOP_STRINGS = 4
-MAX_TOP_LOGPROBS_CHAT = 20
-MAX_LOGPROBS_COMPLETION = 5  # OpenAI's limit for the legacy completions endpoint
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+    from engines.tiers import TierSpec
 
 
-class OpenAIError(Exception):
-    """A request the API refuses, carrying the OpenAI error body and its HTTP status.
-
-    Raised by `OpenAIServing` and `HttpEngineClient`; the engine server and the gateway both turn it
-    into `{"error": {...}}` with `status_code`.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status_code: int = 400,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.detail = ErrorDetail(message=message, type=type, param=param, code=code)
-
-    @classmethod
-    def from_detail(cls, detail: ErrorDetail, status_code: int) -> OpenAIError:
-        return cls(detail.message, status_code=status_code, type=detail.type, param=detail.param, code=detail.code)
-
-    def response(self) -> ErrorResponse:
-        return ErrorResponse(error=self.detail)
-
-
-def invalid(message: str, param: str | None = None, code: str | None = "invalid_value") -> OpenAIError:
-    return OpenAIError(message, param=param, code=code)
-
-
-RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest)
-_ERROR_PATH = re.compile(r"at `\$\.?([^`]*)`")
-
-
-def decode_request(body: bytes, request_type: type[RequestT]) -> RequestT:
-    """Parse a request body, turning malformed JSON and mistyped fields into a 400 naming the field."""
-    try:
-        return msgspec.json.decode(body, type=request_type)
-    except msgspec.ValidationError as exc:
-        path = _ERROR_PATH.search(str(exc))
-        param = path.group(1) if path and path.group(1) else None
-        raise invalid(f"invalid request: {exc}", param, "invalid_type") from exc
-    except msgspec.DecodeError as exc:
-        raise invalid(f"the request body is not valid JSON: {exc}", None, "invalid_json") from exc
-
-
-class PromptTokenizer(Protocol):
-    """What the OpenAI layer needs from `engines.tokenizer.Tokenizer`."""
-
-    vocab_size: int
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, token_ids: list[int]) -> str: ...
-
-    def apply_chat_template(self, messages: list[dict]) -> list[int]: ...
-
-    def token_text(self, token_id: int) -> str: ...
-
-    def token_bytes(self, token_id: int) -> bytes: ...
-
-
-# ---------------------------------------------------------------------------------------------
-# Requests → prompts and sampling parameters
-# ---------------------------------------------------------------------------------------------
-
-
-def chat_template_messages(messages: Sequence[ChatMessage]) -> list[dict]:
-    """Wire messages → the plain dicts a chat template reads. Only text content is supported."""
-    if not messages:
-        raise invalid("`messages` must contain at least one message", "messages", "empty_array")
-    converted = []
-    for i, message in enumerate(messages):
-        if message.role not in CHAT_ROLES:
-            raise invalid(
-                f"messages[{i}].role: unsupported role {message.role!r}; expected one of {sorted(CHAT_ROLES)}",
-                f"messages[{i}].role",
-            )
-        if isinstance(message.content, list):
-            for j, part in enumerate(message.content):
-                if part.type != "text":
-                    raise invalid(
-                        f"messages[{i}].content[{j}]: content of type {part.type!r} is not supported; "
-                        "this model reads text only",
-                        f"messages[{i}].content[{j}].type",
-                    )
-        # "developer" is OpenAI's newer name for the system role; open chat templates know only "system".
-        role = "system" if message.role == "developer" else message.role
-        converted.append({"role": role, "content": message.text()})
-    return converted
-
-
-def chat_prompt_token_ids(tokenizer: PromptTokenizer, request: ChatCompletionRequest) -> list[int]:
-    try:
-        return tokenizer.apply_chat_template(chat_template_messages(request.messages))
-    except ValueError as exc:  # no template, or the template rejects these messages (e.g. roles must alternate)
-        raise invalid(str(exc), "messages", "invalid_messages") from exc
-
-
-def completion_prompts(tokenizer: PromptTokenizer, request: CompletionRequest) -> list[list[int]]:
-    """One token-id list per prompt: a string, strings, token ids, or lists of token ids."""
-    prompt = request.prompt
-    if isinstance(prompt, str):
-        prompts = [tokenizer.encode(prompt)]
-    elif prompt and all(isinstance(p, int) for p in prompt):
-        prompts = [list(prompt)]  # type: ignore[arg-type]
-    elif prompt and all(isinstance(p, str) for p in prompt):
-        prompts = [tokenizer.encode(p) for p in prompt]  # type: ignore[arg-type]
-    elif prompt and all(isinstance(p, list) for p in prompt):
-        prompts = [list(p) for p in prompt]  # type: ignore[arg-type]
-    else:
-        raise invalid("`prompt` must be a string, a list of strings, or token ids", "prompt", "invalid_type")
-    for i, ids in enumerate(prompts):
-        if not ids:
-            raise invalid(f"prompt {i} is empty", "prompt", "empty_prompt")
-    return prompts
-
-
-def _check_range(value: float | None, low: float, high: float, param: str, low_open: bool = False) -> None:
-    if value is None:
-        return
-    if value > high or value < low or (low_open and value == low):
-        bracket = "(" if low_open else "["
-        raise invalid(f"`{param}` must be in {bracket}{low}, {high}]; got {value}", param)
-
-
-@dataclass(frozen=True)
-class _Decoding:
-    """The request fields shared by both endpoints, validated once."""
-
-    temperature: float | None
-    top_p: float | None
-    top_k: int | None
-    n: int
-    stop: list[str]
-    seed: int | None
-    output_limit: int | None
-    logprobs: bool
-    top_logprobs: int
-    output_limit_param: str
-
-
-def _validated(decoding: _Decoding) -> _Decoding:
-    _check_range(decoding.temperature, 0.0, 2.0, "temperature")
-    _check_range(decoding.top_p, 0.0, 1.0, "top_p", low_open=True)
-    if decoding.top_k is not None and decoding.top_k < -1:
-        raise invalid("`top_k` must be -1 or 0 (off) or a positive number of tokens", "top_k")
-    if not 1 <= decoding.n <= MAX_N:
-        raise invalid(f"`n` must be between 1 and {MAX_N}; got {decoding.n}", "n")
-    if len(decoding.stop) > MAX_STOP_STRINGS:
-        raise invalid(f"`stop` takes at most {MAX_STOP_STRINGS} sequences; got {len(decoding.stop)}", "stop")
-    if decoding.output_limit is not None and decoding.output_limit < 1:
-        raise invalid(
-            f"`{decoding.output_limit_param}` must be at least 1; got {decoding.output_limit}",
-            decoding.output_limit_param,
-        )
-    return decoding
-
-
-def _sampling_params(decoding: _Decoding, num_prompt_tokens: int, max_model_len: int, choice: int) -> SamplingParams:
-    remaining = max_model_len - num_prompt_tokens
-    if remaining < 1:
-        raise OpenAIError(
-            f"This model's maximum context length is {max_model_len} tokens; the prompt has {num_prompt_tokens} "
-            "tokens, leaving no room for a completion.",
-            param="messages",
-            code="context_length_exceeded",
-        )
-    max_tokens = decoding.output_limit if decoding.output_limit is not None else remaining
-    if max_tokens > remaining:
-        raise OpenAIError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
-            f"completion). Please reduce the prompt or `{decoding.output_limit_param}`.",
-            param=decoding.output_limit_param,
-            code="context_length_exceeded",
-        )
+def sampling_params(d: Decoding, max_tokens: int, choice: int) -> SamplingParams:
+    """The engine's parameters for choice `choice` of a checked request."""
     return SamplingParams(
-        temperature=1.0 if decoding.temperature is None else decoding.temperature,
-        top_p=1.0 if decoding.top_p is None else decoding.top_p,
-        top_k=max(decoding.top_k or 0, 0),
+        temperature=1.0 if d.temperature is None else d.temperature,
+        top_p=1.0 if d.top_p is None else d.top_p,
+        top_k=max(d.top_k or 0, 0),
         max_tokens=max_tokens,
         # Siblings of an `n` > 1 request must differ, yet stay reproducible under a seed.
-        seed=None if decoding.seed is None else decoding.seed + choice,
-        stop=decoding.stop,
-        logprobs=decoding.logprobs,
-        top_logprobs=decoding.top_logprobs,
-    )
-
-
-def _chat_decoding(request: ChatCompletionRequest) -> _Decoding:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(request, name):
-            raise invalid(f"`{name}` is not supported by this engine; omit it or send 0", name, "unsupported_parameter")
-    if request.top_logprobs is not None:
-        if not request.logprobs:
-            raise invalid("`top_logprobs` requires `logprobs` to be true", "top_logprobs")
-        _check_range(request.top_logprobs, 0, MAX_TOP_LOGPROBS_CHAT, "top_logprobs")
-    return _validated(
-        _Decoding(
-            temperature=request.temperature,
-            top_p=request.top_p,
-            top_k=request.top_k,
-            n=request.n,
-            stop=[s for s in stop_list(request.stop) if s],
-            seed=request.seed,
-            output_limit=request.output_limit(),
-            logprobs=request.logprobs,
-            top_logprobs=request.top_logprobs or 0,
-            output_limit_param="max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens",
-        )
-    )
-
-
-def _completion_decoding(request: CompletionRequest) -> _Decoding:
-    if request.logprobs is not None:
-        _check_range(request.logprobs, 0, MAX_LOGPROBS_COMPLETION, "logprobs")
-        if request.echo:
-            raise invalid(
-                "`echo` together with `logprobs` (prompt logprobs) is not supported", "echo", "unsupported_parameter"
-            )
-    return _validated(
-        _Decoding(
-            temperature=request.temperature,
-            top_p=request.top_p,
-            top_k=request.top_k,
-            n=request.n,
-            stop=[s for s in stop_list(request.stop) if s],
-            seed=request.seed,
-            output_limit=request.max_tokens,
-            logprobs=request.logprobs is not None,
-            top_logprobs=request.logprobs or 0,
-            output_limit_param="max_tokens",
-        )
+        seed=None if d.seed is None else d.seed + choice,
+        stop=d.stop,
+        logprobs=d.logprobs,
+        top_logprobs=d.top_logprobs,
     )
 
 
@@ -413,34 +183,31 @@ class OpenAIServing:
 
     def count_prompt_tokens(self, request: ChatCompletionRequest | CompletionRequest) -> int:
         """Prompt tokens as this engine counts them (chat template applied), over all prompts of a batch."""
-        if isinstance(request, ChatCompletionRequest):
-            return len(chat_prompt_token_ids(self.tokenizer, request))
-        return sum(len(ids) for ids in completion_prompts(self.tokenizer, request))
+        return count_prompt_tokens(self.tokenizer, request)
 
     # -- building engine calls --------------------------------------------------------------
 
-    def _calls(self, request_id: str, prompts: list[list[int]], decoding: _Decoding) -> list[EngineCall]:
-        vocab_size = self.tokenizer.vocab_size
+    def _calls(self, request_id: str, prompts: list[list[int]], d: Decoding) -> list[EngineCall]:
+        check_token_ids(prompts, self.tokenizer.vocab_size)
         calls = []
         for prompt_index, prompt in enumerate(prompts):
-            if any(not 0 <= t < vocab_size for t in prompt):
-                raise invalid(f"prompt {prompt_index} has token ids outside [0, {vocab_size})", "prompt")
-            for i in range(decoding.n):
-                index = prompt_index * decoding.n + i
-                params = _sampling_params(decoding, len(prompt), self.max_model_len, i)
+            max_tokens = max_tokens_for(d, len(prompt), self.max_model_len)
+            for i in range(d.n):
+                index = prompt_index * d.n + i
+                params = sampling_params(d, max_tokens, i)
                 calls.append(EngineCall(index, prompt_index, f"{request_id}-{index}", prompt, params))
         return calls
 
     def prepare_chat(self, request: ChatCompletionRequest) -> list[EngineCall]:
-        """Validate a chat request and map it to engine calls; raises OpenAIError."""
-        decoding = _chat_decoding(request)
+        """Map a checked chat request to engine calls; raises APIError on the rules of this model
+        (context length, token ids)."""
         prompt = chat_prompt_token_ids(self.tokenizer, request)
-        return self._calls(new_id("chatcmpl"), [prompt], decoding)
+        return self._calls(new_id("chatcmpl"), [prompt], decoding(request))
 
     def prepare_completion(self, request: CompletionRequest) -> list[EngineCall]:
-        """Validate a text-completion request and map it to engine calls; raises OpenAIError."""
-        decoding = _completion_decoding(request)
-        return self._calls(new_id("cmpl"), completion_prompts(self.tokenizer, request), decoding)
+        """Map a checked text-completion request to engine calls; raises APIError on the rules of
+        this model (context length, token ids)."""
+        return self._calls(new_id("cmpl"), completion_prompts(self.tokenizer, request), decoding(request))
 
     # -- running ----------------------------------------------------------------------------
 
@@ -456,7 +223,7 @@ class OpenAIServing:
                 self._record(states[position], output, started)
                 yield calls[position], output
         except ValueError as exc:  # the engine refuses requests it can never schedule
-            raise OpenAIError(str(exc), code="invalid_request") from exc
+            raise APIError(400, str(exc), code="invalid_request") from exc
         finally:
             await outputs.aclose()
 
@@ -542,7 +309,7 @@ class OpenAIServing:
         )
 
     def chat_stream(self, request: ChatCompletionRequest) -> AsyncGenerator[ChatCompletionChunk, None]:
-        """Validates now (raising OpenAIError), then streams: each choice's first chunk carries the
+        """Validates now (raising APIError), then streams: each choice's first chunk carries the
         assistant role, its last one the finish reason; a usage-only chunk always comes last."""
         return self._chat_chunks(request, self.prepare_chat(request))
 
@@ -611,7 +378,7 @@ class OpenAIServing:
         )
 
     def complete_stream(self, request: CompletionRequest) -> AsyncGenerator[Completion, None]:
-        """Validates now (raising OpenAIError), then streams text deltas; a usage-only chunk comes last."""
+        """Validates now (raising APIError), then streams text deltas; a usage-only chunk comes last."""
         return self._completion_chunks(request, self.prepare_completion(request))
 
     async def _completion_chunks(
@@ -649,3 +416,51 @@ def is_usage_chunk(chunk: ChatCompletionChunk | Completion) -> bool:
     """The usage-only chunk that ends every stream of this layer."""
     return not chunk.choices and chunk.usage is not None
 
+
+
+# ---------------------------------------------------------------------------------------------
+# The serving layer as a tier client
+# ---------------------------------------------------------------------------------------------
+
+
+class InProcessEngineClient:
+    """A tier whose engine runs in this process (an `engines.api.client.EngineClient`). The client
+    owns the engine: `close()` shuts it down.
+
+    Streams end with a usage-only chunk (`choices: []`) whatever `stream_options` says."""
+
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+        self.model_name = serving.model_name
+
+    def count_prompt_tokens(self, request: ChatCompletionRequest | CompletionRequest) -> int:
+        return self.serving.count_prompt_tokens(request)
+
+    async def chat(self, request: ChatCompletionRequest) -> ChatCompletion:
+        return await self.serving.chat(request)
+
+    def chat_stream(self, request: ChatCompletionRequest) -> AsyncGenerator[ChatCompletionChunk, None]:
+        return self.serving.chat_stream(request)
+
+    async def complete(self, request: CompletionRequest) -> Completion:
+        return await self.serving.complete(request)
+
+    def complete_stream(self, request: CompletionRequest) -> AsyncGenerator[Completion, None]:
+        return self.serving.complete_stream(request)
+
+    async def ready(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        await self.serving.engine.shutdown()
+
+
+def build_in_process_client(spec: TierSpec, cache_dir: str | None = None) -> InProcessEngineClient:
+    """Load the tier's model (slow: seconds to a minute; run it in a thread from async code) and wrap
+    it as a client. The engine steps on its own thread; any event loop may consume its streams."""
+    from engines.llm_engine import AsyncLLMEngine, LLMEngine
+    from engines.metrics import EngineMetrics
+
+    async_engine = AsyncLLMEngine(LLMEngine(spec.engine_config(cache_dir)))
+    metrics = EngineMetrics(spec.served_name, async_engine.stats, async_engine.engine.precision())
+    return InProcessEngineClient(OpenAIServing(async_engine, spec.served_name, metrics=metrics))

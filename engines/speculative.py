@@ -37,6 +37,7 @@ from engines.block_manager import BlockManager
 from engines.model_runner import ModelRunner, TokenSpan
 from engines.outputs import TokenLogprob
 from engines.sampler import filtered_probs, token_logprobs
+from engines.scheduler import ScheduledBatch
 from engines.sequence import Sequence
 
 _EMA_WEIGHT = 0.1  # weight of the newest round in the running average of α
@@ -131,14 +132,16 @@ class Speculator:
         self.stats = SpeculativeStats()
         self._alpha = 0.8  # optimistic start: k begins high and settles as rounds are judged
 
-    def sync(self, seqs: list[Sequence]) -> None:
-        """After a plain step: let the drafter compute the K/V the target just did."""
+    def sync(self, batch: ScheduledBatch) -> None:
+        """With a plain step (after the target ran it, before it is postprocessed): let the drafter
+        compute the K/V the target just did."""
         spans = []
-        for seq in seqs:
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            end = seq.num_computed_tokens + num_new
             start = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
-            if start < seq.num_computed_tokens:
-                spans.append(TokenSpan(seq.token_ids[start:seq.num_computed_tokens], start, seq.block_table, "none"))
-            seq.num_draft_computed_tokens = seq.num_computed_tokens
+            if start < end:
+                spans.append(TokenSpan(seq.token_ids[start:end], start, seq.block_table, "none"))
+            seq.num_draft_computed_tokens = end
         if spans:
             self.runner.forward(spans)
 

@@ -51,6 +51,8 @@ ROLLUP_COUNTERS = (
     "completion_tokens",
     "cached_tokens",
     "cost_usd",
+    "semantic_cache_hits",
+    "cost_saved_usd",
 )
 
 
@@ -91,6 +93,11 @@ class RequestRecord:
     itl_ms_mean: float | None = None
     status: int = 200  # HTTP status returned
     error_code: str | None = None
+    cache_similarity: float | None = None  # of a semantic hit
+    cost_saved_usd: float = 0.0  # what a cache hit saved: the cost of generating the answer
+    used_tools: bool = False
+    response_format: str | None = None  # json_object | json_schema
+    priority: str = "interactive"  # interactive | batch
 
     def row(self) -> dict[str, Any]:
         """The `requests` row; `created_at` normalised to UTC (SQLite stores it without offset)."""
@@ -122,6 +129,8 @@ def rollup_contribution(record: RequestRecord) -> tuple[tuple[date, str, str, st
         record.completion_tokens,
         record.cached_tokens,
         float(record.cost_usd),
+        int(record.cache_status == "semantic"),
+        float(record.cost_saved_usd),
     )
     return key, counts
 

@@ -16,42 +16,42 @@ from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
 from redis.asyncio import Redis
 
-from engines.client import EngineClient
+from engines.api.client import EngineClient
+from engines.api.errors import APIError, validation_error
+from gateway.assembly import build_client
 from gateway.config import Settings
 from gateway.controllers.admin import AdminKeysController, provide_db
 from gateway.controllers.http import provide_gateway
 from gateway.controllers.openai import OpenAIController
 from gateway.controllers.ops import OpsController
 from gateway.counters import CounterStore, InProcessCounterStore, LocalFallbackCounterStore, RedisCounterStore
-from gateway.db.engine import make_engine
-from gateway.errors import GatewayError, from_validation_message
+from gateway.db.database import make_database
 from gateway.keys import DEFAULT_KEY_CACHE_TTL_S, KeyCache
 from gateway.metrics import Metrics
 from gateway.pipeline import Gateway, RecordSink, RequestState
-from gateway.tiers import build_client
 
 log = logging.getLogger("sluice.gateway")
 
 
-def _as_gateway_error(exc: Exception) -> GatewayError:
-    if isinstance(exc, GatewayError):
+def _as_gateway_error(exc: Exception) -> APIError:
+    if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ValidationException):
         # Litestar reports body decoding problems here: malformed JSON, wrong types, missing fields.
         for item in exc.extra if isinstance(exc.extra, list) else []:
             if isinstance(item, dict) and item.get("message"):
-                error = from_validation_message(str(item["message"]))
+                error = validation_error(str(item["message"]))
                 if error.param is None and item.get("key") not in (None, "data"):
                     error.param = str(item["key"])
                 return error
-        return GatewayError(400, exc.detail or "Invalid request body.", code="invalid_request")
+        return APIError(400, exc.detail or "Invalid request body.", code="invalid_request")
     if isinstance(exc, HTTPException):
         if exc.status_code == 400 and "JSON" in exc.detail:
-            return GatewayError(400, f"The request body is not valid JSON: {exc.detail}", code="invalid_json")
+            return APIError(400, f"The request body is not valid JSON: {exc.detail}", code="invalid_json")
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
-        return GatewayError(exc.status_code, exc.detail, code=code, headers=exc.headers)
+        return APIError(exc.status_code, exc.detail, code=code, headers=exc.headers)
     log.exception("unhandled error", exc_info=exc)
-    return GatewayError(500, "The gateway failed to handle the request.", code="internal_error")
+    return APIError(500, "The gateway failed to handle the request.", code="internal_error")
 
 
 def handle_exception(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:
@@ -63,8 +63,8 @@ def handle_exception(request: Request[Any, Any, Any], exc: Exception) -> Respons
         headers["x-request-id"] = state.response_id or state.request_id
         gateway: Gateway | None = request.app.state.get("gateway")
         if gateway is not None:
-            gateway.finish(state, error.status, error.code)
-    return Response(error.body(), status_code=error.status, media_type="application/json", headers=headers)
+            gateway.finish(state, error.status_code, error.code)
+    return Response(error.body(), status_code=error.status_code, media_type="application/json", headers=headers)
 
 
 def create_app(
@@ -81,7 +81,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
-            db = make_engine(settings.database.url, pool_size=settings.database.pool_size)
+            db = make_database(settings.database.url, pool_size=settings.database.pool_size)
             stack.push_async_callback(db.dispose)
             sink = record_sink
             if sink is None:

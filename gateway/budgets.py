@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import msgspec
 
-from engines.client import EngineClient
-from engines.protocol import ChatCompletionRequest, CompletionRequest
+from engines.api.client import EngineClient
+from engines.api.errors import APIError
+from engines.api.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.config import PolicyConfig
 from gateway.counters import Admission, Limits
-from gateway.errors import GatewayError
 
 Request = ChatCompletionRequest | CompletionRequest
 
@@ -25,7 +25,7 @@ def count_prompt_tokens(client: EngineClient, request: Request) -> int:
 
 def check_prompt_length(prompt_tokens: int, policy: PolicyConfig) -> None:
     if prompt_tokens > policy.max_prompt_tokens:
-        raise GatewayError(
+        raise APIError(
             400,
             f"The prompt has {prompt_tokens} tokens, more than this key's limit of {policy.max_prompt_tokens}. "
             "Shorten the prompt.",
@@ -55,7 +55,7 @@ def limits_of(policy: PolicyConfig) -> Limits:
     )
 
 
-def refusal(admission: Admission, limits: Limits) -> GatewayError:
+def refusal(admission: Admission, limits: Limits) -> APIError:
     """The 429 for a request the counters refused."""
     retry = {"Retry-After": str(admission.retry_after_s)}
     match admission.refused_by:
@@ -72,4 +72,4 @@ def refusal(admission: Admission, limits: Limits) -> GatewayError:
     else:
         code, error_type = "budget_exceeded", "insufficient_quota"  # OpenAI's type for an exhausted quota
     message = f"{message} Retry after {admission.retry_after_s} s."
-    return GatewayError(429, message, code=code, error_type=error_type, headers=retry)
+    return APIError(429, message, code=code, type=error_type, headers=retry)

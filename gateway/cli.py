@@ -124,12 +124,12 @@ def _parse_policy(pairs: Sequence[str]) -> dict[str, object]:
 
 def cmd_keys(args: argparse.Namespace) -> int:
     from gateway import keys
-    from gateway.db.engine import make_engine
+    from gateway.db.database import make_database
 
     settings = _settings(args)
 
     async def run() -> object:
-        engine = make_engine(settings.database.url)
+        engine = make_database(settings.database.url)
         try:
             if args.action == "create":
                 return await keys.create_key(

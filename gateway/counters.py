@@ -17,22 +17,20 @@ with `redis.when_unavailable = "local"`, counts in this replica's memory until R
 
 from __future__ import annotations
 
-import asyncio
 import calendar
 import functools
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar
 
-import hiredis
 from redis.asyncio import Redis
-from redis.asyncio.connection import Connection, UnixDomainSocketConnection
 from redis.commands.core import AsyncScript
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
+
+from gateway.redis_client import MultiplexedRedis
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -173,148 +171,30 @@ return 0
 """
 
 
-def _settled(timer: asyncio.TimerHandle, reply: asyncio.Future[Any]) -> None:
-    timer.cancel()
-    if not reply.cancelled():
-        reply.exception()  # retrieved: a batch that failed early leaves later replies unread
-
-
-class _MultiplexedConnection(asyncio.Protocol):
-    """One Redis connection shared by every request: each command is written as it comes and its
-    reply matched to it in order (Redis answers in order). No connection checkout, no lock, and
-    commands of concurrent requests share packets."""
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self._parser = hiredis.Reader()
-        self._waiters: deque[asyncio.Future[Any]] = deque()
-        self.closed = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        self._parser.feed(data)
-        while (reply := self._parser.gets()) is not False:
-            waiter = self._waiters.popleft()
-            if waiter.done():
-                continue  # its caller timed out or was cancelled
-            if isinstance(reply, hiredis.ReplyError):
-                waiter.set_exception(ResponseError(str(reply)))
-            else:
-                waiter.set_result(reply)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_exception(ConnectionError(f"Redis connection lost: {exc or 'closed by the server'}"))
-
-    def close(self) -> None:
-        self.closed = True
-        if self.transport is not None:
-            self.transport.close()
-
-    def send(self, *args: str | int | float | bytes, timeout: float) -> asyncio.Future[Any]:
-        """Write one command now; the future gets its reply. Commands sent before awaiting any of
-        them go out together. A timeout closes the connection: its replies no longer line up."""
-        if self.closed or self.transport is None:
-            raise ConnectionError("Redis connection is closed")
-        loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
-        self._waiters.append(waiter)
-        self.transport.write(hiredis.pack_command(args))
-        timer = loop.call_later(timeout, self._time_out, waiter)
-        waiter.add_done_callback(functools.partial(_settled, timer))
-        return waiter
-
-    async def call(self, *args: str | int | float | bytes, timeout: float) -> Any:
-        return await self.send(*args, timeout=timeout)
-
-    def _time_out(self, waiter: asyncio.Future[Any]) -> None:
-        if not waiter.done():
-            waiter.set_exception(TimeoutError("Redis did not answer in time"))
-            self.close()
-
-
 class RedisCounterStore:
     """Counters in Redis, shared by every replica using the same `prefix`.
 
-    Admission and charges go over one multiplexed connection opened with the settings of `redis`
-    (host or unix socket, database, credentials; a TLS client goes through redis-py instead): an
-    admission is one write and one read, a batch of charges one write. Reads go through `redis`."""
+    Admission and charges go over one multiplexed connection (`gateway.redis_client`) opened with
+    the settings of `redis` (a TLS client goes through redis-py instead): an admission is one write
+    and one read, a batch of charges one write. Reads go through `redis`."""
 
     def __init__(self, redis: Redis, prefix: str = "sluice") -> None:
         self._redis = redis
         self._prefix = prefix
         self._admit = redis.register_script(_ADMIT_LUA)
         self._charge = redis.register_script(_CHARGE_LUA)
-        pool = redis.connection_pool
-        self._settings = pool.connection_kwargs
-        self._multiplexed = pool.connection_class in (Connection, UnixDomainSocketConnection)
-        self._connection: _MultiplexedConnection | None = None
-        self._connecting = asyncio.Lock()
+        self._multiplexed = MultiplexedRedis.of(redis)
 
     def _keys(self, subject: str, w: Windows) -> tuple[str, str, str, str]:
         # The hash tag keeps one subject's counters in one slot, so the script also runs on Redis Cluster.
         base = f"{self._prefix}:{{{subject}}}"
         return f"{base}:req:{w.minute}", f"{base}:tok:{w.minute}", f"{base}:usd:{w.day}", f"{base}:usd:{w.month}"
 
-    async def _connect(self) -> _MultiplexedConnection:
-        connection = self._connection
-        if connection is not None and not connection.closed:
-            return connection
-        async with self._connecting:
-            if self._connection is not None and not self._connection.closed:
-                return self._connection
-            settings = self._settings
-            loop = asyncio.get_running_loop()
-            async with asyncio.timeout(settings.get("socket_connect_timeout") or 5.0):
-                if settings.get("path"):
-                    _, connection = await loop.create_unix_connection(_MultiplexedConnection, settings["path"])
-                else:
-                    host, port = settings.get("host", "localhost"), settings.get("port", 6379)
-                    _, connection = await loop.create_connection(_MultiplexedConnection, host, port)
-                try:
-                    await self._handshake(connection)
-                except BaseException:
-                    connection.close()
-                    raise
-            self._connection = connection
-            return connection
-
-    async def _handshake(self, connection: _MultiplexedConnection) -> None:
-        settings, timeout = self._settings, self._timeout()
-        if settings.get("password"):
-            username = [settings["username"]] if settings.get("username") else []
-            await connection.call("AUTH", *username, settings["password"], timeout=timeout)
-        if settings.get("db"):
-            await connection.call("SELECT", settings["db"], timeout=timeout)
-
-    def _timeout(self) -> float:
-        return self._settings.get("socket_timeout") or 5.0
-
     async def _run_scripts(self, script: AsyncScript, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
-        """Run `script` once per (keys, args), all sent before the first reply is awaited."""
-        if not self._multiplexed:
+        """Run `script` once per (keys, args): pipelined on the multiplexed connection, else through redis-py."""
+        if self._multiplexed is None:
             return [await script(keys=keys, args=args) for keys, args in calls]
-        connection = await self._connect()
-        timeout = self._timeout()
-        sent = [
-            connection.send("EVALSHA", script.sha, len(keys), *keys, *args, timeout=timeout) for keys, args in calls
-        ]
-        replies: list[Any] = []
-        for (keys, args), reply in zip(calls, sent, strict=True):
-            try:
-                replies.append(await reply)
-            except ResponseError as exc:
-                if not str(exc).startswith("NOSCRIPT"):
-                    raise
-                # Redis restarted or its scripts were flushed: send the script itself (cached again).
-                source = script.script
-                replies.append(await connection.call("EVAL", source, len(keys), *keys, *args, timeout=timeout))
-        return replies
+        return await self._multiplexed.run_scripts(script, calls)
 
     async def admit(self, subject: str, limits: Limits, prompt_tokens: int, now: float) -> Admission:
         w = Windows.at(now)
@@ -337,9 +217,8 @@ class RedisCounterStore:
         return Admission(refused_by, w.retry_after(refused_by))
 
     async def aclose(self) -> None:
-        if self._connection is not None:
-            self._connection.close()
-            self._connection = None
+        if self._multiplexed is not None:
+            self._multiplexed.close()
 
     async def charge_many(self, charges: Mapping[str, Charge], now: float) -> None:
         w = Windows.at(now)

@@ -1,8 +1,10 @@
-"""The request path, as plain code tested without HTTP.
+"""The request path, as plain code tested without HTTP: a sequence of small named steps.
 
-authenticate → route → count prompt tokens (target tier's tokenizer) → prompt/output budgets →
-admit (rate limits and spend, one atomic round trip) → call the tier, falling back when it is
-down → relay the answer → `finish`: the one `RequestRecord`, metrics, and the spend charge.
+authenticate (`gateway.auth`) → check the request (`engines.api.rules`) → route (`router`) →
+budget: count prompt tokens with the target tier's tokenizer, cap the output → admit (rate limits
+and spend, one atomic round trip) → call the tier, falling back when it is down (`gateway.fallback`)
+→ relay the answer (`gateway.relay`) → `finish`: the one `RequestRecord`, metrics, and the spend
+charge (`gateway.charges`).
 
 Every request that reaches the gateway ends in exactly one `finish`, success or not, streamed or
 not, the client still there or gone.
@@ -11,72 +13,48 @@ not, the client still there or gone.
 from __future__ import annotations
 
 import asyncio
-import logging
 import random
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
-from contextlib import suppress
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-import anyio
 import msgspec
 
-from engines.client import EngineClient, EngineUnavailable
-from engines.protocol import (
-    SSE_DONE,
+from engines.api.client import EngineClient
+from engines.api.errors import APIError, service_unavailable
+from engines.api.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
-    ErrorDetail,
-    ErrorResponse,
     StreamOptions,
     Usage,
-    sse_event,
     wants_stream_usage,
 )
-from engines.serving import OpenAIError, _chat_decoding, _completion_decoding
+from engines.api.rules import check_request
 from gateway.accounting import RequestRecord
+from gateway.auth import Authenticator, Principal
 from gateway.budgets import check_prompt_length, clamp_output, count_prompt_tokens, limits_of, refusal
+from gateway.charges import ChargeBatcher
 from gateway.config import PolicyConfig, Settings
 from gateway.cost import request_cost
 from gateway.counters import Charge, CounterStore, CountersUnavailable
-from gateway.errors import GatewayError, invalid_request, service_unavailable
-from gateway.keys import SECRET_PREFIX, KeyCache, KeyStoreUnavailable, effective_policy
+from gateway.fallback import Served, call_with_fallback, candidate_tiers, open_stream_with_fallback
+from gateway.keys import KeyCache
 from gateway.metrics import Metrics
-from gateway.tiers import call_with_fallback, candidate_tiers, open_stream_with_fallback
+from gateway.relay import EventStream, StreamAccount, relay
 from router.decision import ModelNotAllowed, ModelNotFound, RouteDecision, decide
 
 Request = ChatCompletionRequest | CompletionRequest
 Chunk = ChatCompletionChunk | Completion
 RecordSink = Callable[[RequestRecord], None]
 
-log = logging.getLogger("sluice.gateway")
-
 UNIQUE_SUFFIX_LEN = 12
 MAX_CLIENT_REQUEST_ID_LEN = 64 - 1 - UNIQUE_SUFFIX_LEN  # the `requests.request_id` column holds 64
 CLIENT_CLOSED_REQUEST = 499  # recorded status of a request whose client left before the answer (nginx's code)
-# Charges wait this long for others to share their Redis round trip: a budget sees spend this much
-# later, and a round trip per request (a loopback send costs more CPU than the rest of a charge) is
-# spared at any load.
-CHARGE_COALESCE_S = 0.02
-
-
-@dataclass(frozen=True, slots=True)
-class Principal:
-    """Who is asking, and the policy that applies to them."""
-
-    key_id: str | None
-    tenant: str
-    feature: str
-    policy: PolicyConfig
-
-    @property
-    def subject(self) -> str:
-        """Whose counters a request moves: the key, or the anonymous tenant/feature."""
-        return self.key_id or f"anonymous:{self.tenant}:{self.feature}"
 
 
 @dataclass(slots=True)
@@ -114,30 +92,6 @@ class Reply:
     stream: EventStream | None = None
 
 
-class EventStream:
-    """The server-sent events of a streamed reply. However it ends (read to the end, abandoned
-    midway, or closed before it was read at all) `aclose` closes the upstream stream and finishes
-    the request: a plain generator closed before its first step would skip its cleanup."""
-
-    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
-        self._events = events
-        self._started = False
-
-    def __aiter__(self) -> EventStream:
-        return self
-
-    async def __anext__(self) -> bytes:
-        self._started = True
-        return await anext(self._events)
-
-    async def aclose(self) -> None:
-        if not self._started:
-            self._started = True
-            with suppress(StopAsyncIteration):
-                await anext(self._events)  # enter the generator so that its cleanup runs
-        await self._events.aclose()
-
-
 def request_ids(incoming: str | None) -> tuple[str, str]:
     """(the request's own id, the id to answer in `x-request-id`).
 
@@ -150,25 +104,6 @@ def request_ids(incoming: str | None) -> tuple[str, str]:
     if incoming and len(incoming) <= MAX_CLIENT_REQUEST_ID_LEN and incoming.isprintable():
         return f"{incoming}.{own.removeprefix('req-')[:UNIQUE_SUFFIX_LEN]}", incoming
     return own, own
-
-
-def validate(request: Request) -> None:
-    """Refuse a bad request before anything is spent, with the engines' own rules (one definition:
-    an in-process tier applies the same ones, an HTTP upstream may be less strict)."""
-    if request.stream_options is not None and not request.stream:
-        raise invalid_request("`stream_options` is only allowed when `stream` is true", "stream_options")
-    # engines.serving keeps these two private for now; they are its one definition of the rules.
-    if isinstance(request, ChatCompletionRequest):
-        if not request.messages:
-            raise invalid_request("`messages` must contain at least one message", "messages", "empty_array")
-        _chat_decoding(request)
-    else:
-        _completion_decoding(request)
-
-
-def _from_tier_error(exc: OpenAIError) -> GatewayError:
-    d = exc.detail
-    return GatewayError(exc.status_code, d.message, code=d.code, param=d.param, error_type=d.type)
 
 
 class Gateway:
@@ -187,53 +122,13 @@ class Gateway:
         self.counters = counters
         self.record_sink = record_sink
         self.metrics = metrics
-        self.keys = keys
         self.clock = clock
-        self._principals: dict[str, tuple[object, Principal]] = {}
-        self._pending_charges: dict[str, Charge] = {}
-        self._charging: asyncio.Task[None] | None = None
-
-    # -- authentication -----------------------------------------------------------------------
+        self.keys = keys
+        self.auth = Authenticator(settings, keys)
+        self.charges = ChargeBatcher(counters, clock)
 
     async def authenticate(self, authorization: str | None) -> Principal:
-        server = self.settings.server
-        if not authorization:
-            if server.allow_anonymous:
-                return self._anonymous()
-            raise GatewayError(
-                401,
-                "You didn't provide an API key. Send it as `Authorization: Bearer sk-sluice-...`.",
-                code="invalid_api_key",
-            )
-        scheme, _, secret = authorization.partition(" ")
-        secret = secret.strip()
-        key = None
-        if scheme.lower() == "bearer" and secret.startswith(SECRET_PREFIX) and self.keys is not None:
-            try:
-                key = await self.keys.lookup(secret)
-            except KeyStoreUnavailable as exc:
-                raise service_unavailable(
-                    "API keys cannot be checked right now. Retry later.", "auth_unavailable"
-                ) from exc
-        if key is None:
-            if server.allow_anonymous and scheme.lower() == "bearer" and not secret.startswith(SECRET_PREFIX):
-                # Local development: SDKs insist on sending some key; a non-Sluice one means anonymous.
-                return self._anonymous()
-            raise GatewayError(401, "Incorrect API key provided.", code="invalid_api_key")
-        cached = self._principals.get(key.id)
-        if cached is not None and cached[0] is key:
-            return cached[1]
-        policy = effective_policy(self.settings, key.feature, key.policy)
-        principal = Principal(key_id=key.id, tenant=key.tenant, feature=key.feature, policy=policy)
-        self._principals[key.id] = (key, principal)
-        return principal
-
-    def _anonymous(self) -> Principal:
-        server = self.settings.server
-        policy = self.settings.policy_for(server.anonymous_feature)
-        return Principal(key_id=None, tenant=server.anonymous_tenant, feature=server.anonymous_feature, policy=policy)
-
-    # -- serving --------------------------------------------------------------------------------
+        return await self.auth.authenticate(authorization)
 
     async def chat(self, state: RequestState, request: ChatCompletionRequest) -> Reply:
         return await self._serve(state, request)
@@ -241,51 +136,76 @@ class Gateway:
     async def complete(self, state: RequestState, request: CompletionRequest) -> Reply:
         return await self._serve(state, request)
 
+    async def drain(self) -> None:
+        """Wait until queued charges are written (shutdown; tests that read counters)."""
+        await self.charges.drain()
+
+    # -- the steps ------------------------------------------------------------------------------
+
     async def _serve(self, state: RequestState, request: Request) -> Reply:
         try:
-            return await self._serve_or_raise(state, request)
-        except OpenAIError as exc:
-            error = _from_tier_error(exc)
-            self.finish(state, error.status, error.code)
-            raise error from exc
-        except GatewayError as exc:
-            self.finish(state, exc.status, exc.code)
+            return await self._handle(state, request)
+        except APIError as exc:
+            self.finish(state, exc.status_code, exc.code)
             raise
         except asyncio.CancelledError:
             # The client left (the HTTP layer cancels us): the tier's work was cancelled with us.
             self.finish(state, CLIENT_CLOSED_REQUEST, "client_disconnected")
             raise
 
-    async def _serve_or_raise(self, state: RequestState, request: Request) -> Reply:
-        principal = state.principal
-        if principal is None:
+    async def _handle(self, state: RequestState, request: Request) -> Reply:
+        policy = self._begin(state, request)
+        check_request(request)
+        state.route = self._route(request, policy)
+        request, headers = await self._admit(state, request)
+        candidates = candidate_tiers(state.route.tier, policy, self.clients)
+        if request.stream:
+            return await self._stream(state, request, candidates, headers)
+        return await self._answer(state, request, candidates, headers)
+
+    def _begin(self, state: RequestState, request: Request) -> PolicyConfig:
+        if state.principal is None:
             raise RuntimeError("authenticate before serving")
-        policy = principal.policy
         state.model_requested = request.model
         state.stream = request.stream
-        validate(request)
+        return state.principal.policy
+
+    def _route(self, request: Request, policy: PolicyConfig) -> RouteDecision:
         try:
-            state.route = decide(request.model, self.clients, policy.allowed_tiers, self.settings.server.default_tier)
+            return decide(request.model, self.clients, policy.allowed_tiers, self.settings.server.default_tier)
         except ModelNotFound as exc:
-            raise GatewayError(
+            raise APIError(
                 404,
                 f"The model `{request.model}` does not exist. GET /v1/models lists the models.",
                 code="model_not_found",
                 param="model",
             ) from exc
         except ModelNotAllowed as exc:
-            raise GatewayError(
+            raise APIError(
                 403,
                 f"This key may not use the model `{request.model}` (allowed tiers: {', '.join(policy.allowed_tiers)}).",
                 code="model_not_allowed",
                 param="model",
             ) from exc
 
-        prompt_tokens = count_prompt_tokens(self.clients[state.route.tier], request)
-        state.counted_prompt_tokens = prompt_tokens
-        check_prompt_length(prompt_tokens, policy)
+    async def _admit(self, state: RequestState, request: Request) -> tuple[Request, dict[str, str]]:
+        """Budgets, then the counters: the request as it may run, and the reply's first headers."""
+        assert state.principal is not None and state.route is not None
+        policy = state.principal.policy
+        state.counted_prompt_tokens = count_prompt_tokens(self.clients[state.route.tier], request)
+        check_prompt_length(state.counted_prompt_tokens, policy)
         request, clamped = clamp_output(request, policy)
-        limits = limits_of(policy)
+        await self._count(state.principal, state.counted_prompt_tokens)
+        state.admitted = True
+        headers = {"x-request-id": state.response_id or state.request_id, "x-sluice-cache": "miss",
+                   "x-sluice-escalated": "false"}  # fmt: skip
+        if clamped:
+            headers["x-sluice-max-tokens-clamped"] = str(policy.max_output_tokens)
+        return request, headers
+
+    async def _count(self, principal: Principal, prompt_tokens: int) -> None:
+        """Admit the request against its rate limits and budgets, counting it (one atomic round trip)."""
+        limits = limits_of(principal.policy)
         try:
             admission = await self.counters.admit(principal.subject, limits, prompt_tokens, self.clock())
         except CountersUnavailable as exc:
@@ -295,30 +215,19 @@ class Gateway:
             ) from exc
         if not admission.admitted:
             raise refusal(admission, limits)
-        state.admitted = True
 
-        headers = {
-            "x-request-id": state.response_id or state.request_id,
-            "x-sluice-cache": "miss",
-            "x-sluice-escalated": "false",
-        }
-        if clamped:
-            headers["x-sluice-max-tokens-clamped"] = str(policy.max_output_tokens)
-        candidates = candidate_tiers(state.route.tier, policy, self.clients)
-        if request.stream:
-            return await self._stream(state, request, candidates, headers)
+    async def _answer(self, state: RequestState, request: Request, candidates: list[str],
+                      headers: dict[str, str]) -> Reply:  # fmt: skip
+        """A whole answer, from the first tier that can serve."""
 
         async def call(tier: str, client: EngineClient) -> Any:
-            self._enter(tier)
-            try:
+            with self._in_flight(tier):
                 if isinstance(request, ChatCompletionRequest):
                     return await client.chat(request)
                 return await client.complete(request)
-            finally:
-                self._leave(tier)
 
         served = await call_with_fallback(self.clients, candidates, call)
-        state.tier, state.fallback = served.tier, served.fallback
+        self._served(state, served)
         self._charge_usage(state, served.value.usage)
         headers["x-sluice-tier"] = served.tier
         headers["x-sluice-cost-usd"] = f"{state.cost_usd:.8f}"
@@ -326,18 +235,27 @@ class Gateway:
         self.finish(state, 200)
         return Reply(headers=headers, body=body)
 
-    async def _stream(
-        self, state: RequestState, request: Request, candidates: list[str], headers: dict[str, str]
-    ) -> Reply:
-        include_usage = wants_stream_usage(request.stream_options)
+    async def _stream(self, state: RequestState, request: Request, candidates: list[str],
+                      headers: dict[str, str]) -> Reply:  # fmt: skip
+        """A stream from the first tier that produced its first chunk; relayed as it comes."""
         # Upstream always reports usage: spend is charged from it whether or not the client wants it.
-        upstream_request = msgspec.structs.replace(request, stream_options=StreamOptions(include_usage=True))
+        upstream = msgspec.structs.replace(request, stream_options=StreamOptions(include_usage=True))
 
         def open_stream(client: EngineClient) -> AsyncIterator[Any]:
-            if isinstance(upstream_request, ChatCompletionRequest):
-                return client.chat_stream(upstream_request)
-            return client.complete_stream(upstream_request)
+            if isinstance(upstream, ChatCompletionRequest):
+                return client.chat_stream(upstream)
+            return client.complete_stream(upstream)
 
+        served = await self._open(state, candidates, open_stream)
+        state.ttft_ms = (time.perf_counter() - state.started) * 1000
+        headers["x-sluice-tier"] = served.tier
+        first, rest = served.value
+        events = relay(first, rest, wants_stream_usage(request.stream_options), lambda a: self._end_stream(state, a))
+        return Reply(headers=headers, stream=EventStream(events))
+
+    async def _open(self, state: RequestState, candidates: list[str],
+                    open_stream: Callable[[EngineClient], AsyncIterator[Any]]) -> Served[Any]:  # fmt: skip
+        """Open the stream, counted in flight on the tier serving it until `_end_stream`."""
         assert state.route is not None
         self._enter(state.route.tier)
         try:
@@ -348,75 +266,32 @@ class Gateway:
         if served.fallback:
             self._leave(state.route.tier)
             self._enter(served.tier)
-        state.tier, state.fallback = served.tier, served.fallback
-        state.ttft_ms = (time.perf_counter() - state.started) * 1000
-        headers["x-sluice-tier"] = served.tier
-        first, rest = served.value
-        return Reply(headers=headers, stream=EventStream(self._relay(state, first, rest, include_usage)))
+        self._served(state, served)
+        return served
 
-    async def _relay(
-        self, state: RequestState, first: Chunk, rest: AsyncIterator[Chunk], include_usage: bool
-    ) -> AsyncGenerator[bytes, None]:
-        """Pass chunks through as they come. Ends with `finish` however the stream ends: the
-        upstream stream is closed (cancelling its work) and what was produced is charged."""
-        usage: Usage | None = None
-        texts: list[str] = []
-        chunk_times: list[float] = []
-        error_code: str | None = None
-        chunk: Chunk | None = first
-        try:
-            while chunk is not None:
-                chunk_times.append(time.perf_counter())
-                if chunk.usage is not None:
-                    usage = chunk.usage
-                    if not include_usage:
-                        chunk.usage = None
-                texts.extend(_chunk_texts(chunk))
-                if chunk.choices or chunk.usage is not None:
-                    yield sse_event(chunk)
-                chunk = await anext(rest, None)
-            yield SSE_DONE
-        except Exception as exc:
-            # Headers are sent: the failure can only be told in the stream, the way OpenAI does.
-            if isinstance(exc, OpenAIError):
-                detail = exc.detail
-            elif isinstance(exc, EngineUnavailable):
-                detail = ErrorDetail(
-                    message="The tier stopped answering mid-stream.",
-                    type="service_unavailable_error",
-                    code="tier_unavailable",
-                )
-            else:
-                log.exception("stream from tier %s failed", state.tier)
-                detail = ErrorDetail(message="The stream failed.", type="server_error", code="stream_failed")
-            error_code = detail.code or "stream_failed"
-            yield sse_event(ErrorResponse(error=detail))
-        finally:
-            with anyio.CancelScope(shield=True):
-                aclose = getattr(rest, "aclose", None)
-                if aclose is not None:
-                    await aclose()
-            assert state.tier is not None
-            self._leave(state.tier)
-            if len(chunk_times) > 1:
-                state.itl_ms_mean = (chunk_times[-1] - chunk_times[0]) * 1000 / (len(chunk_times) - 1)
-            if usage is None:
-                usage = self._produced_usage(state, texts)
-            self._charge_usage(state, usage)
-            self.finish(state, 200, error_code)
+    def _end_stream(self, state: RequestState, account: StreamAccount) -> None:
+        assert state.tier is not None
+        self._leave(state.tier)
+        state.itl_ms_mean = account.itl_ms_mean()
+        self._charge_usage(state, account.usage or self._produced_usage(state, account.texts))
+        self.finish(state, 200, account.error_code)
 
     def _produced_usage(self, state: RequestState, texts: list[str]) -> Usage:
         """Usage of a stream that ended before its usage chunk (the client left): the prompt as
         counted up front, the text produced so far counted with the serving tier's tokenizer."""
         assert state.tier is not None
-        client = self.clients[state.tier]
         text = "".join(texts)
         completion_tokens = 0
         if text:
+            client = self.clients[state.tier]
             completion_tokens = count_prompt_tokens(client, CompletionRequest(model=state.tier, prompt=text))
         return Usage.of(state.counted_prompt_tokens, completion_tokens)
 
     # -- accounting -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _served(state: RequestState, served: Served[Any]) -> None:
+        state.tier, state.fallback = served.tier, served.fallback
 
     def _charge_usage(self, state: RequestState, usage: Usage | None) -> None:
         if usage is None or state.tier is None:
@@ -426,6 +301,14 @@ class Gateway:
         state.cached_tokens = usage.cached_tokens
         tier = self.settings.tiers[state.tier]
         state.cost_usd = request_cost(tier, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+
+    @contextmanager
+    def _in_flight(self, tier: str) -> Iterator[None]:
+        self._enter(tier)
+        try:
+            yield
+        finally:
+            self._leave(tier)
 
     def _enter(self, tier: str) -> None:
         self.metrics.in_flight_of(tier).inc()
@@ -438,64 +321,42 @@ class Gateway:
         if state.finished:
             return
         state.finished = True
-        principal = state.principal
-        record = RequestRecord(
-            request_id=state.request_id,
-            tenant=principal.tenant if principal else "",
-            feature=principal.feature if principal else "",
-            created_at=state.created_at,
-            key_id=principal.key_id if principal else None,
-            endpoint=state.endpoint,
-            model_requested=_printable(state.model_requested)[:128],
-            route=state.route.tier if state.route else None,
-            route_score=state.route.score if state.route else None,
-            tier=state.tier,
-            escalated=False,
-            fallback=state.fallback,
-            cache_status="miss",
-            stream=state.stream,
-            prompt_tokens=state.prompt_tokens,
-            completion_tokens=state.completion_tokens,
-            cached_tokens=state.cached_tokens,
-            cost_usd=state.cost_usd,
-            ttft_ms=state.ttft_ms,
-            latency_ms=(time.perf_counter() - state.started) * 1000,
-            itl_ms_mean=state.itl_ms_mean,
-            status=status,
-            error_code=error_code,
-        )
+        record = record_of(state, status, error_code)
         self.record_sink(record)
         self.metrics.observe(record)
+        principal = state.principal
         if state.admitted and principal is not None and (record.completion_tokens or record.cost_usd):
-            self._charge(principal.subject, Charge(record.completion_tokens, record.cost_usd))
-
-    def _charge(self, subject: str, charge: Charge) -> None:
-        """Queue a charge. One task writes them; charges arriving within CHARGE_COALESCE_S, or while it
-        waits on a round trip, go together in the next one."""
-        pending = self._pending_charges.get(subject)
-        self._pending_charges[subject] = charge if pending is None else pending + charge
-        if self._charging is None or self._charging.done():
-            self._charging = asyncio.get_running_loop().create_task(self._write_charges())
-
-    async def _write_charges(self) -> None:
-        await asyncio.sleep(CHARGE_COALESCE_S)
-        while self._pending_charges:
-            charges, self._pending_charges = self._pending_charges, {}
-            try:
-                await self.counters.charge_many(charges, self.clock())
-            except CountersUnavailable:
-                log.exception("spend of %d subjects could not be charged", len(charges))
-
-    async def drain(self) -> None:
-        """Wait until queued charges are written (shutdown; tests that read counters)."""
-        while self._charging is not None and not self._charging.done():
-            await self._charging
+            self.charges.charge(principal.subject, Charge(record.completion_tokens, record.cost_usd))
 
 
-def _chunk_texts(chunk: Chunk) -> list[str]:
-    if isinstance(chunk, ChatCompletionChunk):
-        return [c.delta.content for c in chunk.choices if c.delta.content]
-    return [c.text for c in chunk.choices if c.text]
+def record_of(state: RequestState, status: int, error_code: str | None) -> RequestRecord:
+    """The request's one accounting row."""
+    principal, route = state.principal, state.route
+    return RequestRecord(
+        request_id=state.request_id,
+        tenant=principal.tenant if principal else "",
+        feature=principal.feature if principal else "",
+        created_at=state.created_at,
+        key_id=principal.key_id if principal else None,
+        endpoint=state.endpoint,
+        model_requested=_printable(state.model_requested)[:128],
+        route=route.tier if route else None,
+        route_score=route.score if route else None,
+        tier=state.tier,
+        escalated=False,
+        fallback=state.fallback,
+        cache_status="miss",
+        stream=state.stream,
+        prompt_tokens=state.prompt_tokens,
+        completion_tokens=state.completion_tokens,
+        cached_tokens=state.cached_tokens,
+        cost_usd=state.cost_usd,
+        ttft_ms=state.ttft_ms,
+        latency_ms=(time.perf_counter() - state.started) * 1000,
+        itl_ms_mean=state.itl_ms_mean,
+        status=status,
+        error_code=error_code,
+    )
 
 
 def _printable(text: str) -> str:

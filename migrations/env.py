@@ -8,7 +8,7 @@ import asyncio
 import sqlalchemy as sa
 from alembic import context
 
-from gateway.db.engine import make_engine
+from gateway.db.database import make_database
 from gateway.db.schema import metadata
 
 config = context.config
@@ -31,7 +31,7 @@ def run_migrations(connection: sa.Connection) -> None:
 
 
 async def _run_with_url(url: str) -> None:
-    engine = make_engine(url)
+    engine = make_database(url)
     try:
         async with engine.connect() as connection:
             await connection.run_sync(run_migrations)

@@ -8,7 +8,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
 from gateway.db import migrate
-from gateway.db.engine import make_engine, sqlite_path
+from gateway.db.database import make_database, sqlite_path
 from gateway.db.schema import metadata
 
 TABLES = {"api_keys", "requests", "daily_usage", "router_versions", "eval_runs", "shadow_runs"}
@@ -40,7 +40,7 @@ def _schema_diff(connection: sa.Connection, declared: sa.MetaData = metadata) ->
 
 
 async def _table_names(url: str) -> set[str]:
-    engine = make_engine(url)
+    engine = make_database(url)
     try:
         async with engine.connect() as connection:
             names = await connection.run_sync(lambda sync: sa.inspect(sync).get_table_names())
@@ -50,7 +50,7 @@ async def _table_names(url: str) -> set[str]:
 
 
 async def _diff(url: str, declared: sa.MetaData = metadata) -> list[object]:
-    engine = make_engine(url)
+    engine = make_database(url)
     try:
         async with engine.connect() as connection:
             return await connection.run_sync(_schema_diff, declared)
@@ -117,7 +117,7 @@ async def test_sync_functions_also_work_inside_a_running_event_loop(empty_sqlite
 async def test_sqlite_database_gets_its_directory_created_and_wal_mode(empty_sqlite_url: str) -> None:
     path = sqlite_path(empty_sqlite_url)
     assert path is not None and not path.parent.exists()
-    engine = make_engine(empty_sqlite_url)
+    engine = make_database(empty_sqlite_url)
     try:
         async with engine.connect() as connection:
             journal_mode = (await connection.execute(sa.text("PRAGMA journal_mode"))).scalar()
@@ -131,4 +131,4 @@ async def test_sqlite_database_gets_its_directory_created_and_wal_mode(empty_sql
 
 def test_an_unsupported_database_url_is_refused_with_a_clear_message() -> None:
     with pytest.raises(ValueError, match="unsupported database"):
-        make_engine("mysql+aiomysql://localhost/x")
+        make_database("mysql+aiomysql://localhost/x")

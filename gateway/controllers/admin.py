@@ -15,7 +15,7 @@ from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, FromQuery, JSONBody
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.errors import GatewayError, invalid_request
+from engines.api.errors import APIError, invalid
 from gateway.keys import ApiKey, InvalidPolicy, create_key, list_keys, revoke_key
 from gateway.pipeline import Gateway
 
@@ -59,10 +59,10 @@ class Revoked(msgspec.Struct, kw_only=True):
 async def admin_only(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
     admin_key = connection.app.state.gateway.settings.server.admin_key
     if not admin_key:
-        raise GatewayError(403, "The admin API is disabled (server.admin_key is not set).", code="admin_disabled")
+        raise APIError(403, "The admin API is disabled (server.admin_key is not set).", code="admin_disabled")
     scheme, _, secret = (connection.headers.get("authorization") or "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(secret.strip().encode(), admin_key.encode()):
-        raise GatewayError(401, "The admin API needs `Authorization: Bearer <admin key>`.", code="invalid_api_key")
+        raise APIError(401, "The admin API needs `Authorization: Bearer <admin key>`.", code="invalid_api_key")
 
 
 def provide_db(state: State) -> AsyncEngine:
@@ -79,11 +79,11 @@ class AdminKeysController(Controller):
     ) -> CreatedKeyResponse:
         unknown = [t for t in data.policy.get("allowed_tiers") or [] if t not in gateway.settings.tiers]
         if unknown:
-            raise invalid_request(f"policy.allowed_tiers: unknown tier(s) {unknown}", "policy.allowed_tiers")
+            raise invalid(f"policy.allowed_tiers: unknown tier(s) {unknown}", "policy.allowed_tiers")
         try:
             created = await create_key(db, tenant=data.tenant, feature=data.feature, name=data.name, policy=data.policy)
         except (InvalidPolicy, ValueError) as exc:
-            raise invalid_request(str(exc), "policy" if isinstance(exc, InvalidPolicy) else None) from exc
+            raise invalid(str(exc), "policy" if isinstance(exc, InvalidPolicy) else None) from exc
         return CreatedKeyResponse(**msgspec.structs.asdict(KeyInfo.of(created.key)), secret=created.secret)
 
     @get("/", summary="List virtual keys")
@@ -96,7 +96,7 @@ class AdminKeysController(Controller):
         try:
             keys = await list_keys(db, tenant=tenant, include_revoked=include_revoked)
         except ValueError as exc:
-            raise invalid_request(str(exc), "tenant") from exc
+            raise invalid(str(exc), "tenant") from exc
         return KeyList(data=[KeyInfo.of(key) for key in keys])
 
     @delete("/{key_id:str}", status_code=200, summary="Revoke a virtual key")
@@ -104,7 +104,7 @@ class AdminKeysController(Controller):
         self, key_id: FromPath[str], gateway: NamedDependency[Gateway], db: NamedDependency[AsyncEngine]
     ) -> Revoked:
         if not await revoke_key(db, key_id):
-            raise GatewayError(404, f"No active key with id {key_id}.", code="key_not_found", param="key_id")
+            raise APIError(404, f"No active key with id {key_id}.", code="key_not_found", param="key_id")
         if gateway.keys is not None:
             gateway.keys.forget(key_id)
         return Revoked(id=key_id)

@@ -14,7 +14,7 @@ from litestar.response import Stream
 from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import Receive, Scope, Send
 
-from gateway.errors import GatewayError
+from engines.api.errors import APIError
 from gateway.pipeline import CLIENT_CLOSED_REQUEST, Gateway, Reply
 
 _T = TypeVar("_T")
@@ -40,7 +40,7 @@ async def cancel_on_disconnect(request: Request[Any, Any, Any], work: Awaitable[
             raise  # cancelled from outside (shutdown), not by the client leaving
         handler.uncancel()
         # Nobody reads this answer; raising ends the request the way every failure ends (one record).
-        raise GatewayError(
+        raise APIError(
             CLIENT_CLOSED_REQUEST, "The client closed the request.", code="client_disconnected"
         ) from None
     finally:

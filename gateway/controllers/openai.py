@@ -8,7 +8,7 @@ from litestar import Controller, Request, Response, get, post
 from litestar.di import NamedDependency
 from litestar.params import JSONBody
 
-from engines.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from engines.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from gateway.controllers.http import cancel_on_disconnect, reply_response
 from gateway.pipeline import Gateway, RequestState, request_ids
 from router.decision import model_ids

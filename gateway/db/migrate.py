@@ -19,7 +19,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.db.engine import make_engine
+from gateway.db.database import make_database
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 
@@ -42,7 +42,7 @@ def head_revision() -> str | None:
 
 
 async def _with_connection(engine_or_url: AsyncEngine | str, work: Callable[[sa.Connection], _T]) -> _T:
-    engine = make_engine(engine_or_url) if isinstance(engine_or_url, str) else engine_or_url
+    engine = make_database(engine_or_url) if isinstance(engine_or_url, str) else engine_or_url
     try:
         async with engine.begin() as connection:
             return await connection.run_sync(work)

@@ -93,11 +93,11 @@ async def test_a_cell_measured_in_rounds_keeps_each_rounds_p99() -> None:
     assert cell.figures()["latency_p99_ms_by_round"] == cell.round_p99s_ms
 
 
-def test_the_p99_target_is_judged_on_the_median_of_rounds_with_the_pooled_p99_beside_it() -> None:
+def test_the_p99_target_is_judged_on_the_pooled_p99_with_the_median_of_rounds_beside_it() -> None:
     direct = Measurement(latencies_s=[0.0002] * 300, elapsed_s=1.0, round_p99s_ms=[0.2, 0.2, 0.2])
     # One round hit by a burst of slowness that has nothing to do with the gateway.
     sluice = Measurement(latencies_s=[0.0012] * 280 + [0.03] * 20, elapsed_s=1.0, round_p99s_ms=[4.0, 4.5, 30.0])
     checks = against_targets(summarise({"direct": {"plain": {1: direct}}, "sluice": {"plain": {1: sluice}}}))
     p99 = checks["sluice_added_p99_ms_at_1_client_plain"]
-    assert round(p99["measured"], 6) == 4.3 and p99["met"] is True
-    assert p99["pooled_p99_of_all_requests"] > 25
+    assert p99["measured"] > 25 and p99["met"] is False
+    assert round(p99["median_of_rounds_p99"], 6) == 4.3

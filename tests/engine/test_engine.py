@@ -134,7 +134,7 @@ def test_stop_token_ids_and_eos_end_the_request(tiny_llama: TinyModel) -> None:
     assert generated_ids(outputs) == free[:free.index(stop_token) + 1]
     assert outputs[-1].finish_reason == "stop"
 
-    engine.eos_token_ids = frozenset({stop_token})
+    engine.scheduler.eos_token_ids = frozenset({stop_token})
     engine.add_request("eos", PROMPT, SamplingParams(temperature=0, max_tokens=20))
     assert generated_ids(run_to_completion(engine)["eos"]) == free[:free.index(stop_token) + 1]
     engine.add_request("ignore-eos", PROMPT, GREEDY)

@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from engines.protocol import ChatCompletionRequest, ChatMessage
+from engines.api.protocol import ChatCompletionRequest, ChatMessage
 from gateway.accounting import RequestRecord
 from gateway.config import PolicyConfig, RedisConfig, Settings, load_settings
 from gateway.counters import CounterStore, InProcessCounterStore

@@ -7,8 +7,9 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from engines.client import EngineUnavailable
-from engines.protocol import (
+from engines.api.client import EngineUnavailable
+from engines.api.prompts import chat_template_messages
+from engines.api.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -23,7 +24,6 @@ from engines.protocol import (
     new_id,
     now,
 )
-from engines.serving import chat_template_messages
 
 
 class ScriptedTier:

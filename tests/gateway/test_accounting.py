@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.accounting import NO_TIER, AccountingWriter, RequestRecord, Spool, write_batch
-from gateway.db.engine import make_engine
+from gateway.db.database import make_database
 from gateway.db.schema import daily_usage, requests
 
 # Nothing listens on port 1: connecting fails at once, like a database that is down.
@@ -30,7 +30,7 @@ def database_url(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
-    engine = make_engine(database_url)
+    engine = make_database(database_url)
     yield engine
     await engine.dispose()
 
@@ -171,7 +171,7 @@ async def test_while_the_database_is_down_records_are_spooled_and_a_restarted_wr
     engine: AsyncEngine, tenant: str, tmp_path: Path
 ) -> None:
     spool_dir = tmp_path / "spool"
-    unreachable = make_engine(UNREACHABLE_URL)
+    unreachable = make_database(UNREACHABLE_URL)
     down = AccountingWriter(unreachable, spool_dir, batch_size=50, flush_interval_s=0.01)
     await down.start()
     for n in range(120):
@@ -235,7 +235,7 @@ async def test_a_torn_last_line_in_the_spool_is_skipped_and_the_rest_replayed(
 async def test_a_full_spool_drops_rows_with_a_clear_log_line(
     tenant: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    unreachable = make_engine(UNREACHABLE_URL)
+    unreachable = make_database(UNREACHABLE_URL)
     writer = AccountingWriter(
         unreachable, tmp_path / "spool", batch_size=10, flush_interval_s=0.01, max_spool_bytes=4096
     )
@@ -254,7 +254,7 @@ async def test_a_full_spool_drops_rows_with_a_clear_log_line(
 
 
 async def test_submit_never_raises_and_counts_what_a_full_queue_drops(tenant: str, tmp_path: Path) -> None:
-    unreachable = make_engine(UNREACHABLE_URL)
+    unreachable = make_database(UNREACHABLE_URL)
     writer = AccountingWriter(unreachable, tmp_path / "spool", max_pending=10)  # not started: nothing drains
     for n in range(15):
         writer.submit(record(tenant, n))
@@ -266,7 +266,7 @@ async def test_submit_never_raises_and_counts_what_a_full_queue_drops(tenant: st
 
 
 async def test_a_record_submitted_after_close_is_spooled_not_lost(tenant: str, tmp_path: Path) -> None:
-    unreachable = make_engine(UNREACHABLE_URL)
+    unreachable = make_database(UNREACHABLE_URL)
     writer = AccountingWriter(unreachable, tmp_path / "spool")
     await writer.start()
     await writer.close()

@@ -23,7 +23,7 @@ import pytest
 import sqlalchemy as sa
 
 from gateway.accounting import AccountingWriter, RequestRecord
-from gateway.db.engine import make_engine
+from gateway.db.database import make_database
 from gateway.db.migrate import upgrade_async
 from gateway.db.schema import daily_usage, requests
 
@@ -100,7 +100,7 @@ async def test_no_row_is_lost_when_postgres_stops_mid_load_and_comes_back(
     throwaway_postgres: ThrowawayPostgres, tmp_path: Path
 ) -> None:
     await upgrade_async(throwaway_postgres.url)
-    engine = make_engine(throwaway_postgres.url)
+    engine = make_database(throwaway_postgres.url)
     writer = AccountingWriter(engine, tmp_path / "spool", batch_size=100, flush_interval_s=0.02, retry_interval_s=0.2)
     await writer.start()
     tenant = f"tenant-{uuid.uuid4().hex[:8]}"
@@ -149,11 +149,11 @@ _DYING_WRITER = textwrap.dedent(
     """
     import asyncio, os, sys
     from gateway.accounting import AccountingWriter, RequestRecord
-    from gateway.db.engine import make_engine
+    from gateway.db.database import make_database
 
     async def main() -> None:
         spool_dir, tenant = sys.argv[1], sys.argv[2]
-        writer = AccountingWriter(make_engine("postgresql+asyncpg://postgres@127.0.0.1:1/x"), spool_dir)
+        writer = AccountingWriter(make_database("postgresql+asyncpg://postgres@127.0.0.1:1/x"), spool_dir)
         await writer.start()
         for n in range(200):
             writer.submit(RequestRecord(request_id=f"{tenant}-{n}", tenant=tenant, feature="f", tier="small"))
@@ -175,7 +175,7 @@ async def test_a_new_process_replays_the_spool_a_dead_one_left(postgres_url: str
     )
     assert list(spool_dir.glob("*.jsonl"))
 
-    engine = make_engine(postgres_url)
+    engine = make_database(postgres_url)
     writer = AccountingWriter(engine, spool_dir)
     await writer.start()
     await writer.close()

@@ -24,7 +24,7 @@ from schemathesis.python import asgi as schemathesis_asgi
 from bench.fake_upstream import serving_in_thread
 from gateway.app import create_app
 from gateway.config import DatabaseConfig, PolicyConfig, RedisConfig, ServerConfig, Settings, TierConfig
-from gateway.db.engine import make_engine
+from gateway.db.database import make_database
 from gateway.keys import create_key
 
 ADMIN_KEY = "sk-admin-fuzz"
@@ -65,7 +65,7 @@ def settings(
 
 @pytest.fixture(scope="module")
 async def api_key(postgres_url: str) -> str:
-    engine = make_engine(postgres_url)
+    engine = make_database(postgres_url)
     try:
         return (await create_key(engine, tenant="fuzz", feature="default", name="fuzz")).secret
     finally:

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from litestar.testing import AsyncTestClient
 
 from gateway.app import create_app
-from gateway.db.engine import make_engine
+from gateway.db.database import make_database
 from gateway.db.schema import requests as requests_table
 from tests.gateway.conftest import ADMIN_KEY, EXPENSIVE, make_settings
 from tests.gateway.scripted_tier import ScriptedTier
@@ -215,7 +215,7 @@ async def test_requests_reach_the_accounting_table(postgres_url, tiers):
     async with serve(settings, tiers) as client:
         await client.post("/v1/chat/completions", json=CHAT, headers={"x-request-id": f"acct-{id(tiers)}"})
         await client.post("/v1/chat/completions", content=b"{", headers={"x-request-id": f"acct-bad-{id(tiers)}"})
-    engine = make_engine(postgres_url)
+    engine = make_database(postgres_url)
     try:
         async with engine.connect() as connection:
             rows = (

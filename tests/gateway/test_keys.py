@@ -9,7 +9,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gateway.db.engine import make_engine
+from gateway.db.database import make_database
 from gateway.db.schema import api_keys
 from gateway.keys import (
     SECRET_PREFIX,
@@ -27,7 +27,7 @@ from tests.gateway.conftest import make_settings
 
 @pytest.fixture
 async def db(postgres_url: str) -> AsyncIterator[AsyncEngine]:
-    engine = make_engine(postgres_url)
+    engine = make_database(postgres_url)
     try:
         yield engine
     finally:
@@ -108,7 +108,7 @@ async def test_while_the_database_is_down_cached_keys_still_authenticate_and_oth
     cache = KeyCache(db, ttl_s=2.0, clock=lambda: clock[0])
     created = await create_key(db, tenant="acme", feature="chat")
     await cache.lookup(created.secret)
-    down = make_engine("postgresql+asyncpg://postgres@127.0.0.1:1/none")  # nothing listens on port 1
+    down = make_database("postgresql+asyncpg://postgres@127.0.0.1:1/none")  # nothing listens on port 1
     try:
         cache.engine = down
         clock[0] += 60

@@ -6,9 +6,9 @@ import msgspec
 import pytest
 from redis.asyncio import Redis
 
-from engines.protocol import ChatCompletion, CompletionRequest
+from engines.api.errors import APIError
+from engines.api.protocol import ChatCompletion, CompletionRequest
 from gateway.counters import Limits, LocalFallbackCounterStore, RedisCounterStore
-from gateway.errors import GatewayError
 from gateway.pipeline import RequestState
 from tests.gateway.conftest import EXPENSIVE, chat, make_settings, start
 
@@ -19,9 +19,9 @@ async def collect(reply_stream) -> list[bytes]:
 
 async def test_a_prompt_over_the_key_budget_is_refused_naming_both_counts(make_gateway, tiers, records):
     gateway = make_gateway(max_prompt_tokens=3)
-    with pytest.raises(GatewayError) as caught:
+    with pytest.raises(APIError) as caught:
         await gateway.chat(await start(gateway), chat("one two three four five"))
-    assert caught.value.status == 400
+    assert caught.value.status_code == 400
     assert caught.value.code == "prompt_too_long"
     assert "5 tokens" in caught.value.message and "limit of 3" in caught.value.message
     assert tiers["small"].requests == []  # no engine work
@@ -57,9 +57,9 @@ async def test_spend_over_the_daily_budget_is_refused_once_spend_accumulates(mak
     await gateway.drain()
     await gateway.chat(await start(gateway), chat(max_tokens=8))  # $8 < $10: admitted, now $16
     await gateway.drain()
-    with pytest.raises(GatewayError) as caught:
+    with pytest.raises(APIError) as caught:
         await gateway.chat(await start(gateway), chat(max_tokens=8))
-    assert (caught.value.status, caught.value.code) == (429, "budget_exceeded")
+    assert (caught.value.status_code, caught.value.code) == (429, "budget_exceeded")
     assert int(caught.value.headers["Retry-After"]) > 0
 
 
@@ -67,7 +67,7 @@ async def test_the_monthly_budget_is_enforced_as_well(make_gateway):
     gateway = make_gateway(make_settings(tier_prices=EXPENSIVE, spend_per_month_usd=1.0))
     await gateway.chat(await start(gateway), chat(max_tokens=2))
     await gateway.drain()
-    with pytest.raises(GatewayError) as caught:
+    with pytest.raises(APIError) as caught:
         await gateway.chat(await start(gateway), chat())
     assert caught.value.code == "budget_exceeded" and "Monthly" in caught.value.message
 
@@ -76,9 +76,9 @@ async def test_requests_per_minute_are_limited_with_retry_after(make_gateway):
     gateway = make_gateway(rpm=2)
     for _ in range(2):
         await gateway.chat(await start(gateway), chat())
-    with pytest.raises(GatewayError) as caught:
+    with pytest.raises(APIError) as caught:
         await gateway.chat(await start(gateway), chat())
-    assert (caught.value.status, caught.value.code) == (429, "rate_limit_exceeded")
+    assert (caught.value.status_code, caught.value.code) == (429, "rate_limit_exceeded")
     assert 1 <= int(caught.value.headers["Retry-After"]) <= 60
 
 
@@ -88,7 +88,7 @@ async def test_tokens_per_minute_count_prompt_and_completion(make_gateway):
     await gateway.drain()
     await gateway.chat(await start(gateway), chat("a b", max_tokens=8))  # 20 tokens used
     await gateway.drain()
-    with pytest.raises(GatewayError) as caught:
+    with pytest.raises(APIError) as caught:
         await gateway.chat(await start(gateway), chat("a"))
     assert caught.value.code == "rate_limit_exceeded" and "tokens per minute" in caught.value.message
     assert "Retry-After" in caught.value.headers
@@ -105,9 +105,9 @@ async def test_a_down_tier_falls_back_to_the_other_allowed_tier(make_gateway, ti
 async def test_a_down_tier_without_fallback_gives_503_with_retry_after(make_gateway, tiers, records):
     tiers["small"].down = True
     gateway = make_gateway(fallback=False)
-    with pytest.raises(GatewayError) as caught:
+    with pytest.raises(APIError) as caught:
         await gateway.chat(await start(gateway), chat())
-    assert caught.value.status == 503 and caught.value.headers["Retry-After"]
+    assert caught.value.status_code == 503 and caught.value.headers["Retry-After"]
     assert tiers["large"].requests == []
     assert records[0].status == 503 and records[0].error_code == "tier_unavailable"
 
@@ -115,9 +115,9 @@ async def test_a_down_tier_without_fallback_gives_503_with_retry_after(make_gate
 async def test_fallback_only_goes_to_allowed_tiers(make_gateway, tiers):
     tiers["small"].down = True
     gateway = make_gateway(allowed_tiers=["small"])
-    with pytest.raises(GatewayError) as caught:
+    with pytest.raises(APIError) as caught:
         await gateway.chat(await start(gateway), chat())
-    assert caught.value.status == 503
+    assert caught.value.status_code == 503
 
 
 async def test_a_stream_whose_tier_is_down_before_its_first_chunk_falls_back(make_gateway, tiers):
@@ -144,9 +144,9 @@ async def test_in_flight_requests_are_counted_on_the_tier_serving_them(make_gate
 
 async def test_an_explicit_tier_outside_the_allowed_tiers_is_refused(make_gateway):
     gateway = make_gateway(allowed_tiers=["small"])
-    with pytest.raises(GatewayError) as caught:
+    with pytest.raises(APIError) as caught:
         await gateway.chat(await start(gateway), chat(model="sluice-large"))
-    assert (caught.value.status, caught.value.code) == (403, "model_not_allowed")
+    assert (caught.value.status_code, caught.value.code) == (403, "model_not_allowed")
 
 
 async def test_auto_goes_to_an_allowed_tier_when_the_default_is_not_allowed(make_gateway, tiers):
@@ -211,11 +211,11 @@ async def test_without_reachable_counters_requests_are_refused_not_served(make_g
     redis = Redis.from_url("redis://127.0.0.1:1/0")  # nothing listens on port 1
     try:
         gateway = make_gateway(counters=RedisCounterStore(redis, "unreachable"))
-        with pytest.raises(GatewayError) as caught:
+        with pytest.raises(APIError) as caught:
             await gateway.chat(await start(gateway), chat())
     finally:
         await redis.aclose()
-    assert (caught.value.status, caught.value.code) == (503, "limits_unavailable")
+    assert (caught.value.status_code, caught.value.code) == (503, "limits_unavailable")
     assert caught.value.headers["Retry-After"] and tiers["small"].requests == []
 
 
@@ -229,11 +229,11 @@ async def test_with_local_fallback_an_unreachable_redis_still_serves_and_limits_
         for _ in range(2):
             await gateway.chat(await start(gateway), chat())
         assert counters.using_local
-        with pytest.raises(GatewayError) as caught:
+        with pytest.raises(APIError) as caught:
             await gateway.chat(await start(gateway), chat())
     finally:
         await redis.aclose()
-    assert (caught.value.status, caught.value.code) == (429, "rate_limit_exceeded")
+    assert (caught.value.status_code, caught.value.code) == (429, "rate_limit_exceeded")
     assert len(tiers["small"].requests) == 2
 
 
@@ -265,8 +265,8 @@ async def test_text_completions_take_the_same_path(make_gateway, tiers, records)
 
 async def test_without_a_key_and_without_anonymous_access_the_caller_is_refused(make_gateway):
     gateway = make_gateway(make_settings(allow_anonymous=False))
-    with pytest.raises(GatewayError) as caught:
+    with pytest.raises(APIError) as caught:
         await gateway.authenticate(None)
-    assert (caught.value.status, caught.value.code) == (401, "invalid_api_key")
-    with pytest.raises(GatewayError):
+    assert (caught.value.status_code, caught.value.code) == (401, "invalid_api_key")
+    with pytest.raises(APIError):
         await gateway.authenticate("Bearer sk-sluice-not-a-real-key")

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 from litestar.testing import AsyncTestClient
 
-from engines.protocol import ChatCompletionRequest, ChatMessage
+from engines.api.protocol import ChatCompletionRequest, ChatMessage
 from gateway.app import create_app
 from gateway.config import PolicyConfig, TierConfig, load_settings
 from tests.tiny_models import write_tiny_checkpoint

@@ -9,7 +9,7 @@ import msgspec
 import openai
 import pytest
 
-from engines.protocol import ChatCompletionRequest
+from engines.api.protocol import ChatCompletionRequest
 from engines.serving import OpenAIServing
 from tests.serving.conftest import MODEL_NAME, idle_kv_blocks_used, wait_until_idle
 

@@ -11,9 +11,9 @@ import msgspec
 import pytest
 
 from bench.fake_upstream import ANSWER, serving_in_thread
-from engines.client import HttpEngineClient
-from engines.http1 import ConnectError, HttpPool, ReadTimeout, RemoteProtocolError
-from engines.protocol import ChatCompletionRequest, ChatMessage
+from engines.api.client import HttpEngineClient
+from engines.api.http1 import ConnectError, HttpPool, ReadTimeout, RemoteProtocolError
+from engines.api.protocol import ChatCompletionRequest, ChatMessage
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 CHAT = msgspec.json.encode({"model": "small", "messages": [{"role": "user", "content": "hi"}]})

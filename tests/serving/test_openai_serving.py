@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from engines.protocol import (
+from engines.api.errors import APIError
+from engines.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     ContentPart,
 )
-from engines.serving import OpenAIError, OpenAIServing, decode_request, is_usage_chunk
+from engines.api.rules import check_request, decode_request
+from engines.serving import OpenAIServing, is_usage_chunk
 from tests.serving.conftest import (
     BLOCK_SIZE,
     MAX_MODEL_LEN,
@@ -115,8 +117,9 @@ def test_completion_prompt_forms_and_integer_logprobs(serving: OpenAIServing) ->
 def test_invalid_parameters_raise_an_openai_invalid_request_error(
     serving: OpenAIServing, request_: ChatCompletionRequest | CompletionRequest, param: str
 ) -> None:
-    with pytest.raises(OpenAIError) as raised:
-        if isinstance(request_, ChatCompletionRequest):
+    with pytest.raises(APIError) as raised:
+        check_request(request_)  # the rules of the API, once at the edge (engine server or gateway)
+        if isinstance(request_, ChatCompletionRequest):  # then the rules of this model
             serving.prepare_chat(request_)
         else:
             serving.prepare_completion(request_)
@@ -127,7 +130,7 @@ def test_invalid_parameters_raise_an_openai_invalid_request_error(
 
 def test_a_request_beyond_the_context_length_is_refused_with_context_length_exceeded(serving: OpenAIServing) -> None:
     prompt_tokens = serving.count_prompt_tokens(chat("Hello"))
-    with pytest.raises(OpenAIError) as raised:
+    with pytest.raises(APIError) as raised:
         serving.prepare_chat(chat("Hello", max_tokens=MAX_MODEL_LEN - prompt_tokens + 1))
     assert raised.value.detail.code == "context_length_exceeded"
     assert raised.value.detail.param == "max_tokens"
@@ -135,18 +138,18 @@ def test_a_request_beyond_the_context_length_is_refused_with_context_length_exce
 
 
 def test_streams_validate_when_called_before_anything_is_sent(serving: OpenAIServing) -> None:
-    with pytest.raises(OpenAIError):
-        serving.chat_stream(chat("Hi", temperature=-1.0))
+    with pytest.raises(APIError):
+        serving.chat_stream(chat("Hi", max_tokens=MAX_MODEL_LEN))
 
 
 def test_decoding_a_body_names_the_offending_field() -> None:
-    with pytest.raises(OpenAIError) as malformed:
+    with pytest.raises(APIError) as malformed:
         decode_request(b'{"model": "m", "messages": [', ChatCompletionRequest)
     assert (malformed.value.status_code, malformed.value.detail.code) == (400, "invalid_json")
-    with pytest.raises(OpenAIError) as mistyped:
+    with pytest.raises(APIError) as mistyped:
         decode_request(b'{"model": "m", "messages": [], "max_tokens": "ten"}', ChatCompletionRequest)
     assert mistyped.value.detail.param == "max_tokens"
-    with pytest.raises(OpenAIError) as missing:
+    with pytest.raises(APIError) as missing:
         decode_request(b'{"model": "m"}', ChatCompletionRequest)
     assert "messages" in missing.value.detail.message
 

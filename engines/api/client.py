@@ -1,17 +1,23 @@
-"""The one interface through which the gateway talks to a tier, in-process or over HTTP."""
+"""The one interface through which the gateway talks to a tier, and the tier client over HTTP.
+
+A tier is our engine in this process (`engines.serving.InProcessEngineClient`), our engine server,
+or anyone's OpenAI-compatible server (`HttpEngineClient`).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import httpx
 import msgspec
 
-from engines.http1 import HttpClientError, HttpPool
-from engines.protocol import (
+from engines.api.errors import APIError
+from engines.api.http1 import HttpClientError, HttpPool
+from engines.api.prompts import PromptTokenizer, count_prompt_tokens
+from engines.api.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -21,11 +27,6 @@ from engines.protocol import (
     StreamOptions,
     encode,
 )
-from engines.serving import OpenAIError, OpenAIServing, chat_prompt_token_ids, completion_prompts
-
-if TYPE_CHECKING:
-    from engines.tiers import TierSpec
-    from engines.tokenizer import Tokenizer
 
 
 class EngineUnavailable(Exception):
@@ -35,7 +36,7 @@ class EngineUnavailable(Exception):
 class EngineClient(Protocol):
     """An OpenAI-compatible tier. Streams yield chunks; the last chunk carries `usage`.
 
-    Refused requests raise `engines.serving.OpenAIError` (carrying the OpenAI error body and status);
+    Refused requests raise `engines.api.errors.APIError` (carrying the OpenAI error body and status);
     a tier that cannot serve raises `EngineUnavailable`.
     """
 
@@ -56,53 +57,6 @@ class EngineClient(Protocol):
     async def ready(self) -> bool: ...
 
     async def close(self) -> None: ...
-
-
-# ---------------------------------------------------------------------------------------------
-# In-process
-# ---------------------------------------------------------------------------------------------
-
-
-class InProcessEngineClient:
-    """A tier whose engine runs in this process. The client owns the engine: `close()` shuts it down.
-
-    Streams end with a usage-only chunk (`choices: []`) whatever `stream_options` says."""
-
-    def __init__(self, serving: OpenAIServing) -> None:
-        self.serving = serving
-        self.model_name = serving.model_name
-
-    def count_prompt_tokens(self, request: ChatCompletionRequest | CompletionRequest) -> int:
-        return self.serving.count_prompt_tokens(request)
-
-    async def chat(self, request: ChatCompletionRequest) -> ChatCompletion:
-        return await self.serving.chat(request)
-
-    def chat_stream(self, request: ChatCompletionRequest) -> AsyncGenerator[ChatCompletionChunk, None]:
-        return self.serving.chat_stream(request)
-
-    async def complete(self, request: CompletionRequest) -> Completion:
-        return await self.serving.complete(request)
-
-    def complete_stream(self, request: CompletionRequest) -> AsyncGenerator[Completion, None]:
-        return self.serving.complete_stream(request)
-
-    async def ready(self) -> bool:
-        return True
-
-    async def close(self) -> None:
-        await self.serving.engine.shutdown()
-
-
-def build_in_process_client(spec: TierSpec, cache_dir: str | None = None) -> InProcessEngineClient:
-    """Load the tier's model (slow: seconds to a minute; run it in a thread from async code) and wrap
-    it as a client. The engine steps on its own thread; any event loop may consume its streams."""
-    from engines.llm_engine import AsyncLLMEngine, LLMEngine
-    from engines.metrics import EngineMetrics
-
-    async_engine = AsyncLLMEngine(LLMEngine(spec.engine_config(cache_dir)))
-    metrics = EngineMetrics(spec.served_name, async_engine.stats, async_engine.engine.precision())
-    return InProcessEngineClient(OpenAIServing(async_engine, spec.served_name, metrics=metrics))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,10 +95,8 @@ def _raise_for_status(status_code: int, body: bytes, base_url: str) -> None:
     try:
         detail = _error_decoder.decode(body).error
     except msgspec.MsgspecError:
-        raise OpenAIError(
-            f"upstream {status_code}: {body[:500].decode(errors='replace')}", status_code=status_code
-        ) from None
-    raise OpenAIError.from_detail(detail, status_code)
+        raise APIError(status_code, f"upstream {status_code}: {body[:500].decode(errors='replace')}") from None
+    raise APIError.from_detail(detail, status_code)
 
 
 class HttpEngineClient:
@@ -153,8 +105,8 @@ class HttpEngineClient:
     Requests go out under `model` (the upstream's model name). Streams always ask the upstream for
     `include_usage`, so they end with the usage chunk the gateway charges from. One pooled
     keep-alive connection per concurrent request, up to `max_connections`, on the lean client of
-    `engines.http1` (httpx cost ~3 ms of CPU per call here); an injected httpx `transport` (in-memory
-    ASGI apps, mocks) goes through httpx instead.
+    `engines.api.http1` (httpx costs several times its CPU per call); an injected httpx `transport`
+    (in-memory ASGI apps, mocks) goes through httpx instead.
     """
 
     def __init__(
@@ -162,7 +114,7 @@ class HttpEngineClient:
         base_url: str,
         model: str,
         api_key: str = "",
-        tokenizer: Tokenizer | None = None,
+        tokenizer: PromptTokenizer | None = None,
         connect_timeout: float = 2.0,
         read_timeout: float = 120.0,
         *,
@@ -198,9 +150,7 @@ class HttpEngineClient:
     def count_prompt_tokens(self, request: ChatCompletionRequest | CompletionRequest) -> int:
         """Exact with the tier's tokenizer; otherwise an estimate (see CHARS_PER_TOKEN)."""
         if self.tokenizer is not None:
-            if isinstance(request, ChatCompletionRequest):
-                return len(chat_prompt_token_ids(self.tokenizer, request))
-            return sum(len(ids) for ids in completion_prompts(self.tokenizer, request))
+            return count_prompt_tokens(self.tokenizer, request)
         if isinstance(request, ChatCompletionRequest):
             return TEMPLATE_TOKENS_PER_REPLY + sum(
                 TEMPLATE_TOKENS_PER_MESSAGE + _estimate_tokens(m.text()) for m in request.messages
@@ -324,4 +274,4 @@ def _decode_event(decoder: msgspec.json.Decoder[ChunkT], data: str | bytes) -> C
         detail = _error_decoder.decode(data).error
     except msgspec.MsgspecError as exc:
         raise EngineUnavailable(f"upstream sent an unreadable event: {data[:200]!r}") from exc
-    raise OpenAIError.from_detail(detail, 500 if detail.type == "server_error" else 400)
+    raise APIError.from_detail(detail, 500 if detail.type == "server_error" else 400)

