@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from engines.attention import AttentionMetadata, PrefillChunk
@@ -30,6 +31,16 @@ def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> 
     return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element_size
 
 
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed tensor whose pages become resident only when written (calloc'd through numpy; torch.zeros
+    writes every byte): a KV cache sized for a full engine costs memory only as it fills.
+
+    Zeros, not garbage: masked-out slots still meet V in the attention product, and 0 x NaN is NaN."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(shape, dtype={2: np.int16, 4: np.int32}[element_size])
+    return torch.from_numpy(raw).view(dtype)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, block_size: int, num_kv_blocks: int,
                  kv_cache_dtype: torch.dtype) -> None:
@@ -37,7 +48,7 @@ class ModelRunner:
         self.config = config
         self.block_size = block_size
         shape = (num_kv_blocks * block_size, config.num_key_value_heads, config.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=kv_cache_dtype), torch.zeros(shape, dtype=kv_cache_dtype))
+        self.kv_caches = [(lazy_zeros(shape, kv_cache_dtype), lazy_zeros(shape, kv_cache_dtype))
                           for _ in range(config.num_hidden_layers)]
 
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
