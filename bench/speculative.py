@@ -116,6 +116,8 @@ def main() -> None:
         speculator.stats = SpeculativeStats()
         speculative = run(engine, prompts, batch, args.output_tokens)
         stats = speculator.stats
+        print(f"batch {batch}: plain {plain['decode_tokens_per_s']:.2f} tok/s, speculative "
+              f"{speculative['decode_tokens_per_s']:.2f} tok/s, acceptance {stats.acceptance_rate:.0%}", flush=True)
         identical = sum(a == b for a, b in zip(plain["outputs"], speculative["outputs"], strict=True))
         ratio = speculative["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
         results[f"batch_{batch}"] = {
