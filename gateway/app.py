@@ -15,13 +15,19 @@ from litestar.di import Provide
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
 from redis.asyncio import Redis
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from engines.api.client import EngineClient
 from engines.api.errors import APIError, validation_error
 from gateway.assembly import build_client
+from gateway.batches.execute import line_runner
+from gateway.batches.files import FileStore
+from gateway.batches.service import BatchService
+from gateway.batches.worker import BatchWorker
 from gateway.config import Settings
 from gateway.controllers import dashboard
 from gateway.controllers.admin import AdminKeysController, bearer_key, provide_db
+from gateway.controllers.batches import BatchController, provide_batches
 from gateway.controllers.http import provide_gateway
 from gateway.controllers.openai import OpenAIController
 from gateway.controllers.ops import OpsController
@@ -82,6 +88,15 @@ def handle_exception(request: Request[Any, Any, Any], exc: Exception) -> Respons
     return Response(error.body(), status_code=error.status_code, media_type="application/json", headers=headers)
 
 
+async def start_batches(settings: Settings, gateway: Gateway, db: AsyncEngine, stack: AsyncExitStack) -> BatchService:
+    """The Batch API and its worker, stopped (its batch handed back) before the gateway drains."""
+    files = FileStore(Path(settings.batch.dir))
+    worker = BatchWorker(db, files, line_runner(gateway, db), settings.batch)
+    worker.start()
+    stack.push_async_callback(worker.close)
+    return BatchService(db, files, worker)
+
+
 def create_app(
     settings: Settings,
     tiers: Mapping[str, EngineClient] | None = None,
@@ -140,6 +155,7 @@ def create_app(
                 settings, clients, counters, sink, metrics, keys=key_cache, router=router, shadow=shadow
             )
             stack.push_async_callback(gateway.drain)
+            app.state.batches = await start_batches(settings, gateway, db, stack)
             app.state.gateway = gateway
             app.state.db = db
             # Everything built so far lives as long as the app: out of the collector's sight, so
@@ -152,10 +168,13 @@ def create_app(
                 gc.unfreeze()
 
     return Litestar(
-        route_handlers=[OpenAIController, AdminKeysController, OpsController, *dashboard.route_handlers],
+        route_handlers=[
+            OpenAIController, BatchController, AdminKeysController, OpsController, *dashboard.route_handlers
+        ],
         dependencies={
             "gateway": Provide(provide_gateway, sync_to_thread=False),
             "db": Provide(provide_db, sync_to_thread=False),
+            "batches": Provide(provide_batches, sync_to_thread=False),
             **dashboard.dependencies,
         },
         exception_handlers={Exception: handle_exception},

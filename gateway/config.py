@@ -71,6 +71,26 @@ class RedisConfig(_Section):
     when_unavailable: Literal["refuse", "local"] = "refuse"
 
 
+class BatchConfig(_Section):
+    """The Batch API (`/v1/files`, `/v1/batches`): jobs run by a worker inside the gateway."""
+
+    # Where uploaded input files and the output and error files are kept.
+    dir: str = "var/batches"
+    # Share taken off a batch request's cost (OpenAI's Batch API: half price).
+    discount: float = 0.5
+    # Lines of one batch in flight at once (each a request at `batch` priority).
+    concurrency: int = 4
+    # A worker holds a batch this long between heartbeats; a batch whose worker died is taken over
+    # once its lease has run out (a gateway shut down cleanly hands its batches back at once).
+    lease_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.discount <= 1.0:
+            raise ConfigError(f"batch.discount: must be between 0 and 1 (a share of the price), got {self.discount}")
+        if self.concurrency < 1 or self.lease_s <= 0:
+            raise ConfigError("batch.concurrency and batch.lease_s: must be positive")
+
+
 class ModelsConfig(_Section):
     cache_dir: str = "~/.cache/sluice/models"
 
@@ -194,6 +214,7 @@ class Settings(_Section):
     redis: RedisConfig = msgspec.field(default_factory=RedisConfig)
     models: ModelsConfig = msgspec.field(default_factory=ModelsConfig)
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
+    batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
     tiers: dict[str, TierConfig] = msgspec.field(default_factory=dict)
     # Feature name → policy. "default" applies to features not listed.
     policies: dict[str, PolicyConfig] = msgspec.field(default_factory=lambda: {"default": PolicyConfig()})

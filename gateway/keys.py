@@ -219,6 +219,14 @@ async def find_active_key(engine: AsyncEngine, secret: str) -> ApiKey | None:
     return _row_to_key(row) if row is not None else None
 
 
+async def active_key_by_id(engine: AsyncEngine, key_id: str) -> ApiKey | None:
+    """The key with this id unless it was revoked (work done later on a key's behalf: batch lines)."""
+    query = sa.select(api_keys).where(api_keys.c.id == key_id, api_keys.c.revoked_at.is_(None))
+    async with engine.connect() as connection:
+        row = (await connection.execute(query)).first()
+    return _row_to_key(row) if row is not None else None
+
+
 @dataclass(slots=True)
 class KeyCache:
     """Secret → active key (or None), each remembered for `ttl_s` seconds, then refreshed in the

@@ -80,6 +80,7 @@ class RequestState:
     request_id: str  # unique: the accounting row's key
     endpoint: str  # chat | completions
     response_id: str = ""  # answered in `x-request-id`: the client's own id when it sent one
+    priority: str = "interactive"  # interactive | batch (a Batch API line: discounted)
     started: float = field(default_factory=time.perf_counter)
     created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     principal: Principal | None = None
@@ -380,6 +381,8 @@ class Gateway:
         tier = self.settings.tiers[state.tier]
         state.cost_usd = request_cost(tier, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
         state.cost_usd += state.abandoned_cost_usd
+        if state.priority == "batch":
+            state.cost_usd *= 1.0 - self.settings.batch.discount
 
     @contextmanager
     def _in_flight(self, tier: str) -> Iterator[None]:
@@ -470,6 +473,7 @@ def record_of(state: RequestState, status: int, error_code: str | None) -> Reque
         error_code=error_code,
         used_tools=state.needs.uses_tools,
         response_format=state.needs.response_format,
+        priority=state.priority,
     )
 
 

@@ -21,6 +21,9 @@ TABLES = {
     "router_versions",
     "eval_runs",
     "shadow_runs",
+    "files",
+    "batches",
+    "batch_lines",
 }
 
 
@@ -74,7 +77,7 @@ def empty_url(request: pytest.FixtureRequest) -> str:
 
 
 def test_there_is_exactly_one_head() -> None:
-    assert migrate.head_revision() == "0003"
+    assert migrate.head_revision() == "0004"
 
 
 async def test_upgrade_creates_the_schema_exactly_as_declared(empty_url: str) -> None:

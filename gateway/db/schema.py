@@ -220,3 +220,68 @@ shadow_runs = sa.Table(
     sa.Index(None, "created_at"),
     sa.Index(None, "feature", "created_at"),
 )
+
+# Batch API: uploaded input files and the output and error files the batches write (bytes on disk under
+# `batch.dir`, named by id). Each belongs to the tenant that uploaded it (or whose batch wrote it).
+files = sa.Table(
+    "files",
+    metadata,
+    sa.Column("id", sa.String(64), primary_key=True),  # file-<time-ordered hex>
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("tenant", sa.String(128), nullable=False),
+    sa.Column("filename", sa.String(256), nullable=False),
+    sa.Column("purpose", sa.String(32), nullable=False),  # batch | batch_output
+    sa.Column("bytes", sa.BigInteger, nullable=False),
+    sa.Index(None, "tenant", "id"),
+)
+
+# One row per batch job. `worker` and `lease_until`: the gateway process running it and until when its
+# claim holds without a heartbeat (a batch whose worker died is taken over after that).
+batches = sa.Table(
+    "batches",
+    metadata,
+    sa.Column("id", sa.String(64), primary_key=True),  # batch_<time-ordered hex>
+    sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("tenant", sa.String(128), nullable=False),
+    sa.Column("feature", sa.String(128), nullable=False),
+    sa.Column("key_id", sa.String(36), nullable=True),  # the key that created it: its lines run as that key
+    sa.Column("endpoint", sa.String(64), nullable=False),  # /v1/chat/completions | /v1/completions
+    sa.Column("input_file_id", sa.String(64), nullable=False),
+    sa.Column("completion_window", sa.String(16), nullable=False),
+    # validating | failed | in_progress | finalizing | completed | expired | cancelling | cancelled
+    sa.Column("status", sa.String(16), nullable=False),
+    sa.Column("metadata", sa.JSON, nullable=True),
+    sa.Column("errors", sa.JSON, nullable=True),  # input validation errors of a failed batch
+    sa.Column("output_file_id", sa.String(64), nullable=True),
+    sa.Column("error_file_id", sa.String(64), nullable=True),
+    sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
+    sa.Column("in_progress_at", sa.DateTime(timezone=True), nullable=True),
+    sa.Column("finalizing_at", sa.DateTime(timezone=True), nullable=True),
+    sa.Column("completed_at", sa.DateTime(timezone=True), nullable=True),
+    sa.Column("failed_at", sa.DateTime(timezone=True), nullable=True),
+    sa.Column("expired_at", sa.DateTime(timezone=True), nullable=True),
+    sa.Column("cancelling_at", sa.DateTime(timezone=True), nullable=True),
+    sa.Column("cancelled_at", sa.DateTime(timezone=True), nullable=True),
+    sa.Column("worker", sa.String(64), nullable=True),
+    sa.Column("lease_until", sa.DateTime(timezone=True), nullable=True),
+    sa.Index(None, "tenant", "id"),  # a tenant's batches, newest first
+    sa.Index(None, "status"),  # the workers' search for unfinished batches
+)
+
+# One row per request line of a batch, its state committed as it changes: pending → running (claimed by a
+# worker, `attempts` counted) → done | failed (the answer recorded; never run again) | cancelled | expired.
+batch_lines = sa.Table(
+    "batch_lines",
+    metadata,
+    sa.Column("batch_id", sa.String(64), primary_key=True),
+    sa.Column("line", sa.Integer, primary_key=True),  # 0-based position in the input file
+    sa.Column("custom_id", sa.String(512), nullable=False),
+    sa.Column("body", sa.Text, nullable=False),  # the request body as JSON
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("worker", sa.String(64), nullable=True),
+    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("request_id", sa.String(64), nullable=True),  # the accounting row of the recorded attempt
+    sa.Column("status_code", sa.Integer, nullable=True),
+    sa.Column("response", sa.Text, nullable=True),  # the answer's (or error's) JSON body
+    sa.Index(None, "batch_id", "state", "line"),
+)

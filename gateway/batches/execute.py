@@ -1,0 +1,97 @@
+"""One batch line through the gateway's request path (the same one `/v1/chat/completions` takes): as
+the key that created the batch (its tenant, feature and policy), at `batch` priority (discounted)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from engines.api.errors import APIError, validation_error
+from engines.api.fields import keep_extra_fields
+from engines.api.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.auth import Principal
+from gateway.batches.store import ClaimedLine
+from gateway.batches.wire import ENDPOINTS
+from gateway.keys import active_key_by_id, effective_policy
+from gateway.pipeline import Gateway, RequestState
+
+log = logging.getLogger("sluice.batches")
+
+
+@dataclass(frozen=True, slots=True)
+class LineResult:
+    request_id: str
+    status_code: int
+    body: bytes  # the answer, or an OpenAI error body
+
+
+LineRunner = Callable[[ClaimedLine], Awaitable[LineResult]]
+
+
+async def batch_principal(gateway: Gateway, db: AsyncEngine, batch: Any) -> Principal | APIError:
+    """Who the batch's lines run as: its key as it is now (policy changes apply; a revoked key runs nothing)."""
+    if batch.key_id is None:
+        if gateway.settings.server.allow_anonymous:
+            return gateway.auth.anonymous()
+        return APIError(401, "The batch was created anonymously and anonymous access is off.", code="invalid_api_key")
+    key = await active_key_by_id(db, batch.key_id)
+    if key is None:
+        return APIError(401, "The API key that created this batch has been revoked.", code="invalid_api_key")
+    policy = effective_policy(gateway.settings, key.feature, key.policy)
+    return Principal(key_id=key.id, tenant=key.tenant, feature=key.feature, policy=policy)
+
+
+def line_runner(gateway: Gateway, db: AsyncEngine) -> Callable[[Any], Awaitable[LineRunner]]:
+    """For a batch: the function that runs one of its lines."""
+
+    async def prepare(batch: Any) -> LineRunner:
+        principal = await batch_principal(gateway, db, batch)
+        endpoint = ENDPOINTS[batch.endpoint]
+
+        async def run(line: ClaimedLine) -> LineResult:
+            return await run_line(gateway, principal, endpoint, f"{batch.id}.{line.line}.{line.attempt}", line)
+
+        return run
+
+    return prepare
+
+
+async def run_line(gateway: Gateway, principal: Principal | APIError, endpoint: str, request_id: str,
+                   line: ClaimedLine) -> LineResult:  # fmt: skip
+    state = RequestState(request_id=request_id, endpoint=endpoint, response_id=request_id, priority="batch")
+    try:
+        if isinstance(principal, APIError):
+            raise principal
+        state.principal = principal
+        request = decode_body(endpoint, line.body.encode())
+        serve = gateway.chat if isinstance(request, ChatCompletionRequest) else gateway.complete
+        reply = await serve(state, request)  # type: ignore[arg-type]
+        return LineResult(request_id, 200, reply.body)
+    except APIError as exc:
+        gateway.finish(state, exc.status_code, exc.code)  # once: a no-op when the path already recorded it
+        return LineResult(request_id, exc.status_code, exc.body())
+    except Exception:
+        log.exception("batch request %s failed", request_id)
+        gateway.finish(state, 500, "internal_error")
+        error = APIError(500, f"The gateway failed to handle the request (request id {request_id}).",
+                         code="internal_error")  # fmt: skip
+        return LineResult(request_id, 500, error.body())
+
+
+def decode_body(endpoint: str, body: bytes) -> ChatCompletionRequest | CompletionRequest:
+    """A line's body as the HTTP endpoint decodes it (unknown fields kept for the same checks)."""
+    kind = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
+    try:
+        request = msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        raise validation_error(str(exc)) from None
+    keep_extra_fields(request, body)
+    if request.stream:
+        raise APIError(400, "A batch request cannot stream; drop `stream`.", code="unsupported_parameter",
+                       param="stream")  # fmt: skip
+    return request

@@ -1,0 +1,283 @@
+"""The Batch API: the official `openai` SDK against a served gateway, lines run through the request path
+(key attribution, batch priority, discount), cancellation, and exactly-once across restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import openai
+import pytest
+import sqlalchemy as sa
+import uvicorn
+from litestar.testing import AsyncTestClient
+
+from engines.api.protocol import ChatCompletion, ChatCompletionRequest
+from gateway.accounting import RequestRecord
+from gateway.app import create_app
+from gateway.config import BatchConfig, Settings
+from gateway.db.database import make_database
+from gateway.db.migrate import upgrade_async
+from gateway.db.schema import batch_lines
+from gateway.keys import create_key
+from tests.conftest import _new_postgres_database
+from tests.gateway.conftest import EXPENSIVE, make_settings
+from tests.gateway.scripted_tier import ScriptedTier
+
+WAIT_S = 20.0  # upper bound for a batch to finish; never reached when things work
+CHAT_URL = "/v1/chat/completions"
+
+
+def jsonl(*bodies: dict[str, Any], url: str = CHAT_URL) -> bytes:
+    lines = [{"custom_id": f"req-{i}", "method": "POST", "url": url, "body": body} for i, body in enumerate(bodies)]
+    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+
+
+def chat_body(text: str = "say something", max_tokens: int = 2) -> dict[str, Any]:
+    return {"model": "sluice-small", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
+
+
+def with_batch(settings: Settings, tmp_path: Path, **config: Any) -> Settings:
+    return msgspec.structs.replace(settings, batch=BatchConfig(dir=str(tmp_path / "batches"), **config))
+
+
+def results(data: bytes) -> dict[str, dict[str, Any]]:
+    """custom_id → result line; fails on a custom_id answered twice."""
+    lines = [json.loads(line) for line in data.splitlines()]
+    by_id = {line["custom_id"]: line for line in lines}
+    assert len(by_id) == len(lines), "a line was answered twice"
+    return by_id
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def database_url(request: pytest.FixtureRequest, empty_sqlite_url: str) -> AsyncIterator[str]:
+    """A migrated database private to the test: batch workers take any unfinished batch they find."""
+    if request.param == "sqlite":
+        await upgrade_async(empty_sqlite_url)
+        yield empty_sqlite_url
+        return
+    async with _new_postgres_database(migrated=True) as url:
+        yield url
+
+
+# -- the official SDK against a served gateway ------------------------------------------------------------
+
+
+@pytest.fixture
+def served(database_url: str, tmp_path: Path) -> Iterator[tuple[str, list[RequestRecord]]]:
+    records: list[RequestRecord] = []
+    settings = with_batch(make_settings(database_url=database_url, tier_prices=EXPENSIVE), tmp_path)
+    app = create_app(settings, {"small": ScriptedTier("small"), "large": ScriptedTier("large")},
+                     record_sink=records.append)  # fmt: skip
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            thread.join(0.01)
+            assert thread.is_alive(), "uvicorn failed to start"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1", records
+    finally:
+        server.should_exit = True
+        thread.join(WAIT_S)
+        sock.close()
+
+
+def wait_done(sdk: openai.OpenAI, batch_id: str) -> Any:
+    for _ in range(int(WAIT_S / 0.05)):
+        batch = sdk.batches.retrieve(batch_id)
+        if batch.status in ("completed", "failed", "cancelled", "expired"):
+            return batch
+        threading.Event().wait(0.05)
+    raise AssertionError(f"batch {batch_id} did not finish: {batch.status}")
+
+
+def test_the_sdk_uploads_creates_polls_lists_and_downloads_a_batch(served: tuple[str, list[RequestRecord]]):
+    base_url, records = served
+    sdk = openai.OpenAI(base_url=base_url, api_key="local-dev", max_retries=0)
+    data = jsonl(chat_body("a b", 2), chat_body("c", 3), {**chat_body(), "max_tokens": "ten"}, chat_body("d", 1))
+    uploaded = sdk.files.create(file=("input.jsonl", data), purpose="batch")
+    assert (uploaded.purpose, uploaded.bytes, uploaded.filename) == ("batch", len(data), "input.jsonl")
+    assert sdk.files.retrieve(uploaded.id).id == uploaded.id
+    assert sdk.files.content(uploaded.id).content == data
+
+    created = sdk.batches.create(input_file_id=uploaded.id, endpoint=CHAT_URL, completion_window="24h",
+                                 metadata={"job": "nightly"})  # fmt: skip
+    assert created.status in ("validating", "in_progress", "completed") and created.metadata == {"job": "nightly"}
+    batch = wait_done(sdk, created.id)
+    assert batch.status == "completed" and batch.completed_at is not None
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (4, 3, 1)
+
+    output = results(sdk.files.content(batch.output_file_id).content)
+    assert sorted(output) == ["req-0", "req-1", "req-3"]
+    answer = msgspec.convert(output["req-1"]["response"]["body"], ChatCompletion)
+    assert output["req-1"]["response"]["status_code"] == 200 and answer.usage.completion_tokens == 3
+    assert output["req-1"]["response"]["body"]["choices"][0]["message"]["content"] == "one two three"
+    errors = results(sdk.files.content(batch.error_file_id).content)
+    assert list(errors) == ["req-2"] and errors["req-2"]["response"]["status_code"] == 400
+    assert errors["req-2"]["response"]["body"]["error"]["param"] == "max_tokens"
+
+    assert [b.id for b in sdk.batches.list(limit=10)] == [created.id]
+    # Each line went through the request path once, at batch priority and half price ($1 per output token).
+    served_lines = sorted((r.completion_tokens, r.cost_usd, r.priority, r.status) for r in records)
+    assert served_lines == [(0, 0.0, "batch", 400), (1, 0.5, "batch", 200), (2, 1.0, "batch", 200),
+                            (3, 1.5, "batch", 200)]  # fmt: skip
+    assert {r.request_id.rsplit(".", 2)[0] for r in records} == {created.id}
+
+
+def test_the_sdk_gets_openai_errors_for_bad_batches(served: tuple[str, list[RequestRecord]]):
+    sdk = openai.OpenAI(base_url=served[0], api_key="local-dev", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        sdk.batches.retrieve("batch_nope")
+    with pytest.raises(openai.NotFoundError):
+        sdk.batches.create(input_file_id="file-nope", endpoint=CHAT_URL, completion_window="24h")
+    with pytest.raises(openai.BadRequestError) as wrong_purpose:
+        sdk.files.create(file=("x.jsonl", b"{}"), purpose="fine-tune")
+    assert wrong_purpose.value.param == "purpose"
+    uploaded = sdk.files.create(file=("x.jsonl", jsonl(chat_body())), purpose="batch")
+    with pytest.raises(openai.BadRequestError) as wrong_endpoint:
+        sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+    assert wrong_endpoint.value.param == "endpoint"
+    bad = sdk.files.create(file=("bad.jsonl", b'{"custom_id": "a"}\nnot json\n' + jsonl(chat_body())), purpose="batch")
+    failed = sdk.batches.create(input_file_id=bad.id, endpoint=CHAT_URL, completion_window="24h")
+    assert failed.status == "failed" and failed.output_file_id is None
+    assert [(e.line, e.code) for e in failed.errors.data] == [(1, "invalid_request"), (2, "invalid_json_line")]
+
+
+# -- in process: keys, cancellation, restarts -------------------------------------------------------------
+
+
+class GatedTier(ScriptedTier):
+    """Answers its first `free` calls at once, then holds every call until `release` is set."""
+
+    def __init__(self, name: str, free: int) -> None:
+        super().__init__(name)
+        self.free = free
+        self.calls = 0
+
+    async def chat(self, request: ChatCompletionRequest) -> ChatCompletion:
+        self.calls += 1
+        if self.calls > self.free:
+            self.held.set()
+            await self.release.wait()
+        return await super().chat(request)
+
+
+@asynccontextmanager
+async def gateway(settings: Settings, tier: ScriptedTier, records: list[RequestRecord]) -> AsyncIterator[Any]:
+    app = create_app(settings, {"small": tier, "large": ScriptedTier("large")}, record_sink=records.append)
+    async with AsyncTestClient(app) as client:
+        yield client
+
+
+async def submit(client: Any, data: bytes, headers: dict[str, str] | None = None) -> str:
+    uploaded = await client.post("/v1/files", files={"file": ("in.jsonl", data)}, data={"purpose": "batch"},
+                                 headers=headers)  # fmt: skip
+    assert uploaded.status_code == 200, uploaded.text
+    body = {"input_file_id": uploaded.json()["id"], "endpoint": CHAT_URL, "completion_window": "24h"}
+    created = await client.post("/v1/batches", json=body, headers=headers)
+    assert created.status_code == 200, created.text
+    return created.json()["id"]
+
+
+async def finished(client: Any, batch_id: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    for _ in range(int(WAIT_S / 0.02)):
+        batch = (await client.get(f"/v1/batches/{batch_id}", headers=headers)).json()
+        if batch["status"] in ("completed", "failed", "cancelled", "expired"):
+            return batch
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"batch {batch_id} did not finish: {batch}")
+
+
+async def content(client: Any, file_id: str | None, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    if file_id is None:
+        return {}
+    response = await client.get(f"/v1/files/{file_id}/content", headers=headers)
+    assert response.status_code == 200
+    return results(response.content)
+
+
+async def attempts(database_url: str, batch_id: str) -> list[int]:
+    db = make_database(database_url)
+    try:
+        async with db.connect() as connection:
+            query = sa.select(batch_lines.c.attempts).where(batch_lines.c.batch_id == batch_id)
+            return list((await connection.execute(query.order_by(batch_lines.c.line))).scalars())
+    finally:
+        await db.dispose()
+
+
+async def test_lines_run_as_the_key_that_created_the_batch_and_other_tenants_see_nothing(
+    database_url: str, tmp_path: Path
+):
+    records: list[RequestRecord] = []
+    settings = with_batch(make_settings(database_url=database_url, allow_anonymous=False), tmp_path)
+    db = make_database(database_url)
+    try:
+        owner = await create_key(db, tenant="acme", feature="reports")
+        stranger = await create_key(db, tenant="other", feature="chat")
+    finally:
+        await db.dispose()
+    mine, theirs = ({"authorization": f"Bearer {k.secret}"} for k in (owner, stranger))
+    async with gateway(settings, ScriptedTier("small"), records) as client:
+        batch_id = await submit(client, jsonl(chat_body(), chat_body()), mine)
+        batch = await finished(client, batch_id, mine)
+        assert (await client.get(f"/v1/batches/{batch_id}", headers=theirs)).status_code == 404
+        assert (await client.get(f"/v1/files/{batch['output_file_id']}/content", headers=theirs)).status_code == 404
+        assert (await client.get("/v1/batches", headers=theirs)).json()["data"] == []
+        assert (await client.get("/v1/batches")).status_code == 401
+    assert {(r.tenant, r.feature, r.key_id, r.priority) for r in records} == {("acme", "reports", owner.key.id, "batch")}
+
+
+async def test_a_cancelled_batch_finishes_its_lines_in_flight_and_reports_the_rest(database_url: str, tmp_path: Path):
+    records: list[RequestRecord] = []
+    tier = GatedTier("small", free=1)
+    settings = with_batch(make_settings(database_url=database_url), tmp_path, concurrency=2)
+    async with gateway(settings, tier, records) as client:
+        batch_id = await submit(client, jsonl(*(chat_body() for _ in range(6))))
+        await asyncio.wait_for(tier.held.wait(), WAIT_S)
+        cancelling = (await client.post(f"/v1/batches/{batch_id}/cancel")).json()
+        assert cancelling["status"] == "cancelling"
+        tier.release.set()
+        batch = await finished(client, batch_id)
+        output, errors = await content(client, batch["output_file_id"]), await content(client, batch["error_file_id"])
+    assert batch["status"] == "cancelled" and batch["cancelled_at"] is not None
+    # The first line was answered, the second and third were in flight (both answered), the rest never ran.
+    assert sorted(output) == ["req-0", "req-1", "req-2"]
+    assert sorted(errors) == ["req-3", "req-4", "req-5"]
+    assert {e["error"]["code"] for e in errors.values()} == {"batch_cancelled"}
+    assert tier.calls == 3 and len(records) == 3
+
+
+async def test_a_gateway_stopped_mid_batch_resumes_it_and_answers_every_line_exactly_once(
+    database_url: str, tmp_path: Path
+):
+    records: list[RequestRecord] = []
+    settings = with_batch(make_settings(database_url=database_url), tmp_path, concurrency=2)
+    first = GatedTier("small", free=3)
+    async with gateway(settings, first, records) as client:
+        batch_id = await submit(client, jsonl(*(chat_body(f"line {i}") for i in range(8))))
+        await asyncio.wait_for(first.held.wait(), WAIT_S)
+        while first.calls < 5:  # three answered, two held in flight
+            await asyncio.sleep(0.01)
+    # Stopped: the two calls in flight were cancelled (recorded as 499) and their lines handed back.
+    assert first.calls_cancelled == 0 and sorted(r.status for r in records) == [200, 200, 200, 499, 499]
+    second = ScriptedTier("small")
+    async with gateway(settings, second, records) as client:
+        batch = await finished(client, batch_id)
+        output = await content(client, batch["output_file_id"])
+    assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 8
+    assert sorted(output) == [f"req-{i}" for i in range(8)] and batch["error_file_id"] is None
+    assert len(second.requests) == 5  # the three answered lines were not run again
+    assert await attempts(database_url, batch_id) == [1, 1, 1, 2, 2, 1, 1, 1]
+    assert sorted(r.status for r in records) == [200] * 8 + [499, 499]
+    assert len({r.request_id for r in records}) == 10
