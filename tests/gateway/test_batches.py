@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -33,6 +36,7 @@ from tests.gateway.scripted_tier import ScriptedTier
 
 WAIT_S = 20.0  # upper bound for a batch to finish; never reached when things work
 CHAT_URL = "/v1/chat/completions"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def jsonl(*bodies: dict[str, Any], url: str = CHAT_URL) -> bytes:
@@ -157,19 +161,31 @@ def test_the_sdk_gets_openai_errors_for_bad_batches(served: tuple[str, list[Requ
 
 
 class GatedTier(ScriptedTier):
-    """Answers its first `free` calls at once, then holds every call until `release` is set."""
+    """Answers its first `free` calls at once, then holds every call until `gate` is opened. Thread-safe
+    events: the test client serves the app on a loop in another thread."""
 
     def __init__(self, name: str, free: int) -> None:
         super().__init__(name)
         self.free = free
         self.calls = 0
+        self.holding = threading.Event()
+        self.gate = threading.Event()
 
     async def chat(self, request: ChatCompletionRequest) -> ChatCompletion:
         self.calls += 1
         if self.calls > self.free:
-            self.held.set()
-            await self.release.wait()
+            self.holding.set()
+            while not self.gate.is_set():
+                await asyncio.sleep(0.005)
         return await super().chat(request)
+
+
+async def until(condition: Any) -> None:
+    for _ in range(int(WAIT_S / 0.005)):
+        if condition():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("timed out")
 
 
 @asynccontextmanager
@@ -206,14 +222,16 @@ async def content(client: Any, file_id: str | None, headers: dict[str, str] | No
     return results(response.content)
 
 
-async def attempts(database_url: str, batch_id: str) -> list[int]:
+async def attempts(database_url: str, batch_id: str, state: str | None = None) -> list[int]:
+    """Each line's attempts (those in `state` only, else 0), in input order."""
     db = make_database(database_url)
     try:
         async with db.connect() as connection:
-            query = sa.select(batch_lines.c.attempts).where(batch_lines.c.batch_id == batch_id)
-            return list((await connection.execute(query.order_by(batch_lines.c.line))).scalars())
+            query = sa.select(batch_lines.c.attempts, batch_lines.c.state).where(batch_lines.c.batch_id == batch_id)
+            rows = (await connection.execute(query.order_by(batch_lines.c.line))).all()
     finally:
         await db.dispose()
+    return [a if state is None or s == state else 0 for a, s in rows]
 
 
 async def test_lines_run_as_the_key_that_created_the_batch_and_other_tenants_see_nothing(
@@ -235,7 +253,8 @@ async def test_lines_run_as_the_key_that_created_the_batch_and_other_tenants_see
         assert (await client.get(f"/v1/files/{batch['output_file_id']}/content", headers=theirs)).status_code == 404
         assert (await client.get("/v1/batches", headers=theirs)).json()["data"] == []
         assert (await client.get("/v1/batches")).status_code == 401
-    assert {(r.tenant, r.feature, r.key_id, r.priority) for r in records} == {("acme", "reports", owner.key.id, "batch")}
+    attribution = {(r.tenant, r.feature, r.key_id, r.priority) for r in records}
+    assert attribution == {("acme", "reports", owner.key.id, "batch")}
 
 
 async def test_a_cancelled_batch_finishes_its_lines_in_flight_and_reports_the_rest(database_url: str, tmp_path: Path):
@@ -244,10 +263,10 @@ async def test_a_cancelled_batch_finishes_its_lines_in_flight_and_reports_the_re
     settings = with_batch(make_settings(database_url=database_url), tmp_path, concurrency=2)
     async with gateway(settings, tier, records) as client:
         batch_id = await submit(client, jsonl(*(chat_body() for _ in range(6))))
-        await asyncio.wait_for(tier.held.wait(), WAIT_S)
+        await until(tier.holding.is_set)
         cancelling = (await client.post(f"/v1/batches/{batch_id}/cancel")).json()
         assert cancelling["status"] == "cancelling"
-        tier.release.set()
+        tier.gate.set()
         batch = await finished(client, batch_id)
         output, errors = await content(client, batch["output_file_id"]), await content(client, batch["error_file_id"])
     assert batch["status"] == "cancelled" and batch["cancelled_at"] is not None
@@ -266,11 +285,10 @@ async def test_a_gateway_stopped_mid_batch_resumes_it_and_answers_every_line_exa
     first = GatedTier("small", free=3)
     async with gateway(settings, first, records) as client:
         batch_id = await submit(client, jsonl(*(chat_body(f"line {i}") for i in range(8))))
-        await asyncio.wait_for(first.held.wait(), WAIT_S)
-        while first.calls < 5:  # three answered, two held in flight
-            await asyncio.sleep(0.01)
+        await until(first.holding.is_set)
+        await until(lambda: first.calls == 5)  # three answered, two held in flight
     # Stopped: the two calls in flight were cancelled (recorded as 499) and their lines handed back.
-    assert first.calls_cancelled == 0 and sorted(r.status for r in records) == [200, 200, 200, 499, 499]
+    assert sorted(r.status for r in records) == [200, 200, 200, 499, 499]
     second = ScriptedTier("small")
     async with gateway(settings, second, records) as client:
         batch = await finished(client, batch_id)
@@ -281,3 +299,59 @@ async def test_a_gateway_stopped_mid_batch_resumes_it_and_answers_every_line_exa
     assert await attempts(database_url, batch_id) == [1, 1, 1, 2, 2, 1, 1, 1]
     assert sorted(r.status for r in records) == [200] * 8 + [499, 499]
     assert len({r.request_id for r in records}) == 10
+
+
+# -- a gateway killed mid-batch (SIGKILL: no clean shutdown) ----------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def gateway_process(database_url: str, directory: Path, *free: int) -> Iterator[openai.OpenAI]:
+    """A gateway process (`tests.gateway.batch_server`), killed (SIGKILL) when the block ends."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "tests.gateway.batch_server", database_url, str(directory),
+                                str(port), *map(str, free)], cwd=ROOT)  # fmt: skip
+    try:
+        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="local-dev", max_retries=0, timeout=5)
+        for _ in range(int(WAIT_S * 3 / 0.05)):  # the process imports the gateway first (seconds)
+            try:
+                sdk.batches.list()
+                break
+            except openai.APIConnectionError:
+                assert process.poll() is None, "the gateway process exited"
+                threading.Event().wait(0.05)
+        yield sdk
+    finally:
+        process.kill()
+        process.wait(WAIT_S)
+
+
+def test_a_gateway_killed_mid_batch_and_restarted_answers_every_line_exactly_once(database_url: str, tmp_path: Path):
+    lines = 40
+    with gateway_process(database_url, tmp_path, 10) as sdk:  # answers 10 calls, hangs the rest
+        uploaded = sdk.files.create(file=("in.jsonl", jsonl(*(chat_body(f"n {i}") for i in range(lines)))),
+                                    purpose="batch")  # fmt: skip
+        batch_id = sdk.batches.create(input_file_id=uploaded.id, endpoint=CHAT_URL, completion_window="24h").id
+        for _ in range(int(WAIT_S / 0.01)):
+            running = asyncio.run(attempts(database_url, batch_id, "running"))
+            if sdk.batches.retrieve(batch_id).request_counts.completed == 10 and running.count(1) == 2:
+                break
+            threading.Event().wait(0.01)
+        # killed here, two lines in flight (the context's exit sends SIGKILL)
+    claimed = asyncio.run(attempts(database_url, batch_id))
+    in_flight = [i for i, a in enumerate(asyncio.run(attempts(database_url, batch_id, "running"))) if a]
+    assert sum(1 for a in claimed if a) == 12 and len(in_flight) == 2
+    with gateway_process(database_url, tmp_path) as sdk:  # takes the batch over once the lease runs out
+        batch = wait_done(sdk, batch_id)
+        output = results(sdk.files.content(batch.output_file_id).content)
+    assert batch.status == "completed" and batch.request_counts.completed == lines
+    assert sorted(output) == sorted(f"req-{i}" for i in range(lines))
+    assert all(line["response"]["status_code"] == 200 for line in output.values())
+    final = asyncio.run(attempts(database_url, batch_id))
+    # Only the lines claimed and unanswered at the kill ran again.
+    assert [i for i, a in enumerate(final) if a == 2] == in_flight and set(final) == {1, 2}
