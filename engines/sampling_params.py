@@ -36,6 +36,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence of a token already generated
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     grammar: GrammarSpec | None = None
+    # Scheduling class: interactive sequences are admitted first and take the slots and KV blocks of
+    # running batch sequences (preempted, recomputed later) when they need them.
+    priority: Literal["interactive", "batch"] = "interactive"
 
     def __post_init__(self) -> None:
         assert self.temperature >= 0, "temperature must be >= 0"

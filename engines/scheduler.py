@@ -7,6 +7,11 @@ steps when they do not fit. When the KV cache runs out, the most recently admitt
 sequence is preempted: its blocks are freed and it is recomputed later (its prefix may still be
 in the prefix cache), so memory pressure slows the engine down but never crashes it.
 
+Priority classes (`SamplingParams.priority`): waiting interactive sequences are admitted before
+any waiting batch sequence, and an interactive sequence that finds the slots or the KV blocks held
+by running batch sequences preempts them (latest admitted first) rather than wait; under memory
+pressure batch sequences are the first to go. Batch work fills what interactive work leaves.
+
 The scheduler is also the one place that decides, for each step, which sequences sample a token
 (those whose step completes their tokens: `ScheduledBatch.sampled`) and which finish
 (`postprocess`: a stop token, a stop string, or `max_tokens`), as nano-vllm's scheduler does.
@@ -79,11 +84,14 @@ class Scheduler:
         num_new_tokens: list[int] = []
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()  # ids of scheduled sequences
+        made_room = self._preempt_batch_for_interactive()
         num_preempted_before = self.num_preempted_total
 
+        # Interactive before batch within each (a stable sort): batch sequences not yet scheduled are the
+        # ones `_make_room` can still preempt.
         decoding = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens == 1]
         prefilling = [seq for seq in self.running if seq.num_tokens - seq.num_computed_tokens > 1]
-        for seq in decoding + prefilling:
+        for seq in sorted(decoding, key=is_batch) + sorted(prefilling, key=is_batch):
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
@@ -98,9 +106,12 @@ class Scheduler:
             budget -= num_new
         preempted = self.num_preempted_total > num_preempted_before
 
-        # New work only when nothing had to give way this step: otherwise admissions would thrash.
+        # New work only when nothing had to give way this step: otherwise admissions would thrash (and
+        # batch sequences preempted for an interactive one wait at least a step).
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
+            if made_room and not is_interactive(seq):
+                break
             computed_blocks = self.block_manager.get_computed_blocks(seq)
             num_computed = len(computed_blocks) * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
@@ -165,10 +176,28 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
+    def _preempt_batch_for_interactive(self) -> bool:
+        """Preempt running batch sequences, latest admitted first, until the interactive sequence at the
+        head of the queue has a slot and the blocks for its first chunk; whether any was preempted."""
+        if not self.waiting or not is_interactive(seq := self.waiting[0]):
+            return False
+        manager, preempted = self.block_manager, False
+        computed_blocks = manager.get_computed_blocks(seq)
+        num_new = min(seq.num_tokens - len(computed_blocks) * manager.block_size, self.max_num_batched_tokens)
+        while len(self.running) >= self.max_num_seqs or not manager.can_allocate(seq, computed_blocks, num_new):
+            victim = next((s for s in reversed(self.running) if not is_interactive(s)), None)
+            if victim is None:
+                break
+            self._preempt(victim)
+            preempted = True
+        return preempted
+
     def _make_room(self, seq: Sequence, num_new: int, scheduled: set[int]) -> bool:
-        """Preempt running sequences, latest admitted first, until `seq` can grow; False if `seq` itself went."""
+        """Preempt running sequences, batch ones first, latest admitted first, until `seq` can grow; False if
+        `seq` itself went."""
         while not self.block_manager.can_append(seq, num_new):
-            victim = next((s for s in reversed(self.running) if s is not seq and id(s) not in scheduled), None)
+            candidates = [s for s in reversed(self.running) if s is not seq and id(s) not in scheduled]
+            victim = next((s for s in candidates if not is_interactive(s)), candidates[0] if candidates else None)
             if victim is None:
                 self._preempt(seq)
                 return False
@@ -184,34 +213,51 @@ class Scheduler:
         self.num_preempted_total += 1
 
 
+def is_interactive(seq: Sequence) -> bool:
+    return seq.params.priority == "interactive"
+
+
+def is_batch(seq: Sequence) -> bool:
+    return seq.params.priority == "batch"
+
+
 class WaitingQueue:
-    """Sequences waiting for admission, first in first out, with O(1) removal from anywhere (an
-    abort of a queued request costs the same however long the queue is). A preempted sequence goes
-    back to the front."""
+    """Sequences waiting for admission: interactive ones first, each class first in first out, with
+    O(1) removal from anywhere (an abort of a queued request costs the same however long the queue
+    is). A preempted sequence goes back to the front of its class."""
 
     def __init__(self) -> None:
-        self._seqs: OrderedDict[int, Sequence] = OrderedDict()
+        self._interactive: OrderedDict[int, Sequence] = OrderedDict()
+        self._batch: OrderedDict[int, Sequence] = OrderedDict()
+
+    def _queue(self, seq: Sequence) -> OrderedDict[int, Sequence]:
+        return self._interactive if is_interactive(seq) else self._batch
 
     def append(self, seq: Sequence) -> None:
-        self._seqs[id(seq)] = seq
+        self._queue(seq)[id(seq)] = seq
 
     def appendleft(self, seq: Sequence) -> None:
-        self._seqs[id(seq)] = seq
-        self._seqs.move_to_end(id(seq), last=False)
+        queue = self._queue(seq)
+        queue[id(seq)] = seq
+        queue.move_to_end(id(seq), last=False)
 
     def popleft(self) -> Sequence:
-        return self._seqs.popitem(last=False)[1]
+        return (self._interactive or self._batch).popitem(last=False)[1]
 
     def remove(self, seq: Sequence) -> None:
-        del self._seqs[id(seq)]
+        del self._queue(seq)[id(seq)]
 
     def __getitem__(self, index: int) -> Sequence:
         if index != 0:
             raise IndexError("only the head of the waiting queue is read")
-        return next(iter(self._seqs.values()))
+        return next(iter((self._interactive or self._batch).values()))
 
     def __len__(self) -> int:
-        return len(self._seqs)
+        return len(self._interactive) + len(self._batch)
+
+    def count(self, priority: str) -> int:
+        """Sequences of one class waiting (the queue depth an autoscaler reads)."""
+        return len(self._interactive if priority == "interactive" else self._batch)
 
     def __iter__(self) -> Iterator[Sequence]:
-        return iter(list(self._seqs.values()))
+        return iter([*self._interactive.values(), *self._batch.values()])

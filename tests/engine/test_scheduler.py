@@ -127,12 +127,12 @@ def test_the_waiting_queue_removes_from_anywhere_and_keeps_its_order() -> None:
     from engines.scheduler import WaitingQueue
 
     queue = WaitingQueue()
-    seqs = [object() for _ in range(5)]
+    seqs = [Sequence(str(i), [1], SamplingParams()) for i in range(5)]
     for seq in seqs:
-        queue.append(seq)  # type: ignore[arg-type]
+        queue.append(seq)
     queue.remove(seqs[2])  # an abort of a queued request: no scan of the queue
-    preempted = object()
-    queue.appendleft(preempted)  # type: ignore[arg-type]  # back to the front
+    preempted = Sequence("p", [1], SamplingParams())
+    queue.appendleft(preempted)  # back to the front
     front = queue[0]
     assert front is preempted
     assert list(queue)[1:] == [seqs[0], seqs[1], seqs[3], seqs[4]]

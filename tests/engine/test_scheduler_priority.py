@@ -1,0 +1,110 @@
+"""Priority classes: interactive sequences are admitted first and take what running batch sequences hold."""
+
+from __future__ import annotations
+
+from engines.llm_engine import LLMEngine
+from engines.sampling_params import SamplingParams
+from engines.scheduler import Scheduler
+from engines.sequence import Sequence, SequenceStatus
+from tests.engine.conftest import TinyModel, generated_ids, make_engine, run_to_completion
+from tests.engine.test_scheduler import make_scheduler, step
+
+
+def add(scheduler: Scheduler, request_id: str, num_prompt_tokens: int, priority: str = "interactive") -> Sequence:
+    params = SamplingParams(priority=priority)  # type: ignore[arg-type]
+    seq = Sequence(request_id, list(range(100, 100 + num_prompt_tokens)), params)
+    scheduler.add(seq)
+    return seq
+
+
+def test_waiting_interactive_sequences_are_admitted_before_batch_ones_that_came_earlier() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    add(scheduler, "b1", 4, "batch")
+    add(scheduler, "b2", 4, "batch")
+    add(scheduler, "i1", 4)
+    assert step(scheduler) == {"i1": 4, "b1": 4}
+    assert step(scheduler) == {"i1": 1, "b1": 1, "b2": 4}
+
+
+def test_an_interactive_sequence_takes_the_slot_of_the_latest_batch_sequence() -> None:
+    scheduler = make_scheduler(max_num_seqs=2, max_num_batched_tokens=16)
+    b1, b2 = add(scheduler, "b1", 4, "batch"), add(scheduler, "b2", 4, "batch")
+    assert step(scheduler) == {"b1": 4, "b2": 4}
+    i1 = add(scheduler, "i1", 4)
+    # No slot left: b2 (admitted last) is preempted and recomputed later; i1 runs at once.
+    assert step(scheduler) == {"b1": 1, "i1": 4}
+    assert (b2.status, b2.num_computed_tokens, scheduler.num_preempted_total) == (SequenceStatus.WAITING, 0, 1)
+    assert [s.request_id for s in scheduler.running] == ["b1", "i1"]
+    assert step(scheduler) == {"b1": 1, "i1": 1}  # b2 waits for a free slot
+    scheduler.finish(b1, "stop")
+    assert step(scheduler) == {"i1": 1, "b2": 5}  # b2 recomputes its prompt and its one output token
+    assert i1.status is SequenceStatus.RUNNING
+
+
+def test_an_interactive_sequence_takes_the_kv_blocks_of_batch_sequences() -> None:
+    scheduler = make_scheduler(num_blocks=4, max_num_seqs=8, max_num_batched_tokens=16)  # blocks of 4 tokens
+    add(scheduler, "b1", 7, "batch")
+    add(scheduler, "b2", 7, "batch")
+    assert step(scheduler) == {"b1": 7, "b2": 7}  # all four blocks held
+    add(scheduler, "i1", 6)
+    assert step(scheduler) == {"b1": 1, "i1": 6}
+    assert [s.request_id for s in scheduler.waiting] == ["b2"] and scheduler.num_preempted_total == 1
+
+
+def test_interactive_sequences_never_preempt_each_other_for_admission() -> None:
+    scheduler = make_scheduler(max_num_seqs=1)
+    add(scheduler, "i1", 4)
+    assert step(scheduler) == {"i1": 4}
+    add(scheduler, "i2", 4)
+    assert step(scheduler) == {"i1": 1}  # i2 waits its turn
+    assert scheduler.num_preempted_total == 0
+
+
+def test_under_memory_pressure_a_batch_sequence_goes_before_an_interactive_one() -> None:
+    scheduler = make_scheduler(num_blocks=4, max_num_batched_tokens=16)  # blocks of 4 tokens
+    add(scheduler, "b1", 4, "batch")
+    assert step(scheduler) == {"b1": 4}
+    add(scheduler, "i1", 4)
+    add(scheduler, "i2", 4)
+    assert step(scheduler) == {"b1": 1, "i1": 4, "i2": 4}  # all four blocks held
+    # i1 and i2 each need a new block for their next token: the batch sequence gives its two up, although
+    # it was admitted first (interactive decodes are scheduled first, so they are not its victims).
+    assert step(scheduler) == {"i1": 1, "i2": 1}
+    assert [s.request_id for s in scheduler.waiting] == ["b1"] and scheduler.num_preempted_total == 1
+
+
+def test_the_queue_depth_is_counted_per_class() -> None:
+    scheduler = make_scheduler(max_num_seqs=1)
+    add(scheduler, "i1", 4)
+    add(scheduler, "i2", 4)
+    add(scheduler, "b1", 4, "batch")
+    step(scheduler)
+    assert (scheduler.waiting.count("interactive"), scheduler.waiting.count("batch")) == (1, 1)
+
+
+def test_on_the_tiny_model_an_interactive_request_runs_at_once_and_every_output_is_unchanged(
+    tiny_llama: TinyModel,
+) -> None:
+    greedy = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    prompts = {f"b{i}": [10 * i + j for j in range(6)] for i in range(3)}
+    prompts["i1"] = [7, 8, 9, 10, 11]
+
+    def expected(name: str) -> list[int]:
+        alone = make_engine(tiny_llama, enable_prefix_caching=False)
+        alone.add_request(name, prompts[name], SamplingParams(**greedy))  # type: ignore[arg-type]
+        return generated_ids(run_to_completion(alone)[name])
+
+    engine: LLMEngine = make_engine(tiny_llama, max_num_seqs=3, enable_prefix_caching=False)
+    for name in ("b0", "b1", "b2"):
+        engine.add_request(name, prompts[name], SamplingParams(**greedy, priority="batch"))  # type: ignore[arg-type]
+    first = engine.step()
+    engine.add_request("i1", prompts["i1"], SamplingParams(**greedy))  # type: ignore[arg-type]
+    second = engine.step()
+    running = [seq.request_id for seq in engine.scheduler.running]
+    assert running == ["b0", "b1", "i1"] and engine.stats().num_preempted_total == 1
+    outputs: dict[str, list] = {}
+    for output in [*first, *second]:
+        outputs.setdefault(output.request_id, []).append(output)
+    for name, rest in run_to_completion(engine).items():
+        outputs.setdefault(name, []).extend(rest)
+    assert {name: generated_ids(out) for name, out in outputs.items()} == {name: expected(name) for name in prompts}
