@@ -74,6 +74,7 @@ def sampling_params(d: Decoding, max_tokens: int, choice: int, grammar: GrammarS
         frequency_penalty=d.frequency_penalty,
         logit_bias=d.logit_bias,
         grammar=grammar,
+        priority=d.priority,
     )
 
 

@@ -157,6 +157,11 @@ class PolicyConfig(_Section):
     # May prompts and answers of this feature be shown (dashboard: shadow-run disagreements)?
     log_content: bool = False
 
+    # Scheduling class of this feature's requests: engines admit interactive work first and preempt batch
+    # work for it. `choose_priority`: its keys may pick the class per request (header `x-sluice-priority`).
+    priority: Literal["interactive", "batch"] = "interactive"
+    choose_priority: bool = False
+
     # Serve this feature's `sluice`/`auto` requests from one tier, bypassing the router.
     route_tier: str | None = None
     # This feature's quality bar (share of large-only quality, 0.8–1.0); None: router.quality_target.

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from engines.api.client import EngineClient
-from engines.api.errors import APIError, service_unavailable
+from engines.api.errors import APIError, invalid, service_unavailable
 from engines.api.fields import NO_NEEDS, Capabilities, capabilities
 from engines.api.protocol import (
     ChatCompletionRequest,
@@ -81,6 +81,7 @@ class RequestState:
     endpoint: str  # chat | completions
     response_id: str = ""  # answered in `x-request-id`: the client's own id when it sent one
     priority: str = "interactive"  # interactive | batch (a Batch API line: discounted)
+    asked_priority: str | None = None  # the `x-sluice-priority` header
     started: float = field(default_factory=time.perf_counter)
     created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     principal: Principal | None = None
@@ -193,6 +194,8 @@ class Gateway:
 
     async def _handle(self, state: RequestState, request: Request) -> Reply:
         policy = self._begin(state, request)
+        if state.priority == "batch" or request.priority is not None:  # what our engines schedule by
+            request = msgspec.structs.replace(request, priority=state.priority)
         check_request(request)
         state.needs = capabilities(request)
         await self._route(state, request, policy)
@@ -209,6 +212,7 @@ class Gateway:
             raise RuntimeError("authenticate before serving")
         state.model_requested = request.model
         state.stream = request.stream
+        state.priority = priority_of(state, state.principal.policy)
         return state.principal.policy
 
     async def _route(self, state: RequestState, request: Request, policy: PolicyConfig) -> None:
@@ -426,6 +430,20 @@ class Gateway:
             if state.tenant_admitted and state.principal is not None:
                 self.charges.charge(tenant_subject(state.principal.tenant), produced - state.reserved,
                                     state.admitted_at)  # fmt: skip
+
+
+def priority_of(state: RequestState, policy: PolicyConfig) -> str:
+    """The request's scheduling class: batch for a Batch API line, else the header's where the key's policy
+    lets it choose, else the policy's."""
+    asked = state.asked_priority
+    if state.priority == "batch" or asked is None:
+        return "batch" if state.priority == "batch" else policy.priority
+    if not policy.choose_priority:
+        raise APIError(403, "This key may not choose its priority; drop the `x-sluice-priority` header.",
+                       code="priority_not_allowed", param="x-sluice-priority")  # fmt: skip
+    if asked not in ("interactive", "batch"):
+        raise invalid("`x-sluice-priority` must be interactive or batch.", "x-sluice-priority")
+    return asked
 
 
 def tenant_subject(tenant: str) -> str:

@@ -13,7 +13,7 @@ and `COMPLETIONS` (a test walks the installed `openai` SDK's request types again
 
 Fields that no OpenAI type names (vLLM's `min_p`, `chat_template_kwargs`, ...) are kept aside as
 the request's `extra_fields`: forwarded untouched to HTTP tiers, refused by our engines. `top_k`
-is a modelled extension (honoured).
+and `priority` (the scheduling class) are modelled extensions (honoured).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ _COMMON = {
     "model": HONOURED, "n": HONOURED, "stream": HONOURED, "stream_options": HONOURED, "stop": HONOURED,
     "seed": HONOURED, "temperature": HONOURED, "top_p": HONOURED, "top_k": HONOURED, "logprobs": HONOURED,
     "max_tokens": HONOURED, "user": HONOURED, "presence_penalty": HONOURED, "frequency_penalty": HONOURED,
-    "logit_bias": HONOURED,
+    "logit_bias": HONOURED, "priority": HONOURED,
 }
 
 CHAT: dict[str, Fate] = {
@@ -137,7 +137,8 @@ def check_engine_supports(request: ChatCompletionRequest | CompletionRequest, ti
 
 # Fields that change how an answer is delivered or attributed, never what it says.
 _NOT_ANSWER_SHAPING = frozenset({"stream", "stream_options", "user", "metadata", "safety_identifier",
-                                 "prompt_cache_key", "store", "service_tier", "prompt_cache_retention"})
+                                 "prompt_cache_key", "store", "service_tier", "prompt_cache_retention",
+                                 "priority"})
 _CANONICAL = msgspec.json.Encoder(order="sorted")
 
 

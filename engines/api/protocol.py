@@ -102,6 +102,9 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None  # extension, as in vLLM
+    # Extension: the scheduling class. The gateway sets it (a key's policy, or `x-sluice-priority` where
+    # the key may choose); our engines admit interactive work first and preempt batch work for it.
+    priority: Literal["interactive", "batch"] | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -152,6 +155,7 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    priority: Literal["interactive", "batch"] | None = None  # as in ChatCompletionRequest
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

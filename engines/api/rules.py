@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import msgspec
 
@@ -66,6 +66,7 @@ class Decoding:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    priority: Literal["interactive", "batch"] = "interactive"
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
@@ -89,6 +90,7 @@ def decoding(request: Request) -> Decoding:
             presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0,
             logit_bias=_logit_bias(request.logit_bias),
+            priority=request.priority or "interactive",
         )
     return Decoding(
         temperature=request.temperature,
@@ -104,6 +106,7 @@ def decoding(request: Request) -> Decoding:
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,
         logit_bias=_logit_bias(request.logit_bias),
+        priority=request.priority or "interactive",
     )
 
 

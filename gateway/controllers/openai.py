@@ -23,7 +23,8 @@ async def authenticated(request: Request[Any, Any, Any]) -> None:
     headers = request.headers
     request_id, response_id = request_ids(headers.get("x-request-id"))
     endpoint = request.route_handler.opt.get("endpoint", "")
-    state = RequestState(request_id=request_id, endpoint=endpoint, response_id=response_id)
+    state = RequestState(request_id=request_id, endpoint=endpoint, response_id=response_id,
+                         asked_priority=headers.get("x-sluice-priority"))  # fmt: skip
     request.state.sluice = state
     state.principal = await gateway.authenticate(headers.get("authorization"))
 
