@@ -52,6 +52,8 @@ class EngineStats:
     prefix_cache_hit_tokens: int
     num_generated_tokens_total: int
     num_aborted_total: int = 0  # requests dropped before they finished (client gone, step failed)
+    num_waiting_batch: int = 0  # of num_waiting: batch-priority sequences (the rest are interactive)
+    num_running_batch: int = 0  # of num_running
 
 
 def physical_core_count() -> int:
@@ -255,6 +257,8 @@ class LLMEngine:
             prefix_cache_hit_tokens=self.scheduler.prefix_cache_hit_tokens,
             num_generated_tokens_total=self._num_generated_tokens_total,
             num_aborted_total=self._num_aborted_total,
+            num_waiting_batch=self.scheduler.waiting.count("batch"),
+            num_running_batch=sum(seq.params.priority == "batch" for seq in self.scheduler.running),
         )
 
 

@@ -24,6 +24,8 @@ class EngineStatsView(Protocol):
 
     num_waiting: int
     num_running: int
+    num_waiting_batch: int
+    num_running_batch: int
     kv_blocks_total: int
     kv_blocks_used: int
     kv_blocks_free: int
@@ -41,6 +43,13 @@ class _EngineStateCollector(Collector):
         gauges = {
             "sluice_engine_waiting_sequences": ("Sequences waiting to be scheduled.", stats.num_waiting),
             "sluice_engine_running_sequences": ("Sequences in the running batch.", stats.num_running),
+            "sluice_engine_waiting_batch_sequences": (
+                "Of the waiting sequences, those of batch priority.", stats.num_waiting_batch),
+            "sluice_engine_running_batch_sequences": (
+                "Of the running sequences, those of batch priority.", stats.num_running_batch),
+            "sluice_engine_kv_cache_utilisation": (
+                "KV-cache blocks held by sequences / blocks allocated (0..1).",
+                stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0),
             "sluice_engine_kv_blocks_total": ("KV-cache blocks allocated at start.", stats.kv_blocks_total),
             "sluice_engine_kv_blocks_used": ("KV-cache blocks held by sequences.", stats.kv_blocks_used),
             "sluice_engine_kv_blocks_free": ("KV-cache blocks free or evictable.", stats.kv_blocks_free),

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from engines import tool_calls
-from engines.api.client import EngineUnavailable
+from engines.api.client import EngineUnavailable, TierLoad
 from engines.api.errors import APIError, invalid, service_unavailable
 from engines.api.fields import check_engine_supports
 from engines.api.prompts import PromptTokenizer, chat_prompt_token_ids, completion_prompts, count_prompt_tokens
@@ -586,6 +586,15 @@ class InProcessEngineClient:
 
     async def ready(self) -> bool:
         return bool(getattr(self.serving.engine, "healthy", True))
+
+    def load(self) -> TierLoad:
+        stats = self.serving.engine.stats()
+        return TierLoad(
+            waiting_interactive=stats.num_waiting - stats.num_waiting_batch,
+            waiting_batch=stats.num_waiting_batch,
+            running=stats.num_running,
+            kv_utilisation=stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0,
+        )
 
     async def _call(self, work: Coroutine[Any, Any, _ResultT]) -> _ResultT:
         """`work` within the deadline; a failed or unhealthy engine is unavailable (the gateway may

@@ -149,6 +149,7 @@ def create_app(
             stack.push_async_callback(key_cache.aclose)
             router = await asyncio.to_thread(build_router, settings)
             metrics = Metrics()
+            metrics.watch_tiers(clients)
             shadow = ShadowSampler(settings, clients, db, metrics, router.embedder)
             stack.push_async_callback(shadow.close)
             gateway = Gateway(

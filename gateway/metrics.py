@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from engines.api.client import EngineClient
 from gateway.accounting import RequestRecord
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
@@ -88,5 +92,34 @@ class Metrics:
         if record.fallback:
             child(self.fallbacks, tier).inc()
 
+    def watch_tiers(self, clients: Mapping[str, EngineClient]) -> None:
+        """Export each tier's load (read at scrape time): what an autoscaler scales the engines on."""
+        self.registry.register(_TierLoadCollector(clients))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _TierLoadCollector(Collector):
+    """Queue depth by priority class, running sequences and KV-cache utilisation of every tier that
+    reports them (in-process engines; an upstream engine server exports the same on its own /metrics)."""
+
+    def __init__(self, clients: Mapping[str, EngineClient]) -> None:
+        self.clients = clients
+
+    def collect(self) -> Iterator[Metric]:
+        waiting = GaugeMetricFamily("sluice_tier_waiting_sequences", "Sequences waiting to be scheduled, by tier "
+                                    "and priority class (the queue depth to scale on)", labels=["tier", "priority"])
+        running = GaugeMetricFamily("sluice_tier_running_sequences", "Sequences being generated, by tier",
+                                    labels=["tier"])
+        kv = GaugeMetricFamily("sluice_tier_kv_cache_utilisation", "Share of the KV cache held, by tier (0..1)",
+                               labels=["tier"])  # fmt: skip
+        for tier, client in self.clients.items():
+            load = client.load()
+            if load is None:
+                continue
+            waiting.add_metric([tier, "interactive"], load.waiting_interactive)
+            waiting.add_metric([tier, "batch"], load.waiting_batch)
+            running.add_metric([tier], load.running)
+            kv.add_metric([tier], load.kv_utilisation)
+        yield from (waiting, running, kv)

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import httpx
@@ -36,6 +37,17 @@ class EngineUnavailable(Exception):
     """The tier could not serve: down, timed out, or refused. The gateway may fall back."""
 
 
+@dataclass(frozen=True, slots=True)
+class TierLoad:
+    """How loaded a tier is now, as an autoscaler reads it: sequences waiting to be scheduled (by priority
+    class), sequences running, and the share of the KV cache held."""
+
+    waiting_interactive: int
+    waiting_batch: int
+    running: int
+    kv_utilisation: float
+
+
 class EngineClient(Protocol):
     """An OpenAI-compatible tier. Streams yield chunks; the last chunk carries `usage`.
 
@@ -58,6 +70,11 @@ class EngineClient(Protocol):
     def complete_stream(self, request: CompletionRequest) -> AsyncIterator[Completion]: ...
 
     async def ready(self) -> bool: ...
+
+    def load(self) -> TierLoad | None:
+        """The tier's scheduler state (an in-process engine); None where only the tier knows it (an
+        upstream: its own /metrics has it)."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -265,6 +282,9 @@ class HttpEngineClient:
         except (HttpClientError, httpx.TransportError):
             return False
         return response.status_code == 200
+
+    def load(self) -> TierLoad | None:
+        return None
 
     async def close(self) -> None:
         if self._pool is not None:

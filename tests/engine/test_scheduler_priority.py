@@ -108,3 +108,14 @@ def test_on_the_tiny_model_an_interactive_request_runs_at_once_and_every_output_
     for name, rest in run_to_completion(engine).items():
         outputs.setdefault(name, []).extend(rest)
     assert {name: generated_ids(out) for name, out in outputs.items()} == {name: expected(name) for name in prompts}
+
+
+def test_engine_stats_count_batch_sequences_waiting_and_running(tiny_llama: TinyModel) -> None:
+    engine = make_engine(tiny_llama, max_num_seqs=2, enable_prefix_caching=False)
+    batch = SamplingParams(max_tokens=4, priority="batch")
+    for name in ("b0", "b1", "b2"):
+        engine.add_request(name, [1, 2, 3], batch)
+    engine.add_request("i0", [4, 5, 6], SamplingParams(max_tokens=4))
+    engine.step()  # i0 and b0 run; b1 and b2 wait
+    stats = engine.stats()
+    assert (stats.num_waiting, stats.num_waiting_batch, stats.num_running, stats.num_running_batch) == (2, 2, 2, 1)

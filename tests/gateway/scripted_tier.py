@@ -158,5 +158,8 @@ class ScriptedTier:
     async def ready(self) -> bool:
         return not self.down
 
+    def load(self) -> None:
+        return None  # like an upstream: its load is its own
+
     async def close(self) -> None:
         return None

@@ -135,6 +135,9 @@ async def test_health_and_metrics(server_url: str, client: openai.AsyncOpenAI) -
     for name in (
         "sluice_engine_waiting_sequences",
         "sluice_engine_running_sequences",
+        "sluice_engine_waiting_batch_sequences",
+        "sluice_engine_running_batch_sequences",
+        "sluice_engine_kv_cache_utilisation",
         "sluice_engine_kv_blocks_used",
         "sluice_engine_kv_blocks_free",
         "sluice_engine_prefix_cache_hit_rate",
