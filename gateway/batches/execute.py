@@ -23,11 +23,28 @@ from gateway.pipeline import Gateway, RequestState
 log = logging.getLogger("sluice.batches")
 
 
+# Refusals that pass: the line goes back to pending and the worker waits before claiming more (rate limits,
+# limits or a tier briefly unavailable). A spent budget or a bad request is the line's answer.
+RETRIED_CODES = frozenset({"rate_limit_exceeded", "limits_unavailable", "auth_unavailable", "tier_unavailable"})
+DEFAULT_RETRY_S = 1.0
+
+
 @dataclass(frozen=True, slots=True)
 class LineResult:
     request_id: str
     status_code: int
     body: bytes  # the answer, or an OpenAI error body
+    retry_after_s: float | None = None  # set: not an answer; run the line again after this long
+
+
+def _error_result(request_id: str, error: APIError) -> LineResult:
+    if error.code not in RETRIED_CODES and error.status_code != 503:
+        return LineResult(request_id, error.status_code, error.body())
+    try:
+        retry_after_s = float(error.headers.get("Retry-After", DEFAULT_RETRY_S))
+    except ValueError:
+        retry_after_s = DEFAULT_RETRY_S
+    return LineResult(request_id, error.status_code, error.body(), retry_after_s)
 
 
 LineRunner = Callable[[ClaimedLine], Awaitable[LineResult]]
@@ -74,7 +91,7 @@ async def run_line(gateway: Gateway, principal: Principal | APIError, endpoint: 
         return LineResult(request_id, 200, reply.body)
     except APIError as exc:
         gateway.finish(state, exc.status_code, exc.code)  # once: a no-op when the path already recorded it
-        return LineResult(request_id, exc.status_code, exc.body())
+        return _error_result(request_id, exc)
     except Exception:
         log.exception("batch request %s failed", request_id)
         gateway.finish(state, 500, "internal_error")

@@ -202,6 +202,17 @@ async def record_line(
     return recorded.rowcount == 1
 
 
+async def unclaim_line(db: AsyncEngine, batch_id: str, line: int, worker: str) -> None:
+    """Put a line `worker` claimed back to pending, unanswered (it was refused for a while: rate limits)."""
+    async with db.begin() as connection:
+        await connection.execute(
+            batch_lines.update()
+            .where(batch_lines.c.batch_id == batch_id, batch_lines.c.line == line,
+                   batch_lines.c.state == "running", batch_lines.c.worker == worker)
+            .values(state="pending", worker=None)
+        )
+
+
 async def close_pending(db: AsyncEngine, batch_id: str, state: str) -> None:
     """Lines never run (the batch was cancelled or expired) end as `state`."""
     async with db.begin() as connection:

@@ -50,6 +50,7 @@ class BatchWorker:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._beat_s = min(config.lease_s / 3, MAX_BEAT_S)
+        self._paused_until = 0.0  # loop time: no line is claimed before (a line was refused for a while)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="sluice-batch-worker")
@@ -87,7 +88,7 @@ class BatchWorker:
 
     async def _run(self, batch: Any) -> None:
         run = await self.prepare(batch)
-        running: set[asyncio.Task[None]] = set()
+        running: set[asyncio.Task[bool]] = set()
         try:
             status = await self._work(batch, run, running)
         except BaseException:
@@ -99,7 +100,7 @@ class BatchWorker:
         if status is not None:
             await self._finish(batch.id)
 
-    async def _work(self, batch: Any, run: LineRunner, running: set[asyncio.Task[None]]) -> str | None:
+    async def _work(self, batch: Any, run: LineRunner, running: set[asyncio.Task[bool]]) -> str | None:
         """Claim and run lines until none is left (or the batch is cancelled or expired); the batch's status
         then, or None when another worker took the batch over."""
         loop = asyncio.get_running_loop()
@@ -112,25 +113,36 @@ class BatchWorker:
                     return None  # the lease ran out and another worker holds the batch: its claims are void
                 next_beat = loop.time() + self._beat_s
                 claiming = claiming and status == "in_progress" and _now() < store.utc(batch.expires_at)
-            while claiming and len(running) < self.config.concurrency:
+            while claiming and len(running) < self.config.concurrency and loop.time() >= self._paused_until:
                 line = await store.claim_line(self.db, batch.id, self.worker_id)
                 if line is None:
                     claiming = False
                     break
                 running.add(asyncio.create_task(self._line(batch.id, run, line)))
-            if not running:
+            if not running and not (claiming and loop.time() < self._paused_until):
                 return status
+            if not running:
+                await asyncio.sleep(min(self._beat_s, self._paused_until - loop.time()))
+                continue
             done, _ = await asyncio.wait(running, timeout=self._beat_s, return_when=asyncio.FIRST_COMPLETED)
             running.difference_update(done)
-            for task in done:
-                task.result()  # a failure to record is the database's: raise it
+            # A failure to record is the database's: raised here. A line put back to pending is claimed again.
+            if any([task.result() for task in done]):
+                claiming = status == "in_progress"
 
-    async def _line(self, batch_id: str, run: LineRunner, line: store.ClaimedLine) -> None:
+    async def _line(self, batch_id: str, run: LineRunner, line: store.ClaimedLine) -> bool:
+        """Run a line and record its answer; True when it was put back to pending instead."""
         result = await run(line)
+        if result.retry_after_s is not None:
+            # Refused for now (rate limits): batch work waits, it does not fail for being early.
+            self._paused_until = max(self._paused_until, asyncio.get_running_loop().time() + result.retry_after_s)
+            await store.unclaim_line(self.db, batch_id, line.line, self.worker_id)
+            return True
         response = result.body.decode()
         if not await store.record_line(self.db, batch_id, line.line, self.worker_id, result.request_id,
                                        result.status_code, response):  # fmt: skip
             log.warning("batch %s line %d: answered after its claim was lost; not recorded", batch_id, line.line)
+        return False
 
     async def _finish(self, batch_id: str) -> None:
         """Close the lines never run, write the output and error files, and end the batch."""

@@ -355,3 +355,21 @@ def test_a_gateway_killed_mid_batch_and_restarted_answers_every_line_exactly_onc
     final = asyncio.run(attempts(database_url, batch_id))
     # Only the lines claimed and unanswered at the kill ran again.
     assert [i for i, a in enumerate(final) if a == 2] == in_flight and set(final) == {1, 2}
+
+
+async def test_lines_refused_for_a_while_wait_and_run_again_instead_of_failing(sqlite_url: str, tmp_path: Path):
+    records: list[RequestRecord] = []
+    tier = ScriptedTier("small")
+    tier.down = True  # 503 tier_unavailable, Retry-After 5 s (no fallback for this feature)
+    settings = with_batch(make_settings(database_url=sqlite_url, fallback=False), tmp_path)
+    async with gateway(settings, tier, records) as client:
+        batch_id = await submit(client, jsonl(*(chat_body() for _ in range(3))))
+        await until(lambda: len(records) == 3)
+        tier.down = False
+        batch = await finished(client, batch_id)
+        output = await content(client, batch["output_file_id"])
+    assert batch["status"] == "completed" and sorted(output) == ["req-0", "req-1", "req-2"]
+    assert all(line["response"]["status_code"] == 200 for line in output.values())
+    statuses = sorted(r.status for r in records)
+    assert statuses[:3] == [200, 200, 200] and set(statuses[3:]) == {503}
+    assert sum(await attempts(sqlite_url, batch_id)) == len(records)  # one accounting row per attempt
