@@ -91,7 +91,7 @@ def handle_exception(request: Request[Any, Any, Any], exc: Exception) -> Respons
 async def start_batches(settings: Settings, gateway: Gateway, db: AsyncEngine, stack: AsyncExitStack) -> BatchService:
     """The Batch API and its worker, stopped (its batch handed back) before the gateway drains."""
     files = FileStore(Path(settings.batch.dir))
-    worker = BatchWorker(db, files, line_runner(gateway, db), settings.batch)
+    worker = BatchWorker(db, files, line_runner(gateway, db), settings.batch, may_claim=gateway.slo.batch_may_run)
     worker.start()
     stack.push_async_callback(worker.close)
     return BatchService(db, files, worker)
@@ -149,13 +149,13 @@ def create_app(
             stack.push_async_callback(key_cache.aclose)
             router = await asyncio.to_thread(build_router, settings)
             metrics = Metrics()
-            metrics.watch_tiers(clients)
             shadow = ShadowSampler(settings, clients, db, metrics, router.embedder)
             stack.push_async_callback(shadow.close)
             gateway = Gateway(
                 settings, clients, counters, sink, metrics, keys=key_cache, router=router, shadow=shadow
             )
             stack.push_async_callback(gateway.drain)
+            metrics.watch_tiers(clients, gateway.slo.pressure)
             app.state.batches = await start_batches(settings, gateway, db, stack)
             app.state.gateway = gateway
             app.state.db = db

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
@@ -15,6 +15,7 @@ from gateway.accounting import RequestRecord
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 
+_GOODPUT_HELP = "Successful interactive requests within their tier's TTFT and ITL objectives (rate(): goodput)"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -55,6 +56,7 @@ class Metrics:
             "sluice_shadow_agreement", "Agreement of the small tier's answer with the large tier's, per shadow run",
             buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0), registry=r,
         )
+        self.goodput = Counter("sluice_goodput_requests", _GOODPUT_HELP, ["tier"], registry=r)
         self.in_flight = Gauge("sluice_in_flight_requests", "Requests being served, by tier", ["tier"], registry=r)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
@@ -68,6 +70,9 @@ class Metrics:
 
     def count_unauthenticated(self, code: str) -> None:
         self._child(self.unauthenticated, code).inc()
+
+    def count_goodput(self, tier: str) -> None:
+        self._child(self.goodput, tier).inc()
 
     def in_flight_of(self, tier: str) -> Any:
         return self._child(self.in_flight, tier)
@@ -92,9 +97,9 @@ class Metrics:
         if record.fallback:
             child(self.fallbacks, tier).inc()
 
-    def watch_tiers(self, clients: Mapping[str, EngineClient]) -> None:
-        """Export each tier's load (read at scrape time): what an autoscaler scales the engines on."""
-        self.registry.register(_TierLoadCollector(clients))
+    def watch_tiers(self, clients: Mapping[str, EngineClient], slo_pressure: Callable[[str], float]) -> None:
+        """Export each tier's load and SLO pressure (read at scrape time): what an autoscaler scales on."""
+        self.registry.register(_TierLoadCollector(clients, slo_pressure))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -104,8 +109,9 @@ class _TierLoadCollector(Collector):
     """Queue depth by priority class, running sequences and KV-cache utilisation of every tier that
     reports them (in-process engines; an upstream engine server exports the same on its own /metrics)."""
 
-    def __init__(self, clients: Mapping[str, EngineClient]) -> None:
+    def __init__(self, clients: Mapping[str, EngineClient], slo_pressure: Callable[[str], float]) -> None:
         self.clients = clients
+        self.slo_pressure = slo_pressure
 
     def collect(self) -> Iterator[Metric]:
         waiting = GaugeMetricFamily("sluice_tier_waiting_sequences", "Sequences waiting to be scheduled, by tier "
@@ -114,7 +120,11 @@ class _TierLoadCollector(Collector):
                                     labels=["tier"])
         kv = GaugeMetricFamily("sluice_tier_kv_cache_utilisation", "Share of the KV cache held, by tier (0..1)",
                                labels=["tier"])  # fmt: skip
+        pressure = GaugeMetricFamily("sluice_tier_slo_pressure", "Worse of recent p99 TTFT and ITL over the tier's "
+                                     "objective (1: at the SLO; interactive requests are refused above)",
+                                     labels=["tier"])  # fmt: skip
         for tier, client in self.clients.items():
+            pressure.add_metric([tier], self.slo_pressure(tier))
             load = client.load()
             if load is None:
                 continue
@@ -122,4 +132,4 @@ class _TierLoadCollector(Collector):
             waiting.add_metric([tier, "batch"], load.waiting_batch)
             running.add_metric([tier], load.running)
             kv.add_metric([tier], load.kv_utilisation)
-        yield from (waiting, running, kv)
+        yield from (waiting, running, kv, pressure)

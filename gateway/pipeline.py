@@ -58,6 +58,7 @@ from gateway.keys import KeyCache
 from gateway.metrics import Metrics
 from gateway.relay import EventStream, StreamAccount, relay
 from gateway.routing import Router, cascade_call, cascade_stream
+from gateway.slo import SloTracker
 from router.cascade import CascadePlan
 from router.decision import ModelNotAllowed, ModelNotFound, RouteDecision
 
@@ -71,6 +72,7 @@ log = logging.getLogger("sluice.gateway")
 UNIQUE_SUFFIX_LEN = 12
 MAX_CLIENT_REQUEST_ID_LEN = 64 - 1 - UNIQUE_SUFFIX_LEN  # the `requests.request_id` column holds 64
 CLIENT_CLOSED_REQUEST = 499  # recorded status of a request whose client left before the answer (nginx's code)
+SLO_RETRY_AFTER_S = 1  # told to interactive requests refused while their tier is over its latency objective
 
 
 @dataclass(slots=True)
@@ -146,6 +148,7 @@ class Gateway:
         clock: Callable[[], float] = time.time,
         router: Router | None = None,
         shadow: ShadowSampler | None = None,
+        slo: SloTracker | None = None,
     ) -> None:
         self.settings = settings
         self.clients = clients
@@ -158,6 +161,7 @@ class Gateway:
         self.charges = ChargeBatcher(counters, clock)
         self.router = router or Router(settings)
         self.shadow = shadow
+        self.slo = slo or SloTracker(settings.tiers)
 
     async def authenticate(self, authorization: str | None) -> Principal:
         return await self.auth.authenticate(authorization)
@@ -202,6 +206,7 @@ class Gateway:
         state.route = self._capable(state.route, state.needs, policy)
         candidates = [t for t in candidate_tiers(state.route.tier, policy, self.clients)
                       if supports(self.settings.tiers.get(t), state.needs)]
+        self._check_slo(state)
         request, headers = await self._admit(state, request, candidates)
         if request.stream:
             return await self._stream(state, request, candidates, headers)
@@ -239,6 +244,15 @@ class Gateway:
         """The route, moved to a tier that supports what the request uses when its own does not."""
         tier = capable_tier(route.tier, needs, policy.allowed_tiers, self.clients, self.settings.tiers)
         return route if tier == route.tier else RouteDecision(tier, route.score, "capability")
+
+    def _check_slo(self, state: RequestState) -> None:
+        """New interactive work for a tier over its latency objective is refused rather than queued to miss
+        it too (batch work stopped earlier: `SloTracker.batch_may_run`)."""
+        assert state.route is not None
+        if state.priority == "interactive" and self.slo.overloaded(state.route.tier):
+            raise APIError(429, f"The {state.route.tier} tier is over its latency objective right now. Retry shortly.",
+                           code="slo_overloaded", type="rate_limit_error",
+                           headers={"Retry-After": str(SLO_RETRY_AFTER_S)})  # fmt: skip
 
     async def _admit(self, state: RequestState, request: Request,
                      candidates: list[str]) -> tuple[Request, dict[str, str]]:  # fmt: skip
@@ -415,6 +429,9 @@ class Gateway:
         record = record_of(state, status, error_code)
         self.record_sink(record)
         self.metrics.observe(record)
+        interactive_success = status == 200 and record.tier is not None and record.priority == "interactive"
+        if interactive_success and self.slo.observe(record.tier or "", record.ttft_ms, record.itl_ms_mean):
+            self.metrics.count_goodput(record.tier or "")
         if state.admitted:
             self._settle(state, state.principal.subject, status)
 

@@ -36,6 +36,7 @@ REQUEST_PATH = [
     "gateway/pipeline.py",
     "gateway/redis_client.py",
     "gateway/relay.py",
+    "gateway/slo.py",
     "router/decision.py",
 ]
 MAX_FUNCTION_LINES = 40

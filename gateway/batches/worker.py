@@ -41,11 +41,12 @@ def _now() -> datetime:
 
 class BatchWorker:
     def __init__(self, db: AsyncEngine, files: FileStore, prepare: Callable[[Any], Awaitable[LineRunner]],
-                 config: BatchConfig) -> None:  # fmt: skip
+                 config: BatchConfig, may_claim: Callable[[], bool] = lambda: True) -> None:  # fmt: skip
         self.db = db
         self.files = files
         self.prepare = prepare
         self.config = config
+        self.may_claim = may_claim  # False: interactive work needs the capacity (SLOs at risk); claim nothing
         self.worker_id = new_id("worker-")
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -113,22 +114,25 @@ class BatchWorker:
                     return None  # the lease ran out and another worker holds the batch: its claims are void
                 next_beat = loop.time() + self._beat_s
                 claiming = claiming and status == "in_progress" and _now() < store.utc(batch.expires_at)
-            while claiming and len(running) < self.config.concurrency and loop.time() >= self._paused_until:
+            while claiming and len(running) < self.config.concurrency and self._may_claim(loop.time()):
                 line = await store.claim_line(self.db, batch.id, self.worker_id)
                 if line is None:
                     claiming = False
                     break
                 running.add(asyncio.create_task(self._line(batch.id, run, line)))
-            if not running and not (claiming and loop.time() < self._paused_until):
+            if not running and not claiming:
                 return status
-            if not running:
-                await asyncio.sleep(min(self._beat_s, self._paused_until - loop.time()))
+            if not running:  # lines are left but none may be claimed now
+                await asyncio.sleep(self._beat_s)
                 continue
             done, _ = await asyncio.wait(running, timeout=self._beat_s, return_when=asyncio.FIRST_COMPLETED)
             running.difference_update(done)
             # A failure to record is the database's: raised here. A line put back to pending is claimed again.
             if any([task.result() for task in done]):
                 claiming = status == "in_progress"
+
+    def _may_claim(self, now: float) -> bool:
+        return now >= self._paused_until and self.may_claim()
 
     async def _line(self, batch_id: str, run: LineRunner, line: store.ClaimedLine) -> bool:
         """Run a line and record its answer; True when it was put back to pending instead."""

@@ -373,3 +373,22 @@ async def test_lines_refused_for_a_while_wait_and_run_again_instead_of_failing(s
     statuses = sorted(r.status for r in records)
     assert statuses[:3] == [200, 200, 200] and set(statuses[3:]) == {503}
     assert sum(await attempts(sqlite_url, batch_id)) == len(records)  # one accounting row per attempt
+
+
+async def test_batch_lines_wait_while_an_interactive_slo_is_at_risk(sqlite_url: str, tmp_path: Path):
+    records: list[RequestRecord] = []
+    tier = ScriptedTier("small")
+    now = [1000.0]
+    settings = with_batch(make_settings(database_url=sqlite_url), tmp_path)
+    async with gateway(settings, tier, records) as client:
+        slo = client.app.state.gateway.slo
+        slo.clock = lambda: now[0]
+        for _ in range(30):
+            slo.observe("small", 1400.0, 20.0)  # p99 TTFT at 93% of the small tier's 1500 ms
+        batch_id = await submit(client, jsonl(chat_body(), chat_body()))
+        await asyncio.sleep(1.0)  # a heartbeat or two: nothing is claimed
+        waiting = (await client.get(f"/v1/batches/{batch_id}")).json()
+        now[0] += 60  # the slow samples age out of the window
+        batch = await finished(client, batch_id)
+    assert waiting["status"] == "in_progress" and waiting["request_counts"]["completed"] == 0
+    assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 2 and len(tier.requests) == 2

@@ -20,13 +20,15 @@ class _Loaded:
 
 def test_the_gateway_exports_each_reporting_tiers_load_at_scrape_time() -> None:
     metrics = Metrics()
-    metrics.watch_tiers({"small": _Loaded(TierLoad(3, 5, 2, 0.25)), "up": _Loaded(None)})  # type: ignore[dict-item]
+    tiers = {"small": _Loaded(TierLoad(3, 5, 2, 0.25)), "up": _Loaded(None)}
+    metrics.watch_tiers(tiers, {"small": 1.5, "up": 0.0}.__getitem__)  # type: ignore[arg-type]
     text = metrics.render().decode()
     assert 'sluice_tier_waiting_sequences{priority="interactive",tier="small"} 3.0' in text
     assert 'sluice_tier_waiting_sequences{priority="batch",tier="small"} 5.0' in text
     assert 'sluice_tier_running_sequences{tier="small"} 2.0' in text
     assert 'sluice_tier_kv_cache_utilisation{tier="small"} 0.25' in text
-    assert 'tier="up"' not in text  # an upstream reports its load on its own /metrics
+    assert 'sluice_tier_slo_pressure{tier="small"} 1.5' in text
+    assert 'sluice_tier_waiting_sequences{priority="batch",tier="up"}' not in text  # an upstream reports its own
 
 
 async def test_an_in_process_tier_reports_its_engines_load(serving: OpenAIServing) -> None:
