@@ -93,12 +93,12 @@ class BatchWorker:
         try:
             status = await self._work(batch, run, running)
         except BaseException:
-            for task in running:
-                task.cancel()
-            await asyncio.gather(*running, return_exceptions=True)
+            await _cancel(running)
             await asyncio.shield(store.release(self.db, batch.id, self.worker_id))
             raise
-        if status is not None:
+        if status is None:
+            await _cancel(running)  # another worker holds the batch now: these lines' answers would be void
+        else:
             await self._finish(batch.id)
 
     async def _work(self, batch: Any, run: LineRunner, running: set[asyncio.Task[bool]]) -> str | None:
@@ -179,6 +179,12 @@ class BatchWorker:
                                               "bytes": size})  # fmt: skip
             ids.append(file_id)
         return ids[0], ids[1]
+
+
+async def _cancel(tasks: set[asyncio.Task[bool]]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _result_line(batch_id: str, row: Any) -> bytes:

@@ -392,3 +392,35 @@ async def test_batch_lines_wait_while_an_interactive_slo_is_at_risk(sqlite_url: 
         batch = await finished(client, batch_id)
     assert waiting["status"] == "in_progress" and waiting["request_counts"]["completed"] == 0
     assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 2 and len(tier.requests) == 2
+
+
+# -- the store's exactly-once rules, directly --------------------------------------------------------------
+
+
+async def test_claims_are_exclusive_and_a_worker_whose_lease_ran_out_can_record_nothing(database_url: str):
+    from datetime import UTC, datetime, timedelta
+
+    from gateway.batches import store
+    from gateway.batches.wire import InputLine
+
+    db = make_database(database_url)
+    now = datetime.now(UTC)
+    row = {"id": "batch_test", "created_at": now, "tenant": "t", "feature": "f", "key_id": None,
+           "endpoint": CHAT_URL, "input_file_id": "file-x", "completion_window": "24h", "status": "validating",
+           "expires_at": now + timedelta(hours=24)}  # fmt: skip
+    try:
+        await store.insert_batch(db, row, [InputLine(line=i, custom_id=f"c{i}", body="{}") for i in range(4)])
+        assert (await store.take_batch(db, "A", now, 10.0)).status == "in_progress"
+        assert await store.take_batch(db, "B", now, 10.0) is None  # held by A
+        claims = await asyncio.gather(*(store.claim_line(db, "batch_test", "A") for _ in range(3)))
+        assert sorted(c.line for c in claims) == [0, 1, 2]
+        assert await store.record_line(db, "batch_test", 0, "A", "r0", 200, "{}")
+        assert not await store.record_line(db, "batch_test", 0, "A", "r0", 200, "{}")  # recorded once
+        later = now + timedelta(seconds=11)  # A stopped renewing: B takes over
+        assert (await store.take_batch(db, "B", later, 10.0)).id == "batch_test"
+        assert await store.renew(db, "batch_test", "A", later, 10.0) is None
+        assert not await store.record_line(db, "batch_test", 1, "A", "r1", 200, "{}")  # A's claim is void
+        again = [await store.claim_line(db, "batch_test", "B") for _ in range(4)]
+        assert [(c.line, c.attempt) for c in again if c] == [(1, 2), (2, 2), (3, 1)]  # line 0 never again
+    finally:
+        await db.dispose()
