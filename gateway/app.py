@@ -136,9 +136,10 @@ def create_app(
             metrics = Metrics()
             shadow = ShadowSampler(settings, clients, db, metrics, router.embedder)
             stack.push_async_callback(shadow.close)
-            gateway = Gateway(
-                settings, clients, counters, sink, metrics, keys=key_cache, router=router, shadow=shadow
-            )
+            charge_spool = Path(settings.server.spool_dir) / "charges"  # settlements Redis could not take
+            gateway = Gateway(settings, clients, counters, sink, metrics, keys=key_cache, router=router,
+                              shadow=shadow, charge_spool=charge_spool)  # fmt: skip
+            gateway.charges.start()
             stack.push_async_callback(gateway.drain)
             app.state.gateway = gateway
             app.state.db = db

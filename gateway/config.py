@@ -49,7 +49,8 @@ class ServerConfig(_Section):
     anonymous_tpm: int = 100_000
     anonymous_spend_per_day_usd: float = 1.0
     default_tier: str = "small"
-    # Where accounting rows wait while the database is unreachable.
+    # Where accounting rows wait while the database is unreachable (and, in its `charges` folder,
+    # spend settlements while Redis is).
     spool_dir: str = "var/spool"
     # Larger request bodies are refused with 413 before they are read in full.
     max_body_bytes: int = 16 * 1024 * 1024

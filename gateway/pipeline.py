@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -144,6 +145,7 @@ class Gateway:
         clock: Callable[[], float] = time.time,
         router: Router | None = None,
         shadow: ShadowSampler | None = None,
+        charge_spool: Path | None = None,
     ) -> None:
         self.settings = settings
         self.clients = clients
@@ -153,7 +155,7 @@ class Gateway:
         self.clock = clock
         self.keys = keys
         self.auth = Authenticator(settings, keys)
-        self.charges = ChargeBatcher(counters, clock)
+        self.charges = ChargeBatcher(counters, clock, charge_spool)
         self.router = router or Router(settings)
         self.shadow = shadow
 
@@ -246,39 +248,37 @@ class Gateway:
         check_amplification(request, policy)
         reserve = reservation(self.settings, candidates, request, state.counted_prompt_tokens)
         now = self.clock()
-        await self._count(state.principal.subject, limits_of(policy), state.counted_prompt_tokens, now, reserve)
+        tenant = self._tenant_limits(state.principal)
+        await self._count(state.principal.subject, limits_of(policy), state.counted_prompt_tokens, now, reserve, tenant)
         state.admitted, state.admitted_at, state.reserved = True, now, reserve
-        await self._count_tenant(state, now)
+        state.tenant_admitted = bool(tenant)
         headers = {"x-request-id": state.response_id or state.request_id, "x-sluice-cache": "miss",
                    "x-sluice-route": state.route.tier}  # fmt: skip
         if clamped:
             headers["x-sluice-max-tokens-clamped"] = str(policy.max_output_tokens)
         return request, headers
 
-    async def _count_tenant(self, state: RequestState, now: float) -> None:
-        """The tenant's own limits, over all its keys (a second round trip, only for tenants with
-        limits). Refused there, the key's reservation is handed back by the request's settlement."""
-        assert state.principal is not None
-        tenant = self.settings.tenants.get(state.principal.tenant)
-        if tenant is None or state.principal.key_id is None:
-            return
+    def _tenant_limits(self, principal: Principal) -> list[tuple[str, Limits]]:
+        """The tenant's own limits, over all its keys, when it has any: admitted with the key's."""
+        tenant = self.settings.tenants.get(principal.tenant)
+        if tenant is None or principal.key_id is None:
+            return []
         limits = Limits(tenant.rpm, tenant.tpm, tenant.spend_per_day_usd, tenant.spend_per_month_usd)
-        await self._count(tenant_subject(state.principal.tenant), limits, state.counted_prompt_tokens, now,
-                          state.reserved)  # fmt: skip
-        state.tenant_admitted = True
+        return [(tenant_subject(principal.tenant), limits)]
 
-    async def _count(self, subject: str, limits: Limits, prompt_tokens: int, now: float, reserve: Charge) -> None:
-        """Admit the request against its rate limits and budgets, counting it and reserving its worst
-        case (one atomic round trip)."""
+    async def _count(self, subject: str, limits: Limits, prompt_tokens: int, now: float, reserve: Charge,
+                     also: list[tuple[str, Limits]]) -> None:  # fmt: skip
+        """Admit the request against its rate limits and budgets (its key's, and `also` its tenant's),
+        counting it and reserving its worst case for each, all or none (one atomic round trip)."""
         try:
-            admission = await self.counters.admit(subject, limits, prompt_tokens, now, reserve)
+            admission = await self.counters.admit(subject, limits, prompt_tokens, now, reserve, also)
         except CountersUnavailable as exc:
             # Fail closed: without the shared counters no limit or budget could hold.
             raise service_unavailable(
                 "Rate limits and budgets cannot be checked right now. Retry later.", "limits_unavailable"
             ) from exc
         if not admission.admitted:
-            raise refusal(admission, limits)
+            raise refusal(admission, [limits, *(its for _, its in also)][admission.refused_subject])
 
     async def _answer(self, state: RequestState, request: Request, candidates: list[str],
                       headers: dict[str, str]) -> Reply:  # fmt: skip

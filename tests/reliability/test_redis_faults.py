@@ -105,3 +105,54 @@ async def test_a_blackholed_redis_is_refused_fast_behind_the_circuit_breaker(pri
         await breaker.aclose()
         await redis.aclose()
     assert len(records) == 53  # every request accounted, refused or served
+
+
+async def test_a_settlement_while_redis_is_down_is_spooled_and_applied_after_a_gateway_restart(
+    private_redis: PrivateRedis, tmp_path
+):
+    """Redis stops (its counters saved) while a stream is in flight: the settlement goes to the spool on
+    disk; this gateway stops; the next one, started once Redis is back, applies it."""
+    spool = tmp_path / "charges"
+    records: list = []
+    tiers = {"small": ScriptedTier("small"), "large": ScriptedTier("large")}
+    tiers["small"].hold_after = 1
+    settings = make_settings(tier_prices=PRICE, spend_per_day_usd=10.0, max_output_tokens=16)
+
+    def gateway_on(redis: Redis) -> Gateway:
+        counters = RedisCounterStore(redis, "restart")
+        return Gateway(settings, tiers, counters, records.append, Metrics(), charge_spool=spool)
+
+    redis = Redis.from_url(private_redis.url, socket_connect_timeout=0.5, socket_timeout=0.5)
+    first = gateway_on(redis)
+    try:
+        reply = await first.chat(await start(first), chat(stream=True, max_tokens=16))
+        assert (await first.counters.spent(SUBJECT, first.clock()))[0] == pytest.approx(0.016)  # reserved
+        private_redis.stop(save=True)
+        tiers["small"].release.set()
+        async for _ in reply.stream:  # type: ignore[union-attr]
+            pass
+        for _ in range(100):  # the settlement fails, and is written to disk
+            if list(spool.glob("*.jsonl")):
+                break
+            await asyncio.sleep(0.05)
+        await first.drain(timeout_s=0.5)  # shutdown while Redis is still down
+    finally:
+        await first.counters.aclose()  # type: ignore[attr-defined]
+        await redis.aclose()
+    (kept,) = first.unsettled.values()  # on disk, not in memory only
+    assert (kept.completion_tokens, kept.cost_usd) == (-8, pytest.approx(-0.008))
+    assert list(spool.glob("*.jsonl"))
+
+    private_redis.start()
+    redis = Redis.from_url(private_redis.url, socket_connect_timeout=0.5, socket_timeout=0.5)
+    second = gateway_on(redis)
+    try:
+        second.charges.start()  # as the app's startup does
+        await asyncio.sleep(0.1)
+        await second.drain(timeout_s=10)
+        spent, _ = await second.counters.spent(SUBJECT, second.clock())
+    finally:
+        await second.counters.aclose()  # type: ignore[attr-defined]
+        await redis.aclose()
+    assert spent == pytest.approx(records[0].cost_usd) == pytest.approx(0.008)  # reservation replaced, once
+    assert not second.unsettled and not list(spool.glob("*.jsonl"))
