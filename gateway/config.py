@@ -106,8 +106,14 @@ class TierConfig(_Section):
     slo_itl_p99_ms: float = 200.0
     # Does the tier return token logprobs? false (an upstream without them): classifier-only routing, no cascade.
     logprobs: bool = True
+    # Timeouts of a call to the tier. An upstream tier: opening a connection, waiting for a free pooled
+    # one, and silence between bytes. Every tier: the whole request, a stream to its last event (an
+    # in-process tier's deadline too). Each ends the call with a clean error (fallback, or a 503 or an
+    # in-band stream error), never a hang.
     connect_timeout_s: float = 2.0
+    pool_timeout_s: float = 5.0
     read_timeout_s: float = 120.0
+    request_timeout_s: float = 600.0
     # What the tier can do (engines.api.fields.capabilities): a request that needs what a tier lacks goes
     # to an allowed tier that has it, or is refused. Our engines have both (tools where the model's chat
     # template renders them); set false for an upstream that lacks them.
