@@ -3,8 +3,8 @@ request path, many subjects per round trip.
 
 A settlement the counters refuse (Redis down or silent) is never only logged: it goes to a spool on
 disk (`gateway.accounting.spool`, the accounting spool's format, in its own directory) and is applied
-when Redis answers again, by this process or, after a restart, by the next one. In `local` mode the
-counters never refuse (`LocalFallbackCounterStore` counts in this replica while Redis is down).
+when Redis answers again, by this process or, after a restart, by the next one. In `local` mode a
+request admitted in this replica's counters while Redis was down (`Admission.local`) is settled there.
 
 Delivery is at least once: a charge whose reply was lost (a timeout, a connection cut mid-write) may
 have been applied already and is applied again. A refused connection, the usual outage, applied
@@ -63,6 +63,7 @@ class ChargeBatcher:
             self.spool = Spool(spool_dir, max_bytes=SPOOL_MAX_BYTES, segment_bytes=SPOOL_SEGMENT_BYTES,
                                item_type=SpooledCharge, what="spend settlements")  # fmt: skip
         self._pending: Pending = {}
+        self._pending_local: Pending = {}  # settlements of requests admitted in this replica's counters
         self._in_flight: Pending = {}  # taken from _pending, its round trip not yet answered
         self._spool_waiting = False  # spooled settlements this process has yet to replay
         self._writing: asyncio.Task[None] | None = None
@@ -73,16 +74,18 @@ class ChargeBatcher:
             self._spool_waiting = True
             self._wake()
 
-    def charge(self, subject: str, charge: Charge, at: float | None = None) -> None:
+    def charge(self, subject: str, charge: Charge, at: float | None = None, local: bool = False) -> None:
+        """Queue `charge` to `subject`'s windows of the time `at`; `local`: the request was admitted
+        in this replica's counters (`Admission.local`), and is settled there."""
         minute = float(int((self.clock() if at is None else at) // 60) * 60)
-        _add(self._pending, (subject, minute), charge)
+        _add(self._pending_local if local else self._pending, (subject, minute), charge)
         self._wake()
 
     @property
     def unsettled(self) -> Pending:
         """Charges queued, in flight, or kept (in memory or spooled) through an outage, not yet applied."""
         kept: Pending = {}
-        for source in (self._pending, self._in_flight):
+        for source in (self._pending, self._pending_local, self._in_flight):
             for key, charge in source.items():
                 _add(kept, key, charge)
         for entry in self._spooled():
@@ -105,7 +108,11 @@ class ChargeBatcher:
     async def _write(self) -> None:
         await asyncio.sleep(CHARGE_COALESCE_S)
         try:
-            while self._pending or self._spool_waiting:
+            while self._pending or self._pending_local or self._spool_waiting:
+                if self._pending_local:
+                    local, self._pending_local = self._pending_local, {}
+                    for key, charge in (await self._apply(local, local=True)).items():  # never refused
+                        _add(self._pending_local, key, charge)
                 self._in_flight, self._pending = self._pending, {}
                 failed = await self._apply(self._in_flight)
                 self._in_flight = {}
@@ -122,7 +129,7 @@ class ChargeBatcher:
             self._in_flight = {}
             raise
 
-    async def _apply(self, charges: Pending) -> Pending:
+    async def _apply(self, charges: Pending, local: bool = False) -> Pending:
         """Write `charges`, one round trip per window; those the counters refused."""
         by_window: dict[float, dict[str, Charge]] = {}
         for (subject, at), charge in charges.items():
@@ -130,7 +137,7 @@ class ChargeBatcher:
         failed: Pending = {}
         for at, group in by_window.items():
             try:
-                await self.counters.charge_many(group, at)
+                await self.counters.charge_many(group, at, local)
             except CountersUnavailable as exc:
                 log.warning("spend of %d subjects kept until the counters answer: %s", len(group), exc)
                 failed.update({(subject, at): charge for subject, charge in group.items()})

@@ -23,6 +23,7 @@ with `redis.when_unavailable = "local"`, counts in this replica's memory until R
 from __future__ import annotations
 
 import calendar
+import dataclasses
 import functools
 import logging
 import math
@@ -78,6 +79,7 @@ class Admission:
     refused_by: LimitName | None  # None: admitted
     retry_after_s: int = 0
     refused_subject: int = 0  # which subject refused: 0 the first, 1 the first of `also`, ...
+    local: bool = False  # counted in this replica's memory (Redis was down): its settlement goes there too
 
     @property
     def admitted(self) -> bool:
@@ -148,7 +150,9 @@ class CounterStore(Protocol):
         and reserve `reserve` for each of them, atomically."""
         ...
 
-    async def charge_many(self, charges: Mapping[str, Charge], now: float) -> None: ...
+    async def charge_many(self, charges: Mapping[str, Charge], now: float, local: bool = False) -> None:
+        """Add `charges`: settlements of requests admitted with `Admission.local` (`local`), or not."""
+        ...
 
     async def spent(self, subject: str, now: float) -> tuple[float, float]:
         """USD spent in the current day and month."""
@@ -269,7 +273,7 @@ class RedisCounterStore:
         if self._multiplexed is not None:
             self._multiplexed.close()
 
-    async def charge_many(self, charges: Mapping[str, Charge], now: float) -> None:
+    async def charge_many(self, charges: Mapping[str, Charge], now: float, local: bool = False) -> None:
         w = Windows.at(now)
         ttls = [_WINDOW_TTL_S, *_spend_ttls(w)]
         calls: list[tuple[list[str], list[Any]]] = []
@@ -354,7 +358,7 @@ class InProcessCounterStore:
         )
         return next((name for name, refused in checks if refused), None)
 
-    async def charge_many(self, charges: Mapping[str, Charge], now: float) -> None:
+    async def charge_many(self, charges: Mapping[str, Charge], now: float, local: bool = False) -> None:
         w = Windows.at(now)
         get = self._counts.get
         for subject, charge in charges.items():
@@ -374,6 +378,9 @@ class LocalFallbackCounterStore:
     After a failure Redis is asked again only every `retry_interval_s`, so an outage costs one
     connection timeout per interval, not one per request. Counts made locally stay local: when Redis
     is back its figures lack what was counted during the outage (budgets may be overrun by that much).
+    A request is settled where it was reserved: one admitted locally in this replica's counters, one
+    admitted by Redis in Redis only (refused while Redis is down, so the charge batcher keeps it until
+    Redis is back), so neither store gets back a reservation it never counted.
     """
 
     def __init__(self, shared: CounterStore, retry_interval_s: float = 1.0) -> None:
@@ -395,10 +402,25 @@ class LocalFallbackCounterStore:
         reserve: Charge = Charge(),
         also: Subjects = (),
     ) -> Admission:
-        return await self._either(lambda store: store.admit(subject, limits, prompt_tokens, now, reserve, also))
+        if not self.using_local:
+            try:
+                return await self.shared.admit(subject, limits, prompt_tokens, now, reserve, also)
+            except CountersUnavailable as exc:
+                self._fall_back(exc)
+        admission = await self.local.admit(subject, limits, prompt_tokens, now, reserve, also)
+        return dataclasses.replace(admission, local=True)
 
-    async def charge_many(self, charges: Mapping[str, Charge], now: float) -> None:
-        await self._either(lambda store: store.charge_many(charges, now))
+    async def charge_many(self, charges: Mapping[str, Charge], now: float, local: bool = False) -> None:
+        if local:
+            await self.local.charge_many(charges, now)
+        elif self.using_local:
+            raise CountersUnavailable("Redis is down; the settlement waits for it")
+        else:
+            try:
+                await self.shared.charge_many(charges, now)
+            except CountersUnavailable as exc:
+                self._fall_back(exc)
+                raise
 
     async def spent(self, subject: str, now: float) -> tuple[float, float]:
         return await self._either(lambda store: store.spent(subject, now))
@@ -447,7 +469,7 @@ class CircuitBreakerCounterStore:
     ) -> Admission:
         return await self._guarded(lambda: self.shared.admit(subject, limits, prompt_tokens, now, reserve, also))
 
-    async def charge_many(self, charges: Mapping[str, Charge], now: float) -> None:
+    async def charge_many(self, charges: Mapping[str, Charge], now: float, local: bool = False) -> None:
         await self._guarded(lambda: self.shared.charge_many(charges, now))
 
     async def spent(self, subject: str, now: float) -> tuple[float, float]:

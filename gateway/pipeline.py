@@ -53,7 +53,7 @@ from gateway.capabilities import capable_tier, supports
 from gateway.charges import ChargeBatcher
 from gateway.config import PolicyConfig, Settings
 from gateway.cost import request_cost
-from gateway.counters import Charge, CounterStore, CountersUnavailable, Limits
+from gateway.counters import Admission, Charge, CounterStore, CountersUnavailable, Limits
 from gateway.fallback import Served, call_with_fallback, candidate_tiers, open_stream_with_fallback
 from gateway.keys import KeyCache
 from gateway.metrics import Metrics
@@ -98,6 +98,7 @@ class RequestState:
     admitted: bool = False  # counted by the limits, so its spend is settled
     admitted_at: float = 0.0  # the clock at admission: its settlement goes to the same windows
     tenant_admitted: bool = False  # also counted against its tenant's limits
+    admitted_locally: bool = False  # counted in this replica's memory (Redis down, `local` mode): settled there
     reserved: Charge = field(default_factory=Charge)  # counted at admission, settled at `finish`
     counted_prompt_tokens: int = 0  # as counted before the call; usage replaces it when it comes
     prompt_tokens: int = 0
@@ -249,8 +250,10 @@ class Gateway:
         reserve = reservation(self.settings, candidates, request, state.counted_prompt_tokens)
         now = self.clock()
         tenant = self._tenant_limits(state.principal)
-        await self._count(state.principal.subject, limits_of(policy), state.counted_prompt_tokens, now, reserve, tenant)
+        admission = await self._count(state.principal.subject, limits_of(policy), state.counted_prompt_tokens, now,
+                                      reserve, tenant)  # fmt: skip
         state.admitted, state.admitted_at, state.reserved = True, now, reserve
+        state.admitted_locally = admission.local
         state.tenant_admitted = bool(tenant)
         headers = {"x-request-id": state.response_id or state.request_id, "x-sluice-cache": "miss",
                    "x-sluice-route": state.route.tier}  # fmt: skip
@@ -267,7 +270,7 @@ class Gateway:
         return [(tenant_subject(principal.tenant), limits)]
 
     async def _count(self, subject: str, limits: Limits, prompt_tokens: int, now: float, reserve: Charge,
-                     also: list[tuple[str, Limits]]) -> None:  # fmt: skip
+                     also: list[tuple[str, Limits]]) -> Admission:  # fmt: skip
         """Admit the request against its rate limits and budgets (its key's, and `also` its tenant's),
         counting it and reserving its worst case for each, all or none (one atomic round trip)."""
         try:
@@ -279,6 +282,7 @@ class Gateway:
             ) from exc
         if not admission.admitted:
             raise refusal(admission, [limits, *(its for _, its in also)][admission.refused_subject])
+        return admission
 
     async def _answer(self, state: RequestState, request: Request, candidates: list[str],
                       headers: dict[str, str]) -> Reply:  # fmt: skip
@@ -419,10 +423,11 @@ class Gateway:
             return
         produced = Charge(state.completion_tokens, state.cost_usd)
         if produced != state.reserved:
-            self.charges.charge(subject, produced - state.reserved, state.admitted_at)
+            local = state.admitted_locally
+            self.charges.charge(subject, produced - state.reserved, state.admitted_at, local)
             if state.tenant_admitted and state.principal is not None:
                 self.charges.charge(tenant_subject(state.principal.tenant), produced - state.reserved,
-                                    state.admitted_at)  # fmt: skip
+                                    state.admitted_at, local)  # fmt: skip
 
 
 def tenant_subject(tenant: str) -> str:

@@ -147,15 +147,9 @@ class HttpEngineClient:
         self._client: httpx.AsyncClient | None = None
         self._request_timeout = request_timeout
         if transport is None:
-            self._pool = HttpPool(
-                self.base_url,
-                headers=headers,
-                connect_timeout=connect_timeout,
-                read_timeout=read_timeout,
-                pool_timeout=pool_timeout,
-                total_timeout=request_timeout,
-                max_connections=max_connections,
-            )
+            self._pool = HttpPool(self.base_url, headers=headers, connect_timeout=connect_timeout,
+                                  read_timeout=read_timeout, pool_timeout=pool_timeout, total_timeout=request_timeout,
+                                  max_connections=max_connections)  # fmt: skip
         else:
             self._client = httpx.AsyncClient(
                 base_url=self.base_url,
