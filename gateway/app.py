@@ -19,9 +19,10 @@ from redis.asyncio import Redis
 from engines.api.client import EngineClient
 from engines.api.errors import APIError, validation_error
 from gateway.assembly import build_client
+from gateway.cache.hook import build_cache, cache_models
 from gateway.config import Settings
 from gateway.controllers import dashboard
-from gateway.controllers.admin import AdminKeysController, bearer_key, provide_db
+from gateway.controllers.admin import AdminCacheController, AdminKeysController, bearer_key, provide_db
 from gateway.controllers.http import provide_gateway
 from gateway.controllers.openai import OpenAIController
 from gateway.controllers.ops import OpsController
@@ -136,9 +137,14 @@ def create_app(
             metrics = Metrics()
             shadow = ShadowSampler(settings, clients, db, metrics, router.embedder)
             stack.push_async_callback(shadow.close)
+            models = cache_models(settings, router.embedder)
+            cache = build_cache(settings, models, redis_prefix)
+            stack.push_async_callback(cache.aclose)
             charge_spool = Path(settings.server.spool_dir) / "charges"  # settlements Redis could not take
-            gateway = Gateway(settings, clients, counters, sink, metrics, keys=key_cache, router=router,
-                              shadow=shadow, charge_spool=charge_spool)  # fmt: skip
+            gateway = Gateway(
+                settings, clients, counters, sink, metrics, keys=key_cache, router=router, shadow=shadow,
+                cache=cache, embedder=models.embedder, charge_spool=charge_spool,
+            )
             gateway.charges.start()
             stack.push_async_callback(gateway.drain)
             app.state.gateway = gateway
@@ -153,7 +159,8 @@ def create_app(
                 gc.unfreeze()
 
     return Litestar(
-        route_handlers=[OpenAIController, AdminKeysController, OpsController, *dashboard.route_handlers],
+        route_handlers=[OpenAIController, AdminKeysController, AdminCacheController, OpsController,
+                        *dashboard.route_handlers],
         dependencies={
             "gateway": Provide(provide_gateway, sync_to_thread=False),
             "db": Provide(provide_db, sync_to_thread=False),

@@ -72,6 +72,16 @@ class RedisConfig(_Section):
     when_unavailable: Literal["refuse", "local"] = "refuse"
 
 
+class CacheConfig(_Section):
+    """The response cache (gateway/cache); which features use it is each policy's `cache` key."""
+
+    max_entries_per_scope: int = 10_000  # past this the oldest entries of the scope are evicted
+    candidates: int = 2  # nearest cached questions the matcher reads
+    matcher_dir: str = ""  # empty: the shipped matcher (gateway/cache/matcher)
+    redis_timeout_ms: int = 250  # a slower Redis is treated as down: the cache is bypassed
+    retry_after_s: float = 1.0  # how long the cache stays bypassed after Redis failed
+
+
 class ModelsConfig(_Section):
     cache_dir: str = "~/.cache/sluice/models"
 
@@ -138,8 +148,11 @@ class PolicyConfig(_Section):
     spend_per_month_usd: float | None = None
     rpm: int | None = None
     tpm: int | None = None
-    # Reserved: the response cache's mode; nothing reads it until the cache lands.
+    # Response cache: off | exact (the same request) | semantic (also a paraphrase the matcher accepts).
     cache: Literal["off", "exact", "semantic"] = "semantic"
+    cache_ttl_s: float = 3600.0
+    # Only temperature-0 requests are cached unless a feature opts in to reusing sampled answers.
+    cache_nondeterministic: bool = False
     fallback: bool = True  # may the other tier serve when this one is down
     # May prompts and answers of this feature be shown (dashboard: shadow-run disagreements)?
     log_content: bool = False
@@ -201,6 +214,7 @@ class Settings(_Section):
     redis: RedisConfig = msgspec.field(default_factory=RedisConfig)
     models: ModelsConfig = msgspec.field(default_factory=ModelsConfig)
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
+    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     tiers: dict[str, TierConfig] = msgspec.field(default_factory=dict)
     # Feature name → policy. "default" applies to features not listed.
     policies: dict[str, PolicyConfig] = msgspec.field(default_factory=lambda: {"default": PolicyConfig()})
