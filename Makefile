@@ -9,7 +9,7 @@ TEST_DATABASE_URL ?= postgresql+asyncpg://postgres@127.0.0.1:5432/test
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/0
 PYTEST_ARGS ?=
 
-.PHONY: run test venv models models-test services browser lint bench-engine bench-gateway bench-kernels bench-dashboard bench-structured bench-router router-default clean
+.PHONY: run test venv models models-test services browser lint bench-engine bench-gateway bench-kernels bench-dashboard bench-structured bench-router router-default bench-semcache cache-matcher clean
 
 run: venv models
 	SLUICE_SERVER__ALLOW_ANONYMOUS=$${SLUICE_SERVER__ALLOW_ANONYMOUS:-true} $(BIN)/sluice serve
@@ -66,6 +66,15 @@ bench-router: venv
 # The shipped classifier (router/default) from RouteLLM's MMLU + GSM8K data in ../shared/data.
 router-default: venv
 	$(BIN)/sluice router build-default
+
+QQP_PAIRS ?= ../shared/data/semcache/qqp_pairs.jsonl.gz
+
+# The semantic cache's matcher (gateway/cache/matcher), rebuilt from the QQP pairs; CPU time in BENCHMARKS.md.
+cache-matcher: venv
+	nice -n 19 $(BIN)/sluice cache train-matcher --data $(QQP_PAIRS) --out gateway/cache/matcher
+
+bench-semcache: venv services
+	$(BIN)/sluice bench semcache --data $(QQP_PAIRS) --redis-url $(TEST_REDIS_URL)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache bench/results var

@@ -24,9 +24,10 @@ from gateway.batches.execute import line_runner
 from gateway.batches.files import FileStore
 from gateway.batches.service import BatchService
 from gateway.batches.worker import BatchWorker
+from gateway.cache.hook import build_cache, cache_models
 from gateway.config import Settings
 from gateway.controllers import dashboard
-from gateway.controllers.admin import AdminKeysController, bearer_key, provide_db
+from gateway.controllers.admin import AdminCacheController, AdminKeysController, bearer_key, provide_db
 from gateway.controllers.batches import BatchController, provide_batches
 from gateway.controllers.http import provide_gateway
 from gateway.controllers.openai import OpenAIController
@@ -151,9 +152,15 @@ def create_app(
             metrics = Metrics()
             shadow = ShadowSampler(settings, clients, db, metrics, router.embedder)
             stack.push_async_callback(shadow.close)
+            models = cache_models(settings, router.embedder)
+            cache = build_cache(settings, models, redis_prefix)
+            stack.push_async_callback(cache.aclose)
+            charge_spool = Path(settings.server.spool_dir) / "charges"  # settlements Redis could not take
             gateway = Gateway(
-                settings, clients, counters, sink, metrics, keys=key_cache, router=router, shadow=shadow
+                settings, clients, counters, sink, metrics, keys=key_cache, router=router, shadow=shadow,
+                cache=cache, embedder=models.embedder, charge_spool=charge_spool,
             )
+            gateway.charges.start()
             stack.push_async_callback(gateway.drain)
             metrics.watch_tiers(clients, gateway.slo.pressure)
             app.state.batches = await start_batches(settings, gateway, db, stack)
@@ -169,9 +176,8 @@ def create_app(
                 gc.unfreeze()
 
     return Litestar(
-        route_handlers=[
-            OpenAIController, BatchController, AdminKeysController, OpsController, *dashboard.route_handlers
-        ],
+        route_handlers=[OpenAIController, BatchController, AdminKeysController, AdminCacheController, OpsController,
+                        *dashboard.route_handlers],
         dependencies={
             "gateway": Provide(provide_gateway, sync_to_thread=False),
             "db": Provide(provide_db, sync_to_thread=False),

@@ -38,8 +38,10 @@ def build_client(name: str, tier: TierConfig, settings: Settings) -> EngineClien
             tokenizer=load_tokenizer(resolve_model(tier.tokenizer, cache_dir)) if tier.tokenizer else None,
             connect_timeout=tier.connect_timeout_s,
             read_timeout=tier.read_timeout_s,
+            pool_timeout=tier.pool_timeout_s,
+            request_timeout=tier.request_timeout_s,
         )
-    return build_in_process_client(engine_spec(name, tier), cache_dir=cache_dir, deadline_s=tier.read_timeout_s)
+    return build_in_process_client(engine_spec(name, tier), cache_dir=cache_dir, deadline_s=tier.request_timeout_s)
 
 
 def engine_spec(name: str, tier: TierConfig) -> TierSpec:

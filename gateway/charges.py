@@ -1,5 +1,15 @@
 """The charge batcher: what admitted requests spent, written to the shared counters off the
-request path, many subjects per round trip."""
+request path, many subjects per round trip.
+
+A settlement the counters refuse (Redis down or silent) is never only logged: it goes to a spool on
+disk (`gateway.accounting.spool`, the accounting spool's format, in its own directory) and is applied
+when Redis answers again, by this process or, after a restart, by the next one. In `local` mode a
+request admitted in this replica's counters while Redis was down (`Admission.local`) is settled there.
+
+Delivery is at least once: a charge whose reply was lost (a timeout, a connection cut mid-write) may
+have been applied already and is applied again. A refused connection, the usual outage, applied
+nothing.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +17,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 
+import msgspec
+
+from gateway.accounting.spool import Spool
 from gateway.counters import Charge, CounterStore, CountersUnavailable
 
 log = logging.getLogger("sluice.gateway")
@@ -17,64 +31,180 @@ log = logging.getLogger("sluice.gateway")
 # spared at any load.
 CHARGE_COALESCE_S = 0.02
 CHARGE_RETRY_S = 1.0  # a settlement the counters refused is kept and tried again this often
-DRAIN_TIMEOUT_S = 5.0  # shutdown waits this long for settlements before reporting them unapplied
+DRAIN_TIMEOUT_S = 5.0  # shutdown waits this long for settlements before leaving them to the spool
+SPOOL_MAX_BYTES = 64 << 20  # ~500k settlements: hours of a busy gateway's outage
+SPOOL_SEGMENT_BYTES = 1 << 20
+
+Pending = dict[tuple[str, float], Charge]  # (subject, minute start) → charge
+
+
+class SpooledCharge(msgspec.Struct, frozen=True):
+    """One settlement on disk: a subject's charge to the windows of `at` (a minute start)."""
+
+    subject: str
+    at: float
+    completion_tokens: int
+    cost_usd: float
 
 
 class ChargeBatcher:
     """Queue charges (settlements of reservations, usually negative) to the windows of the time
     they were reserved at; one task writes them. Charges arriving within CHARGE_COALESCE_S, or while
-    it waits on a round trip, go together in the next one. Those the counters refuse (Redis down) are
-    kept and tried again every CHARGE_RETRY_S until applied: a charge is never only logged."""
+    it waits on a round trip, go together in the next one. Those the counters refuse are spooled to
+    `spool_dir` (kept in memory without one) and tried again every CHARGE_RETRY_S until applied."""
 
-    def __init__(self, counters: CounterStore, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, counters: CounterStore, clock: Callable[[], float] = time.time, spool_dir: Path | None = None
+    ) -> None:
         self.counters = counters
         self.clock = clock
-        self._pending: dict[tuple[str, float], Charge] = {}  # (subject, minute start) → charge
+        self.spool: Spool[SpooledCharge] | None = None
+        if spool_dir is not None:
+            self.spool = Spool(spool_dir, max_bytes=SPOOL_MAX_BYTES, segment_bytes=SPOOL_SEGMENT_BYTES,
+                               item_type=SpooledCharge, what="spend settlements")  # fmt: skip
+        self._pending: Pending = {}
+        self._pending_local: Pending = {}  # settlements of requests admitted in this replica's counters
+        self._in_flight: Pending = {}  # taken from _pending, its round trip not yet answered
+        self._spool_waiting = False  # spooled settlements this process has yet to replay
         self._writing: asyncio.Task[None] | None = None
 
-    def charge(self, subject: str, charge: Charge, at: float | None = None) -> None:
+    def start(self) -> None:
+        """Apply settlements an earlier process spooled (call once the event loop runs)."""
+        if self.spool is not None and self.spool.segments():
+            self._spool_waiting = True
+            self._wake()
+
+    def charge(self, subject: str, charge: Charge, at: float | None = None, local: bool = False) -> None:
+        """Queue `charge` to `subject`'s windows of the time `at`; `local`: the request was admitted
+        in this replica's counters (`Admission.local`), and is settled there."""
         minute = float(int((self.clock() if at is None else at) // 60) * 60)
-        self._add((subject, minute), charge)
+        _add(self._pending_local if local else self._pending, (subject, minute), charge)
+        self._wake()
+
+    @property
+    def unsettled(self) -> Pending:
+        """Charges queued, in flight, or kept (in memory or spooled) through an outage, not yet applied."""
+        kept: Pending = {}
+        for source in (self._pending, self._pending_local, self._in_flight):
+            for key, charge in source.items():
+                _add(kept, key, charge)
+        for entry in self._spooled():
+            _add(kept, (entry.subject, entry.at), Charge(entry.completion_tokens, entry.cost_usd))
+        return kept
+
+    def _spooled(self) -> list[SpooledCharge]:
+        if self.spool is None:
+            return []
+        entries: list[SpooledCharge] = []
+        decoder = msgspec.json.Decoder(SpooledCharge)
+        for path in self.spool.segments():
+            entries += [decoder.decode(line) for line in path.read_bytes().splitlines() if line.strip()]
+        return entries
+
+    def _wake(self) -> None:
         if self._writing is None or self._writing.done():
             self._writing = asyncio.get_running_loop().create_task(self._write())
 
-    @property
-    def unsettled(self) -> dict[tuple[str, float], Charge]:
-        """Charges queued, or kept through a counters outage, not yet applied."""
-        return dict(self._pending)
-
-    def _add(self, key: tuple[str, float], charge: Charge) -> None:
-        pending = self._pending.get(key)
-        self._pending[key] = charge if pending is None else pending + charge
-
     async def _write(self) -> None:
         await asyncio.sleep(CHARGE_COALESCE_S)
-        while self._pending:
-            charges, self._pending = self._pending, {}
-            by_window: dict[float, dict[str, Charge]] = {}
-            for (subject, at), charge in charges.items():
-                by_window.setdefault(at, {})[subject] = charge
-            failed = False
-            for at, group in by_window.items():
-                try:
-                    await self.counters.charge_many(group, at)
-                except CountersUnavailable as exc:
-                    log.warning("spend of %d subjects kept until the counters answer: %s", len(group), exc)
-                    failed = True
-                    for subject, charge in group.items():
-                        self._add((subject, at), charge)
+        try:
+            while self._pending or self._pending_local or self._spool_waiting:
+                if self._pending_local:
+                    local, self._pending_local = self._pending_local, {}
+                    for key, charge in (await self._apply(local, local=True)).items():  # never refused
+                        _add(self._pending_local, key, charge)
+                self._in_flight, self._pending = self._pending, {}
+                failed = await self._apply(self._in_flight)
+                self._in_flight = {}
+                if failed:
+                    await self._keep(failed)
+                elif self._spool_waiting and await self._replay():
+                    self._spool_waiting = False
+                    continue
+                if failed or self._spool_waiting:
+                    await asyncio.sleep(CHARGE_RETRY_S)
+        except asyncio.CancelledError:
+            for key, charge in self._in_flight.items():  # maybe applied: at least once
+                _add(self._pending, key, charge)
+            self._in_flight = {}
+            raise
+
+    async def _apply(self, charges: Pending, local: bool = False) -> Pending:
+        """Write `charges`, one round trip per window; those the counters refused."""
+        by_window: dict[float, dict[str, Charge]] = {}
+        for (subject, at), charge in charges.items():
+            by_window.setdefault(at, {})[subject] = charge
+        failed: Pending = {}
+        for at, group in by_window.items():
+            try:
+                await self.counters.charge_many(group, at, local)
+            except CountersUnavailable as exc:
+                log.warning("spend of %d subjects kept until the counters answer: %s", len(group), exc)
+                failed.update({(subject, at): charge for subject, charge in group.items()})
+        return failed
+
+    async def _keep(self, failed: Pending) -> None:
+        """Spool `failed` (in memory without a spool) for a later attempt."""
+        if self.spool is None:
+            for key, charge in failed.items():
+                _add(self._pending, key, charge)
+            return
+        await asyncio.to_thread(self._spool_now, failed)
+
+    def _spool_now(self, charges: Pending) -> None:
+        assert self.spool is not None
+        entries = [SpooledCharge(s, at, c.completion_tokens, c.cost_usd) for (s, at), c in charges.items()]
+        written = self.spool.append(entries)
+        for entry in entries[written:]:
+            log.error("spend settlement lost (spool full): %s", entry)
+        self._spool_waiting = self._spool_waiting or written > 0
+
+    async def _replay(self) -> bool:
+        """Apply spooled settlements, oldest segment first; False when the counters refused again.
+        A segment another process holds is its to replay."""
+        assert self.spool is not None
+        self.spool.seal()
+        for path in self.spool.segments():
+            claimed = await asyncio.to_thread(self.spool.claim, path)
+            if claimed is None:
+                continue
+            segment, entries = claimed
+            charges: Pending = {}
+            for entry in entries:
+                _add(charges, (entry.subject, entry.at), Charge(entry.completion_tokens, entry.cost_usd))
+            done = False
+            try:
+                failed = await self._apply(charges)
+                if failed and len(failed) < len(charges):
+                    await asyncio.to_thread(self._spool_now, failed)  # the rest was applied: keep only these
+                done = len(failed) < len(charges) or not charges
+            finally:
+                self.spool.release(path, segment, done=done)
             if failed:
-                await asyncio.sleep(CHARGE_RETRY_S)
+                return False
+            log.info("applied %d spooled spend settlements from %s", len(entries), path.name)
+        return True
 
     async def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         """Wait until queued charges are written (shutdown; tests that read counters). Charges still
-        unapplied after `timeout_s` (the counters stayed down) are logged with their amounts."""
+        unapplied after `timeout_s` (the counters stayed down) go to the spool, for the next process;
+        without a spool they are logged with their amounts."""
         task = self._writing
-        if task is None or task.done():
-            return
-        try:
-            await asyncio.wait_for(asyncio.shield(task), timeout_s)
-        except TimeoutError:
-            task.cancel()
-            for (subject, at), charge in self._pending.items():
-                log.error("unapplied spend at shutdown: %s at %.0f: %s", subject, at, charge)
+        if task is not None and not task.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(task), timeout_s)
+            except TimeoutError:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if self._pending and self.spool is not None:
+            pending, self._pending = self._pending, {}
+            await asyncio.to_thread(self._spool_now, pending)
+        if self.spool is not None:
+            self.spool.seal()
+        for (subject, at), charge in self._pending.items():
+            log.error("unapplied spend at shutdown: %s at %.0f: %s", subject, at, charge)
+
+
+def _add(charges: Pending, key: tuple[str, float], charge: Charge) -> None:
+    kept = charges.get(key)
+    charges[key] = charge if kept is None else kept + charge

@@ -197,12 +197,26 @@ BENCHMARKS = {
     "structured": "bench.structured",
     "router": "bench.router",
     "capacity_sim": "bench.capacity_sim",
+    "semcache": "bench.semcache",
 }
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     sys.argv = [f"sluice bench {args.name}", *args.rest]
     runpy.run_module(BENCHMARKS[args.name], run_name="__main__", alter_sys=True)
+    return 0
+
+
+# --- cache -------------------------------------------------------------------------------------
+
+
+def cmd_cache_train_matcher(args: argparse.Namespace) -> int:
+    from gateway.cache.train_matcher import main as train_main
+
+    argv = ["--data", str(args.data), "--out", str(args.out), "--train-pairs", str(args.train_pairs)]
+    if args.from_checkpoint:
+        argv += ["--from-checkpoint", str(args.from_checkpoint)]
+    train_main(argv)
     return 0
 
 
@@ -271,6 +285,15 @@ def build_parser() -> argparse.ArgumentParser:
     from gateway.router_cli import add_router_commands
 
     add_router_commands(sub)
+
+    cache = sub.add_parser("cache", help="the response cache")
+    cache_sub = cache.add_subparsers(dest="action", required=True, metavar="ACTION")
+    train = cache_sub.add_parser("train-matcher", help="build the semantic tier's matcher from labelled pairs")
+    train.add_argument("--data", required=True, help="QQP pairs (../shared/data/semcache/qqp_pairs.jsonl.gz)")
+    train.add_argument("--out", required=True, help="artifact directory (the shipped one: gateway/cache/matcher)")
+    train.add_argument("--train-pairs", type=int, default=9_600, help="training pairs drawn (the shipped run's)")
+    train.add_argument("--from-checkpoint", help="export this training checkpoint instead of training")
+    train.set_defaults(handler=cmd_cache_train_matcher)
 
     bench = sub.add_parser("bench", help="run a benchmark (results in bench/results/)")
     bench.add_argument("name", choices=sorted(BENCHMARKS))

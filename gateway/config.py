@@ -49,7 +49,8 @@ class ServerConfig(_Section):
     anonymous_tpm: int = 100_000
     anonymous_spend_per_day_usd: float = 1.0
     default_tier: str = "small"
-    # Where accounting rows wait while the database is unreachable.
+    # Where accounting rows wait while the database is unreachable (and, in its `charges` folder,
+    # spend settlements while Redis is).
     spool_dir: str = "var/spool"
     # Larger request bodies are refused with 413 before they are read in full.
     max_body_bytes: int = 16 * 1024 * 1024
@@ -91,6 +92,16 @@ class BatchConfig(_Section):
             raise ConfigError("batch.concurrency and batch.lease_s: must be positive")
 
 
+class CacheConfig(_Section):
+    """The response cache (gateway/cache); which features use it is each policy's `cache` key."""
+
+    max_entries_per_scope: int = 10_000  # past this the oldest entries of the scope are evicted
+    candidates: int = 2  # nearest cached questions the matcher reads
+    matcher_dir: str = ""  # empty: the shipped matcher (gateway/cache/matcher)
+    redis_timeout_ms: int = 250  # a slower Redis is treated as down: the cache is bypassed
+    retry_after_s: float = 1.0  # how long the cache stays bypassed after Redis failed
+
+
 class ModelsConfig(_Section):
     cache_dir: str = "~/.cache/sluice/models"
 
@@ -125,8 +136,14 @@ class TierConfig(_Section):
     slo_itl_p99_ms: float = 200.0
     # Does the tier return token logprobs? false (an upstream without them): classifier-only routing, no cascade.
     logprobs: bool = True
+    # Timeouts of a call to the tier. An upstream tier: opening a connection, waiting for a free pooled
+    # one, and silence between bytes. Every tier: the whole request, a stream to its last event (an
+    # in-process tier's deadline too). Each ends the call with a clean error (fallback, or a 503 or an
+    # in-band stream error), never a hang.
     connect_timeout_s: float = 2.0
+    pool_timeout_s: float = 5.0
     read_timeout_s: float = 120.0
+    request_timeout_s: float = 600.0
     # What the tier can do (engines.api.fields.capabilities): a request that needs what a tier lacks goes
     # to an allowed tier that has it, or is refused. Our engines have both (tools where the model's chat
     # template renders them); set false for an upstream that lacks them.
@@ -151,8 +168,11 @@ class PolicyConfig(_Section):
     spend_per_month_usd: float | None = None
     rpm: int | None = None
     tpm: int | None = None
-    # Reserved: the response cache's mode; nothing reads it until the cache lands.
+    # Response cache: off | exact (the same request) | semantic (also a paraphrase the matcher accepts).
     cache: Literal["off", "exact", "semantic"] = "semantic"
+    cache_ttl_s: float = 3600.0
+    # Only temperature-0 requests are cached unless a feature opts in to reusing sampled answers.
+    cache_nondeterministic: bool = False
     fallback: bool = True  # may the other tier serve when this one is down
     # May prompts and answers of this feature be shown (dashboard: shadow-run disagreements)?
     log_content: bool = False
@@ -220,6 +240,7 @@ class Settings(_Section):
     models: ModelsConfig = msgspec.field(default_factory=ModelsConfig)
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
     batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
+    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     tiers: dict[str, TierConfig] = msgspec.field(default_factory=dict)
     # Feature name → policy. "default" applies to features not listed.
     policies: dict[str, PolicyConfig] = msgspec.field(default_factory=lambda: {"default": PolicyConfig()})

@@ -1,9 +1,12 @@
 """Shared counters behind rate limits and spend budgets.
 
-One subject (a virtual key) has four counters: requests and tokens in the current minute, and
-USD spent in the current UTC day and month. `admit` checks every limit and, only if all pass,
+One subject (a virtual key, or a tenant over all its keys) has four counters: requests and tokens
+in the current minute, and USD spent in the current UTC day and month. `admit` checks every limit and, only if all pass,
 counts the request, its prompt tokens and its *reservation* (the most output and USD it may cost),
 atomically, in one round trip (a Lua script in Redis, so several gateway replicas share one limit).
+A request of a tenant with its own limits is admitted against its key's and its tenant's counters in
+the same script: both admit it and count it, or neither does, so concurrent requests on several keys
+of one tenant overspend the tenant's budget by at most one reservation too.
 Once the request is over `charge_many` settles it: it adds the difference between what was produced
 and what was reserved (usually negative), for many requests in one round trip. So N concurrent
 requests cannot overspend together: each one's worst case is counted before it runs, and a budget is
@@ -20,11 +23,12 @@ with `redis.when_unavailable = "local"`, counts in this replica's memory until R
 from __future__ import annotations
 
 import calendar
+import dataclasses
 import functools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -74,6 +78,8 @@ class Limits:
 class Admission:
     refused_by: LimitName | None  # None: admitted
     retry_after_s: int = 0
+    refused_subject: int = 0  # which subject refused: 0 the first, 1 the first of `also`, ...
+    local: bool = False  # counted in this replica's memory (Redis was down): its settlement goes there too
 
     @property
     def admitted(self) -> bool:
@@ -127,12 +133,26 @@ def _utc_day(day_number: int) -> tuple[str, str, int, int]:
     )
 
 
+Subjects = Sequence[tuple[str, Limits]]  # further subjects admitted together with the first
+
+
 class CounterStore(Protocol):
     async def admit(
-        self, subject: str, limits: Limits, prompt_tokens: int, now: float, reserve: Charge = Charge()
-    ) -> Admission: ...
+        self,
+        subject: str,
+        limits: Limits,
+        prompt_tokens: int,
+        now: float,
+        reserve: Charge = Charge(),
+        also: Subjects = (),
+    ) -> Admission:
+        """Check every limit of `subject` and of each of `also`; only if all pass, count the request
+        and reserve `reserve` for each of them, atomically."""
+        ...
 
-    async def charge_many(self, charges: Mapping[str, Charge], now: float) -> None: ...
+    async def charge_many(self, charges: Mapping[str, Charge], now: float, local: bool = False) -> None:
+        """Add `charges`: settlements of requests admitted with `Admission.local` (`local`), or not."""
+        ...
 
     async def spent(self, subject: str, now: float) -> tuple[float, float]:
         """USD spent in the current day and month."""
@@ -143,29 +163,37 @@ def _limit_arg(value: float | None) -> str:
     return "-1" if value is None else repr(value)
 
 
-# KEYS: requests-this-minute, tokens-this-minute, spend-today, spend-this-month.
-# ARGV: rpm, tpm, prompt tokens, day budget, month budget, minute TTL (limits < 0: unlimited),
-# reserved output tokens, reserved USD, day TTL, month TTL.
-# Returns 0 when admitted, else the 1-based index of the refusing limit in _REASONS.
+# KEYS: per subject, requests-this-minute, tokens-this-minute, spend-today, spend-this-month.
+# ARGV: prompt tokens, reserved output tokens, reserved USD, minute/day/month TTLs, then per subject
+# rpm, tpm, day budget, month budget (< 0: unlimited).
+# Returns 0 when admitted, else 4 × (0-based subject index) + the 1-based index of the refusing
+# limit in _REASONS. Every subject is checked before any is counted: all or nothing.
 _ADMIT_LUA = """
-local rpm, tpm, prompt = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local day_budget, month_budget = tonumber(ARGV[4]), tonumber(ARGV[5])
-if rpm >= 0 and tonumber(redis.call('GET', KEYS[1]) or '0') >= rpm then return 1 end
-if tpm >= 0 and tonumber(redis.call('GET', KEYS[2]) or '0') + prompt > tpm then return 2 end
-if day_budget >= 0 and tonumber(redis.call('GET', KEYS[3]) or '0') >= day_budget then return 3 end
-if month_budget >= 0 and tonumber(redis.call('GET', KEYS[4]) or '0') >= month_budget then return 4 end
-redis.call('INCR', KEYS[1])
-redis.call('EXPIRE', KEYS[1], ARGV[6])
-local tokens = prompt + tonumber(ARGV[7])
-if tokens > 0 then
-  redis.call('INCRBY', KEYS[2], tokens)
-  redis.call('EXPIRE', KEYS[2], ARGV[6])
+local prompt, out, usd = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local subjects = #KEYS / 4
+for s = 0, subjects - 1 do
+  local k, a = s * 4, 6 + s * 4
+  local rpm, tpm = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+  local day_budget, month_budget = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+  if rpm >= 0 and tonumber(redis.call('GET', KEYS[k + 1]) or '0') >= rpm then return k + 1 end
+  if tpm >= 0 and tonumber(redis.call('GET', KEYS[k + 2]) or '0') + prompt > tpm then return k + 2 end
+  if day_budget >= 0 and tonumber(redis.call('GET', KEYS[k + 3]) or '0') >= day_budget then return k + 3 end
+  if month_budget >= 0 and tonumber(redis.call('GET', KEYS[k + 4]) or '0') >= month_budget then return k + 4 end
 end
-if tonumber(ARGV[8]) > 0 then
-  redis.call('INCRBYFLOAT', KEYS[3], ARGV[8])
-  redis.call('EXPIRE', KEYS[3], ARGV[9])
-  redis.call('INCRBYFLOAT', KEYS[4], ARGV[8])
-  redis.call('EXPIRE', KEYS[4], ARGV[10])
+for s = 0, subjects - 1 do
+  local k = s * 4
+  redis.call('INCR', KEYS[k + 1])
+  redis.call('EXPIRE', KEYS[k + 1], ARGV[4])
+  if prompt + out > 0 then
+    redis.call('INCRBY', KEYS[k + 2], prompt + out)
+    redis.call('EXPIRE', KEYS[k + 2], ARGV[4])
+  end
+  if usd > 0 then
+    redis.call('INCRBYFLOAT', KEYS[k + 3], ARGV[3])
+    redis.call('EXPIRE', KEYS[k + 3], ARGV[5])
+    redis.call('INCRBYFLOAT', KEYS[k + 4], ARGV[3])
+    redis.call('EXPIRE', KEYS[k + 4], ARGV[6])
+  end
 end
 return 0
 """
@@ -202,7 +230,9 @@ class RedisCounterStore:
         self._multiplexed = MultiplexedRedis.of(redis)
 
     def _keys(self, subject: str, w: Windows) -> tuple[str, str, str, str]:
-        # The hash tag keeps one subject's counters in one slot, so the script also runs on Redis Cluster.
+        # The hash tag keeps one subject's counters in one slot. (A key admitted with its tenant touches
+        # two subjects in one script: on Redis Cluster that needs both in one slot, which this client,
+        # a single Redis or a primary with replicas, does not arrange.)
         base = f"{self._prefix}:{{{subject}}}"
         return f"{base}:req:{w.minute}", f"{base}:tok:{w.minute}", f"{base}:usd:{w.day}", f"{base}:usd:{w.month}"
 
@@ -213,35 +243,37 @@ class RedisCounterStore:
         return await self._multiplexed.run_scripts(script, calls)
 
     async def admit(
-        self, subject: str, limits: Limits, prompt_tokens: int, now: float, reserve: Charge = Charge()
+        self,
+        subject: str,
+        limits: Limits,
+        prompt_tokens: int,
+        now: float,
+        reserve: Charge = Charge(),
+        also: Subjects = (),
     ) -> Admission:
         w = Windows.at(now)
-        args = [
-            _limit_arg(limits.rpm),
-            _limit_arg(limits.tpm),
-            prompt_tokens,
-            _limit_arg(limits.spend_per_day_usd),
-            _limit_arg(limits.spend_per_month_usd),
-            _WINDOW_TTL_S,
-            reserve.completion_tokens,
-            repr(reserve.cost_usd),
-            *_spend_ttls(w),
-        ]
+        keys: list[str] = []
+        args: list[Any] = [prompt_tokens, reserve.completion_tokens, repr(reserve.cost_usd), _WINDOW_TTL_S,
+                           *_spend_ttls(w)]  # fmt: skip
+        for name, its_limits in ((subject, limits), *also):
+            keys += self._keys(name, w)
+            args += [_limit_arg(value) for value in (its_limits.rpm, its_limits.tpm, its_limits.spend_per_day_usd,
+                                                     its_limits.spend_per_month_usd)]  # fmt: skip
         try:
-            (reply,) = await self._run_scripts(self._admit, [(list(self._keys(subject, w)), args)])
+            (reply,) = await self._run_scripts(self._admit, [(keys, args)])
             result = int(reply)
         except (RedisError, OSError) as exc:  # OSError: ConnectionError and TimeoutError too
             raise CountersUnavailable(str(exc) or type(exc).__name__) from exc
         if result == 0:
             return Admission(None)
-        refused_by = _REASONS[result - 1]
-        return Admission(refused_by, w.retry_after(refused_by))
+        refused_by = _REASONS[(result - 1) % 4]
+        return Admission(refused_by, w.retry_after(refused_by), (result - 1) // 4)
 
     async def aclose(self) -> None:
         if self._multiplexed is not None:
             self._multiplexed.close()
 
-    async def charge_many(self, charges: Mapping[str, Charge], now: float) -> None:
+    async def charge_many(self, charges: Mapping[str, Charge], now: float, local: bool = False) -> None:
         w = Windows.at(now)
         ttls = [_WINDOW_TTL_S, *_spend_ttls(w)]
         calls: list[tuple[list[str], list[Any]]] = []
@@ -288,10 +320,32 @@ class InProcessCounterStore:
             self._counts = {k: v for k, v in self._counts.items() if k.rsplit(":", 1)[1] in current}
 
     async def admit(
-        self, subject: str, limits: Limits, prompt_tokens: int, now: float, reserve: Charge = Charge()
+        self,
+        subject: str,
+        limits: Limits,
+        prompt_tokens: int,
+        now: float,
+        reserve: Charge = Charge(),
+        also: Subjects = (),
     ) -> Admission:
         w = Windows.at(now)
-        requests, tokens, day, month = self._keys(subject, w)
+        subjects = ((subject, limits), *also)
+        for index, (name, its_limits) in enumerate(subjects):
+            refused_by = self._refusal(self._keys(name, w), its_limits, prompt_tokens)
+            if refused_by is not None:
+                return Admission(refused_by, w.retry_after(refused_by), index)
+        self._expire(w)
+        get = self._counts.get
+        for name, _ in subjects:
+            requests, tokens, day, month = self._keys(name, w)
+            self._counts[requests] = get(requests, 0) + 1
+            self._counts[tokens] = get(tokens, 0) + prompt_tokens + reserve.completion_tokens
+            self._counts[day] = get(day, 0.0) + reserve.cost_usd
+            self._counts[month] = get(month, 0.0) + reserve.cost_usd
+        return Admission(None)
+
+    def _refusal(self, keys: tuple[str, str, str, str], limits: Limits, prompt_tokens: int) -> LimitName | None:
+        requests, tokens, day, month = keys
         get = self._counts.get
         checks: tuple[tuple[LimitName, bool], ...] = (
             ("rpm", limits.rpm is not None and get(requests, 0) >= limits.rpm),
@@ -302,17 +356,9 @@ class InProcessCounterStore:
                 limits.spend_per_month_usd is not None and get(month, 0.0) >= limits.spend_per_month_usd,
             ),
         )
-        for name, refused in checks:
-            if refused:
-                return Admission(name, w.retry_after(name))
-        self._expire(w)
-        self._counts[requests] = get(requests, 0) + 1
-        self._counts[tokens] = get(tokens, 0) + prompt_tokens + reserve.completion_tokens
-        self._counts[day] = get(day, 0.0) + reserve.cost_usd
-        self._counts[month] = get(month, 0.0) + reserve.cost_usd
-        return Admission(None)
+        return next((name for name, refused in checks if refused), None)
 
-    async def charge_many(self, charges: Mapping[str, Charge], now: float) -> None:
+    async def charge_many(self, charges: Mapping[str, Charge], now: float, local: bool = False) -> None:
         w = Windows.at(now)
         get = self._counts.get
         for subject, charge in charges.items():
@@ -332,6 +378,9 @@ class LocalFallbackCounterStore:
     After a failure Redis is asked again only every `retry_interval_s`, so an outage costs one
     connection timeout per interval, not one per request. Counts made locally stay local: when Redis
     is back its figures lack what was counted during the outage (budgets may be overrun by that much).
+    A request is settled where it was reserved: one admitted locally in this replica's counters, one
+    admitted by Redis in Redis only (refused while Redis is down, so the charge batcher keeps it until
+    Redis is back), so neither store gets back a reservation it never counted.
     """
 
     def __init__(self, shared: CounterStore, retry_interval_s: float = 1.0) -> None:
@@ -345,12 +394,33 @@ class LocalFallbackCounterStore:
         return time.monotonic() < self._local_until
 
     async def admit(
-        self, subject: str, limits: Limits, prompt_tokens: int, now: float, reserve: Charge = Charge()
+        self,
+        subject: str,
+        limits: Limits,
+        prompt_tokens: int,
+        now: float,
+        reserve: Charge = Charge(),
+        also: Subjects = (),
     ) -> Admission:
-        return await self._either(lambda store: store.admit(subject, limits, prompt_tokens, now, reserve))
+        if not self.using_local:
+            try:
+                return await self.shared.admit(subject, limits, prompt_tokens, now, reserve, also)
+            except CountersUnavailable as exc:
+                self._fall_back(exc)
+        admission = await self.local.admit(subject, limits, prompt_tokens, now, reserve, also)
+        return dataclasses.replace(admission, local=True)
 
-    async def charge_many(self, charges: Mapping[str, Charge], now: float) -> None:
-        await self._either(lambda store: store.charge_many(charges, now))
+    async def charge_many(self, charges: Mapping[str, Charge], now: float, local: bool = False) -> None:
+        if local:
+            await self.local.charge_many(charges, now)
+        elif self.using_local:
+            raise CountersUnavailable("Redis is down; the settlement waits for it")
+        else:
+            try:
+                await self.shared.charge_many(charges, now)
+            except CountersUnavailable as exc:
+                self._fall_back(exc)
+                raise
 
     async def spent(self, subject: str, now: float) -> tuple[float, float]:
         return await self._either(lambda store: store.spent(subject, now))
@@ -389,11 +459,17 @@ class CircuitBreakerCounterStore:
         return self._probing or self.clock() < self._open_until
 
     async def admit(
-        self, subject: str, limits: Limits, prompt_tokens: int, now: float, reserve: Charge = Charge()
+        self,
+        subject: str,
+        limits: Limits,
+        prompt_tokens: int,
+        now: float,
+        reserve: Charge = Charge(),
+        also: Subjects = (),
     ) -> Admission:
-        return await self._guarded(lambda: self.shared.admit(subject, limits, prompt_tokens, now, reserve))
+        return await self._guarded(lambda: self.shared.admit(subject, limits, prompt_tokens, now, reserve, also))
 
-    async def charge_many(self, charges: Mapping[str, Charge], now: float) -> None:
+    async def charge_many(self, charges: Mapping[str, Charge], now: float, local: bool = False) -> None:
         await self._guarded(lambda: self.shared.charge_many(charges, now))
 
     async def spent(self, subject: str, now: float) -> tuple[float, float]:

@@ -38,6 +38,7 @@ class Metrics:
         )
         self.cost = Counter("sluice_cost_usd", "Spend in USD by tier", ["tier"], registry=r)
         self.cache = Counter("sluice_cache_lookups", "Response cache lookups by result", ["result"], registry=r)
+        self.cache_saved = Counter("sluice_cache_saved_usd", "What cache hits saved, in USD", registry=r)
         self.escalations = Counter("sluice_escalations", "Requests escalated from small to large", registry=r)
         self.fallbacks = Counter(
             "sluice_fallbacks", "Requests served by another tier because theirs was down", ["tier"], registry=r
@@ -82,6 +83,10 @@ class Metrics:
         tier = record.tier or "none"
         child = self._child
         child(self.requests, tier, str(record.status)).inc()
+        if record.status == 200:
+            child(self.cache, record.cache_status).inc()
+            if record.cost_saved_usd:
+                self.cache_saved.inc(record.cost_saved_usd)
         if record.error_code:
             child(self.errors, record.error_code).inc()
         child(self.latency, tier).observe(record.latency_ms / 1000)
@@ -91,7 +96,6 @@ class Metrics:
             child(self.tokens, tier, "prompt").inc(record.prompt_tokens)
             child(self.tokens, tier, "completion").inc(record.completion_tokens)
             child(self.cost, tier).inc(record.cost_usd)
-            child(self.cache, record.cache_status).inc()
         if record.escalated:
             self.escalations.inc()
         if record.fallback:

@@ -4,7 +4,8 @@ authenticate (`gateway.auth`) → check the request (`engines.api.rules`) → ro
 budget: count prompt tokens with the target tier's tokenizer, cap the output → admit (rate limits
 and spend, one atomic round trip) → call the tier, falling back when it is down (`gateway.fallback`)
 → relay the answer (`gateway.relay`) → `finish`: the one `RequestRecord`, metrics, and the spend
-charge (`gateway.charges`).
+charge (`gateway.charges`). After admission the response cache (`gateway.cache`) is asked: a hit is
+the answer (replayed as SSE for a stream), and a miss it may keep is stored once its answer is whole.
 
 Every request that reaches the gateway ends in exactly one `finish`, success or not, streamed or
 not, the client still there or gone.
@@ -16,10 +17,11 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -29,6 +31,7 @@ from engines.api.errors import APIError, invalid, service_unavailable
 from engines.api.fields import NO_NEEDS, Capabilities, capabilities
 from engines.api.protocol import (
     ChatCompletionRequest,
+    Chunk,
     CompletionRequest,
     Request,
     StreamOptions,
@@ -36,6 +39,7 @@ from engines.api.protocol import (
     wants_stream_usage,
 )
 from engines.api.rules import check_request
+from gateway import embeddings
 from gateway.accounting import RequestRecord
 from gateway.auth import Authenticator, Principal
 from gateway.budgets import (
@@ -48,11 +52,15 @@ from gateway.budgets import (
     refusal,
     reservation,
 )
+from gateway.cache.hook import cache_policy, query_embedding
+from gateway.cache.replay import assemble, replay
+from gateway.cache.service import Lookup, ResponseCache
 from gateway.capabilities import capable_tier, supports
 from gateway.charges import ChargeBatcher
 from gateway.config import PolicyConfig, Settings
 from gateway.cost import request_cost
-from gateway.counters import Charge, CounterStore, CountersUnavailable, Limits
+from gateway.counters import Admission, Charge, CounterStore, CountersUnavailable, Limits
+from gateway.embeddings import EmbeddingsRequest
 from gateway.fallback import Served, call_with_fallback, candidate_tiers, open_stream_with_fallback
 from gateway.keys import KeyCache
 from gateway.metrics import Metrics
@@ -101,6 +109,7 @@ class RequestState:
     admitted: bool = False  # counted by the limits, so its spend is settled
     admitted_at: float = 0.0  # the clock at admission: its settlement goes to the same windows
     tenant_admitted: bool = False  # also counted against its tenant's limits
+    admitted_locally: bool = False  # counted in this replica's memory (Redis down, `local` mode): settled there
     reserved: Charge = field(default_factory=Charge)  # counted at admission, settled at `finish`
     counted_prompt_tokens: int = 0  # as counted before the call; usage replaces it when it comes
     prompt_tokens: int = 0
@@ -111,6 +120,11 @@ class RequestState:
     itl_ms_mean: float | None = None
     finished: bool = False
     needs: Capabilities = NO_NEEDS  # tools and response_format the request uses
+    cache_control: str | None = None  # the client's Cache-Control header
+    cache_status: str = "off"  # off | bypass | miss | exact | semantic
+    cache_similarity: float | None = None
+    cost_saved_usd: float = 0.0
+    prompt_embedding: Any = None  # of the last user message (chat) or the prompt: shared by router and cache
 
 
 @dataclass(slots=True)
@@ -149,6 +163,9 @@ class Gateway:
         router: Router | None = None,
         shadow: ShadowSampler | None = None,
         slo: SloTracker | None = None,
+        cache: ResponseCache | None = None,
+        embedder: Callable[[], Awaitable[Any]] | None = None,
+        charge_spool: Path | None = None,
     ) -> None:
         self.settings = settings
         self.clients = clients
@@ -158,10 +175,13 @@ class Gateway:
         self.clock = clock
         self.keys = keys
         self.auth = Authenticator(settings, keys)
-        self.charges = ChargeBatcher(counters, clock)
+        self.charges = ChargeBatcher(counters, clock, charge_spool)
         self.router = router or Router(settings)
         self.shadow = shadow
         self.slo = slo or SloTracker(settings.tiers)
+        self.cache = cache
+        self.embedder = embedder  # loads (once) and returns the embedding service
+        self._cache_writes: set[asyncio.Task[None]] = set()
 
     async def authenticate(self, authorization: str | None) -> Principal:
         return await self.auth.authenticate(authorization)
@@ -170,6 +190,9 @@ class Gateway:
         return await self._serve(state, request)
 
     async def complete(self, state: RequestState, request: CompletionRequest) -> Reply:
+        return await self._serve(state, request)
+
+    async def embeddings(self, state: RequestState, request: EmbeddingsRequest) -> Reply:
         return await self._serve(state, request)
 
     async def drain(self, timeout_s: float | None = None) -> None:
@@ -182,8 +205,10 @@ class Gateway:
 
     # -- the steps ------------------------------------------------------------------------------
 
-    async def _serve(self, state: RequestState, request: Request) -> Reply:
+    async def _serve(self, state: RequestState, request: Request | EmbeddingsRequest) -> Reply:
         try:
+            if isinstance(request, EmbeddingsRequest):
+                return await self._embed(state, request)
             return await self._handle(state, request)
         except APIError as exc:
             error = _hide_internals(exc, state.request_id)
@@ -208,9 +233,16 @@ class Gateway:
                       if supports(self.settings.tiers.get(t), state.needs)]
         self._check_slo(state)
         request, headers = await self._admit(state, request, candidates)
-        if request.stream:
-            return await self._stream(state, request, candidates, headers)
-        return await self._answer(state, request, candidates, headers)
+        lookup = await self._cache_begin(state, request)
+        if lookup.hit is not None:
+            return self._cached(state, request, lookup, headers)
+        try:
+            if request.stream:
+                return await self._stream(state, request, candidates, headers, lookup)
+            return await self._answer(state, request, candidates, headers, lookup)
+        except BaseException:
+            self._cache_release(lookup)
+            raise
 
     def _begin(self, state: RequestState, request: Request) -> PolicyConfig:
         if state.principal is None:
@@ -264,43 +296,50 @@ class Gateway:
         request, clamped = clamp_output(request, policy)
         check_amplification(request, policy)
         reserve = reservation(self.settings, candidates, request, state.counted_prompt_tokens)
-        now = self.clock()
-        await self._count(state.principal.subject, limits_of(policy), state.counted_prompt_tokens, now, reserve)
-        state.admitted, state.admitted_at, state.reserved = True, now, reserve
-        await self._count_tenant(state, now)
+        await self._reserve(state, state.counted_prompt_tokens, reserve)
         headers = {"x-request-id": state.response_id or state.request_id, "x-sluice-cache": "miss",
                    "x-sluice-route": state.route.tier}  # fmt: skip
         if clamped:
             headers["x-sluice-max-tokens-clamped"] = str(policy.max_output_tokens)
         return request, headers
 
-    async def _count_tenant(self, state: RequestState, now: float) -> None:
-        """The tenant's own limits, over all its keys (a second round trip, only for tenants with
-        limits). Refused there, the key's reservation is handed back by the request's settlement."""
-        assert state.principal is not None
-        tenant = self.settings.tenants.get(state.principal.tenant)
-        if tenant is None or state.principal.key_id is None:
-            return
-        limits = Limits(tenant.rpm, tenant.tpm, tenant.spend_per_day_usd, tenant.spend_per_month_usd)
-        await self._count(tenant_subject(state.principal.tenant), limits, state.counted_prompt_tokens, now,
-                          state.reserved)  # fmt: skip
-        state.tenant_admitted = True
+    async def _reserve(self, state: RequestState, prompt_tokens: int, reserve: Charge) -> None:
+        """Admit the request against its key's limits and its tenant's (one atomic round trip), counting
+        it and reserving `reserve` for both; the state keeps what its settlement needs."""
+        principal = state.principal
+        assert principal is not None
+        now = self.clock()
+        tenant = self._tenant_limits(principal)
+        admission = await self._count(principal.subject, limits_of(principal.policy), prompt_tokens, now, reserve,
+                                      tenant)  # fmt: skip
+        state.admitted, state.admitted_at, state.reserved = True, now, reserve
+        state.admitted_locally, state.tenant_admitted = admission.local, bool(tenant)
 
-    async def _count(self, subject: str, limits: Limits, prompt_tokens: int, now: float, reserve: Charge) -> None:
-        """Admit the request against its rate limits and budgets, counting it and reserving its worst
-        case (one atomic round trip)."""
+    def _tenant_limits(self, principal: Principal) -> list[tuple[str, Limits]]:
+        """The tenant's own limits, over all its keys, when it has any: admitted with the key's."""
+        tenant = self.settings.tenants.get(principal.tenant)
+        if tenant is None or principal.key_id is None:
+            return []
+        limits = Limits(tenant.rpm, tenant.tpm, tenant.spend_per_day_usd, tenant.spend_per_month_usd)
+        return [(tenant_subject(principal.tenant), limits)]
+
+    async def _count(self, subject: str, limits: Limits, prompt_tokens: int, now: float, reserve: Charge,
+                     also: list[tuple[str, Limits]]) -> Admission:  # fmt: skip
+        """Admit the request against its rate limits and budgets (its key's, and `also` its tenant's),
+        counting it and reserving its worst case for each, all or none (one atomic round trip)."""
         try:
-            admission = await self.counters.admit(subject, limits, prompt_tokens, now, reserve)
+            admission = await self.counters.admit(subject, limits, prompt_tokens, now, reserve, also)
         except CountersUnavailable as exc:
             # Fail closed: without the shared counters no limit or budget could hold.
             raise service_unavailable(
                 "Rate limits and budgets cannot be checked right now. Retry later.", "limits_unavailable"
             ) from exc
         if not admission.admitted:
-            raise refusal(admission, limits)
+            raise refusal(admission, [limits, *(its for _, its in also)][admission.refused_subject])
+        return admission
 
     async def _answer(self, state: RequestState, request: Request, candidates: list[str],
-                      headers: dict[str, str]) -> Reply:  # fmt: skip
+                      headers: dict[str, str], lookup: Lookup) -> Reply:  # fmt: skip
         """A whole answer, from the first tier that can serve."""
 
         async def call(tier: str, client: EngineClient, request: Request = request) -> Any:
@@ -319,13 +358,15 @@ class Gateway:
         headers["x-sluice-tier"] = served.tier
         headers["x-sluice-cost-usd"] = f"{state.cost_usd:.8f}"
         body = msgspec.json.encode(served.value)
+        if lookup.leader and self.cache is not None:
+            await self.cache.store(lookup, body, state.cost_usd)
         self.finish(state, 200)
         if self.shadow is not None:
             self.shadow.maybe_submit(state, request, served.value)
         return Reply(headers=headers, body=body)
 
     async def _stream(self, state: RequestState, request: Request, candidates: list[str],
-                      headers: dict[str, str]) -> Reply:  # fmt: skip
+                      headers: dict[str, str], lookup: Lookup) -> Reply:  # fmt: skip
         """A stream from the first tier that produced its first chunk; relayed as it comes."""
         # Upstream always reports usage: spend is charged from it whether or not the client wants it.
         upstream = msgspec.structs.replace(request, stream_options=StreamOptions(include_usage=True))
@@ -340,8 +381,17 @@ class Gateway:
         _cascade_headers(state, headers)
         headers["x-sluice-tier"] = served.tier
         first, rest = served.value
-        include_usage = wants_stream_usage(request.stream_options)
-        events = relay(first, rest, include_usage, lambda a: self._end_stream(state, a, request))
+        kept: list[Chunk] = []  # what the cache keeps of a led miss
+        if lookup.leader:
+            rest = _kept(rest, kept, first)
+
+        def end(account: StreamAccount) -> None:
+            self._end_stream(state, account, request)
+            if lookup.leader:
+                whole = account.error_code is None and account.usage is not None
+                self._cache_store_later(lookup, assemble(kept, account.usage) if whole else None, state.cost_usd)
+
+        events = relay(first, rest, wants_stream_usage(request.stream_options), end)
         return Reply(headers=headers, stream=EventStream(events))
 
     async def _open(self, state: RequestState, upstream: Request, candidates: list[str],
@@ -383,6 +433,73 @@ class Gateway:
             client = self.clients[state.tier]
             completion_tokens = count_prompt_tokens(client, CompletionRequest(model=state.tier, prompt=text))
         return Usage.of(state.counted_prompt_tokens, completion_tokens)
+
+    # -- response cache -------------------------------------------------------------------------
+
+    async def _cache_begin(self, state: RequestState, request: Request) -> Lookup:
+        principal, route = state.principal, state.route
+        if self.cache is None or principal is None or route is None:
+            return Lookup("off")
+        lookup = await self.cache.begin(
+            request, cache_policy(principal.policy), tenant=principal.tenant, feature=principal.feature,
+            endpoint=state.endpoint, tier=route.tier, control=state.cache_control, embedding=state.prompt_embedding,
+        )  # fmt: skip
+        query_embedding(state, lookup)
+        state.cache_status = lookup.status
+        return lookup
+
+    def _cache_release(self, lookup: Lookup) -> None:
+        if self.cache is not None:
+            self.cache.release(lookup)
+
+    def _cache_store_later(self, lookup: Lookup, body: bytes | None, cost_usd: float) -> None:
+        """Keep a streamed answer without holding up the stream's end (its followers wait for it)."""
+        if self.cache is None or body is None:
+            self._cache_release(lookup)
+            return
+        task = asyncio.get_running_loop().create_task(self.cache.store(lookup, body, cost_usd))
+        self._cache_writes.add(task)
+        task.add_done_callback(self._cache_writes.discard)
+
+    def _cached(self, state: RequestState, request: Request, lookup: Lookup, headers: dict[str, str]) -> Reply:
+        """A hit is the answer: nothing is generated, spent or charged; what it saved is recorded."""
+        hit = lookup.hit
+        assert hit is not None
+        state.cache_similarity, state.cost_saved_usd = hit.similarity, hit.entry.cost_usd
+        headers["x-sluice-cache"] = hit.status
+        headers["x-sluice-cost-usd"] = f"{0.0:.8f}"
+        if not request.stream:
+            self.finish(state, 200)
+            return Reply(headers=headers, body=hit.entry.body)
+        events = replay(hit.entry.body, state.endpoint, wants_stream_usage(request.stream_options))
+        state.ttft_ms = (time.perf_counter() - state.started) * 1000
+        return Reply(headers=headers, stream=EventStream(self._replay(state, events)))
+
+    async def _replay(self, state: RequestState, events: list[bytes]) -> AsyncGenerator[bytes, None]:
+        try:
+            for event in events:
+                yield event
+        finally:
+            self.finish(state, 200)
+
+    # -- embeddings -----------------------------------------------------------------------------
+
+    async def _embed(self, state: RequestState, request: EmbeddingsRequest) -> Reply:
+        """Admitted and accounted like a completion: its tokens count against the key's limits."""
+        principal = state.principal
+        if principal is None or self.embedder is None:
+            raise RuntimeError("authenticate before serving; the embedding service is not configured")
+        state.model_requested = request.model
+        embedder = await self.embedder()
+        texts = embeddings.texts_of(request, embedder.dim)
+        tokens = state.counted_prompt_tokens = embedder.count_tokens(texts)
+        check_prompt_length(tokens, principal.policy)
+        await self._reserve(state, tokens, Charge())  # nothing reserved: embeddings have no price
+        vectors = await embedder.embed_async(texts)
+        state.tier, state.prompt_tokens = "embed", tokens
+        body = msgspec.json.encode(embeddings.response(vectors, tokens, request.encoding_format))
+        self.finish(state, 200)
+        return Reply(headers={"x-request-id": state.response_id or state.request_id}, body=body)
 
     # -- accounting -----------------------------------------------------------------------------
 
@@ -443,10 +560,11 @@ class Gateway:
             return
         produced = Charge(state.completion_tokens, state.cost_usd)
         if produced != state.reserved:
-            self.charges.charge(subject, produced - state.reserved, state.admitted_at)
+            local = state.admitted_locally
+            self.charges.charge(subject, produced - state.reserved, state.admitted_at, local)
             if state.tenant_admitted and state.principal is not None:
                 self.charges.charge(tenant_subject(state.principal.tenant), produced - state.reserved,
-                                    state.admitted_at)  # fmt: skip
+                                    state.admitted_at, local)  # fmt: skip
 
 
 def priority_of(state: RequestState, policy: PolicyConfig) -> str:
@@ -495,7 +613,9 @@ def record_of(state: RequestState, status: int, error_code: str | None) -> Reque
         escalated=state.escalated,
         confidence=state.confidence,
         fallback=state.fallback,
-        cache_status="miss",
+        cache_status=state.cache_status,
+        cache_similarity=state.cache_similarity,
+        cost_saved_usd=state.cost_saved_usd,
         stream=state.stream,
         prompt_tokens=state.prompt_tokens,
         completion_tokens=state.completion_tokens,
@@ -516,6 +636,19 @@ def _cascade_headers(state: RequestState, headers: dict[str, str]) -> None:
     headers["x-sluice-escalated"] = "true" if state.escalated else "false"
     if state.confidence is not None:
         headers["x-sluice-confidence"] = f"{state.confidence:.4f}"
+
+
+async def _kept(rest: AsyncIterator[Chunk], kept: list[Chunk], first: Chunk) -> AsyncGenerator[Chunk, None]:
+    """The tier's stream, each chunk also kept (for the cache) as it passes."""
+    kept.append(first)
+    try:
+        async for chunk in rest:
+            kept.append(chunk)
+            yield chunk
+    finally:
+        aclose = getattr(rest, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 def _printable(text: str) -> str:

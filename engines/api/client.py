@@ -132,6 +132,11 @@ class HttpEngineClient:
     keep-alive connection per concurrent request, up to `max_connections`, on the lean client of
     `engines.api.http1` (httpx costs several times its CPU per call); an injected httpx `transport`
     (in-memory ASGI apps, mocks) goes through httpx instead.
+
+    Timeouts: `connect_timeout` to open a connection, `pool_timeout` to wait for a free one,
+    `read_timeout` of silence between bytes, and `request_timeout` for the whole request, a stream to
+    its last event included (on httpx, non-streamed requests only). Each ends the request with
+    `EngineUnavailable`, never a hang.
     """
 
     def __init__(
@@ -143,6 +148,8 @@ class HttpEngineClient:
         connect_timeout: float = 2.0,
         read_timeout: float = 120.0,
         *,
+        pool_timeout: float = 5.0,
+        request_timeout: float = 600.0,
         max_connections: int = 256,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
@@ -155,19 +162,16 @@ class HttpEngineClient:
             headers["Authorization"] = f"Bearer {api_key}"
         self._pool: HttpPool | None = None
         self._client: httpx.AsyncClient | None = None
+        self._request_timeout = request_timeout
         if transport is None:
-            self._pool = HttpPool(
-                self.base_url,
-                headers=headers,
-                connect_timeout=connect_timeout,
-                read_timeout=read_timeout,
-                max_connections=max_connections,
-            )
+            self._pool = HttpPool(self.base_url, headers=headers, connect_timeout=connect_timeout,
+                                  read_timeout=read_timeout, pool_timeout=pool_timeout, total_timeout=request_timeout,
+                                  max_connections=max_connections)  # fmt: skip
         else:
             self._client = httpx.AsyncClient(
                 base_url=self.base_url,
                 headers=headers,
-                timeout=httpx.Timeout(read_timeout, connect=connect_timeout),
+                timeout=httpx.Timeout(read_timeout, connect=connect_timeout, pool=pool_timeout),
                 limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
                 transport=transport,
             )
@@ -191,9 +195,10 @@ class HttpEngineClient:
                 status, content = await self._pool.request("POST", path, body)
             else:
                 assert self._client is not None
-                response = await self._client.post(path, content=body)
+                async with asyncio.timeout(self._request_timeout):
+                    response = await self._client.post(path, content=body)
                 status, content = response.status_code, response.content
-        except (HttpClientError, httpx.TransportError) as exc:
+        except (HttpClientError, httpx.TransportError, TimeoutError) as exc:
             raise EngineUnavailable(f"{self.base_url}{path}: {type(exc).__name__}: {exc}") from exc
         _raise_for_status(status, content, self.base_url)
         return content

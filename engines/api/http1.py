@@ -13,8 +13,10 @@ request per connection at a time (no pipelining).
     finally:
         response.close()   # early close drops the connection: the upstream sees the disconnect
 
-Failures are `HttpClientError`s: `ConnectError` (could not connect in time), `ReadTimeout` (nothing
-arrived for `read_timeout` seconds), `RemoteProtocolError` (connection lost or garbage mid-response).
+Failures are `HttpClientError`s: `ConnectError` (could not connect in time), `PoolTimeout` (no free
+connection within `pool_timeout`), `ReadTimeout` (nothing arrived for `read_timeout` seconds),
+`DeadlineExceeded` (the whole request, head to last body byte, streamed or not, took longer than
+`total_timeout`), `RemoteProtocolError` (connection lost or garbage mid-response).
 A pooled connection found closed before the request was written is replaced once, transparently;
 a request that was written is never sent twice (POSTs are not idempotent).
 """
@@ -22,6 +24,7 @@ a request that was written is never sent twice (POSTs are not idempotent).
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from urllib.parse import urlsplit
@@ -142,17 +145,25 @@ class _Connection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def _on_timeout(self) -> None:
-        self._fail(ReadTimeout("the upstream sent nothing in time"))
+    def _on_timeout(self, past_deadline: bool) -> None:
+        if past_deadline:
+            self._fail(DeadlineExceeded("the request ran past its total deadline"))
+        else:
+            self._fail(ReadTimeout("the upstream sent nothing in time"))
         self._wake()
 
-    async def wait(self, read_timeout: float) -> None:
-        """Until something happens on the connection (or `read_timeout` passes: `ReadTimeout`)."""
+    async def wait(self, read_timeout: float, deadline: float = math.inf) -> None:
+        """Until something happens on the connection, or `read_timeout` passes (`ReadTimeout`), or
+        the loop's clock reaches `deadline` (`DeadlineExceeded`)."""
         if self.error is not None:
             raise self.error
         loop = asyncio.get_running_loop()
+        left = deadline - loop.time()
+        if left <= 0:
+            self._fail(DeadlineExceeded("the request ran past its total deadline"))
+            raise self.error  # type: ignore[misc]
         self._waiter = loop.create_future()
-        timer = loop.call_later(read_timeout, self._on_timeout)
+        timer = loop.call_later(min(read_timeout, left), self._on_timeout, left <= read_timeout)
         try:
             await self._waiter
         finally:
@@ -184,9 +195,10 @@ class Response:
     `iter_lines`. `close()` gives the connection back when the body was read to its end, and
     closes it otherwise (so that the upstream sees the disconnect and stops its work)."""
 
-    def __init__(self, pool: HttpPool, connection: _Connection) -> None:
+    def __init__(self, pool: HttpPool, connection: _Connection, deadline: float) -> None:
         self._pool = pool
         self._connection = connection
+        self._deadline = deadline  # loop time by which the whole body must have arrived
         self.status = connection.status
         self.headers = connection.headers
         self._released = False
@@ -208,7 +220,7 @@ class Response:
                     continue
                 if connection.message_complete:
                     return
-                await connection.wait(self._pool.read_timeout)
+                await connection.wait(self._pool.read_timeout, self._deadline)
         except BaseException:
             self.close()
             raise
@@ -265,7 +277,7 @@ class HttpPool:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout  # the most silence between bytes
         self.pool_timeout = pool_timeout  # the longest wait for a free connection
-        self.total_timeout = total_timeout  # the longest a whole `request` may take, bytes trickling or not
+        self.total_timeout = total_timeout  # the longest a whole request may take, streamed or not
         authority = parts.netloc.rsplit("@", 1)[-1]
         # Every request carries the same headers: encoded once, here.
         fixed = {"host": authority, "user-agent": "sluice", **{k.lower(): v for k, v in (headers or {}).items()}}
@@ -311,9 +323,11 @@ class HttpPool:
         return connection
 
     async def open(self, method: str, path: str, body: bytes = b"") -> Response:
-        """Send a request and wait for the response head. The caller must `close()` the response."""
+        """Send a request and wait for the response head. The caller must `close()` the response. Its
+        body too must have arrived within `total_timeout` of this call."""
         if self._closed:
             raise RuntimeError("the pool is closed")
+        deadline = asyncio.get_running_loop().time() + self.total_timeout
         try:
             async with asyncio.timeout(self.pool_timeout):
                 await self._slots.acquire()
@@ -323,23 +337,19 @@ class HttpPool:
         try:
             connection = await self._send(self._request_bytes(method, path, body))
             while not connection.headers_complete:
-                await connection.wait(self.read_timeout)
+                await connection.wait(self.read_timeout, deadline)
         except BaseException:
             # Cancelled or failed: the upstream sees the connection close and stops its work.
             if connection is not None:
                 connection.abort()
             self._slots.release()
             raise
-        return Response(self, connection)
+        return Response(self, connection, deadline)
 
     async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
         """Send a request and read the whole response: (status, body), within the total deadline."""
-        try:
-            async with asyncio.timeout(self.total_timeout):
-                response = await self.open(method, path, body)
-                return response.status, await response.read()
-        except TimeoutError as exc:
-            raise DeadlineExceeded(f"{method} {path} took longer than {self.total_timeout} s") from exc
+        response = await self.open(method, path, body)
+        return response.status, await response.read()
 
     async def close(self) -> None:
         """Close the idle connections; connections in use close when their response is closed."""

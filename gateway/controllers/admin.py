@@ -1,4 +1,4 @@
-"""`/admin/keys`: create (the secret is returned once), list, revoke virtual keys."""
+"""`/admin/keys`: create (the secret is returned once), list, revoke virtual keys. `/admin/cache`: purge."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from litestar.params import FromPath, FromQuery, JSONBody
 from litestar.types import Guard
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from engines.api.errors import APIError, invalid
+from engines.api.errors import APIError, invalid, service_unavailable
+from gateway.cache.store import CacheUnavailable
 from gateway.keys import ApiKey, InvalidPolicy, create_key, list_keys, revoke_key, update_key_policy
 from gateway.pipeline import Gateway
 
@@ -154,3 +155,26 @@ class AdminKeysController(Controller):
         if gateway.keys is not None:
             gateway.keys.forget(key_id)
         return KeyInfo.of(updated)
+
+
+class CachePurged(msgspec.Struct, kw_only=True):
+    tenant: str
+    feature: str | None
+    purged_entries: int
+
+
+class AdminCacheController(Controller):
+    path = "/admin/cache"
+    guards = [admin_only]  # noqa: RUF012 - Litestar's declaration style
+
+    @delete("/{tenant:str}", status_code=200, summary="Purge a tenant's cached answers (or one feature's)")
+    async def purge(
+        self, tenant: FromPath[str], gateway: NamedDependency[Gateway], feature: FromQuery[str | None] = None
+    ) -> CachePurged:
+        if gateway.cache is None:
+            raise APIError(404, "The response cache is not enabled.", code="cache_disabled")
+        try:
+            purged = await gateway.cache.purge(tenant, feature)
+        except CacheUnavailable as exc:
+            raise service_unavailable("The response cache cannot be reached right now.", "cache_unavailable") from exc
+        return CachePurged(tenant=tenant, feature=feature, purged_entries=purged)

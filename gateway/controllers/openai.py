@@ -11,6 +11,7 @@ from litestar.params import JSONBody
 from engines.api.fields import keep_extra_fields
 from engines.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from gateway.controllers.http import cancel_on_disconnect, reply_response
+from gateway.embeddings import EmbeddingsRequest
 from gateway.pipeline import Gateway, RequestState, request_ids
 from router.decision import model_ids
 
@@ -25,6 +26,7 @@ async def authenticated(request: Request[Any, Any, Any]) -> None:
     endpoint = request.route_handler.opt.get("endpoint", "")
     state = RequestState(request_id=request_id, endpoint=endpoint, response_id=response_id,
                          asked_priority=headers.get("x-sluice-priority"))  # fmt: skip
+    state.cache_control = headers.get("cache-control")
     request.state.sluice = state
     state.principal = await gateway.authenticate(headers.get("authorization"))
 
@@ -46,6 +48,12 @@ class OpenAIController(Controller):
     ) -> Response[Any]:
         keep_extra_fields(data, await request.body())
         return reply_response(await cancel_on_disconnect(request, gateway.complete(request.state.sluice, data)))
+
+    @post("/embeddings", opt={"endpoint": "embeddings"}, status_code=200, summary="Create embeddings")
+    async def embeddings(
+        self, request: Request[Any, Any, Any], data: JSONBody[EmbeddingsRequest], gateway: NamedDependency[Gateway]
+    ) -> Response[Any]:
+        return reply_response(await cancel_on_disconnect(request, gateway.embeddings(request.state.sluice, data)))
 
     @get("/models", opt={"endpoint": "models"}, summary="List the models")
     async def models(self, request: Request[Any, Any, Any], gateway: NamedDependency[Gateway]) -> ModelList:

@@ -99,6 +99,7 @@ async def test_a_cancelled_consumer_aborts_its_request(async_engine: AsyncLLMEng
 
 
 async def test_abort_ends_the_stream_with_an_abort_delta(async_engine: AsyncLLMEngine) -> None:
+    before = async_engine.stats()
     outputs = []
     async for output in async_engine.generate("r", PROMPT, SamplingParams(temperature=0, max_tokens=200,
                                                                             ignore_eos=True)):
@@ -108,6 +109,7 @@ async def test_abort_ends_the_stream_with_an_abort_delta(async_engine: AsyncLLME
     assert outputs[-1].finished and outputs[-1].finish_reason == "abort"
     assert len(outputs) < 50  # cut short of its 200 tokens
     await wait_until_idle(async_engine)
+    await assert_cut_short(async_engine, before, aborted=1, max_tokens=200)  # the engine stopped too
 
 
 async def test_an_invalid_request_raises_value_error(async_engine: AsyncLLMEngine) -> None:

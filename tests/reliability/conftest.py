@@ -43,8 +43,19 @@ class PrivateRedis:
 
     def start(self) -> None:
         self.process = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.directory)],
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.directory),
+            ],
             stdout=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 10
@@ -56,8 +67,12 @@ class PrivateRedis:
                 time.sleep(0.05)
         raise RuntimeError(f"redis-server did not start on port {self.port}")
 
-    def stop(self) -> None:
+    def stop(self, *, save: bool = False) -> None:
+        """Stop the server; with `save`, its data is written first and read back by the next `start`
+        (a Redis that restarts with its counters)."""
         if self.process is not None:
+            if save:
+                subprocess.run(["redis-cli", "-p", str(self.port), "SHUTDOWN", "SAVE"], capture_output=True)
             self.process.terminate()
             self.process.wait(10)
             self.process = None

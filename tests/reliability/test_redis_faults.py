@@ -1,6 +1,7 @@
 """Redis faults (issue #14, items 1 and 9), on a private redis-server this test may stop: a stopped
 Redis costs a clean, fast 503 (refuse mode) and service resumes when it is back; a settlement that
-fails while Redis does not answer is kept and applied once it does, never only logged."""
+fails while Redis does not answer is kept (on disk) and applied once it does, never only logged; in
+`local` mode each request is settled in the store that reserved it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from redis.asyncio import Redis
 
 from engines.api.errors import APIError
-from gateway.counters import CircuitBreakerCounterStore, RedisCounterStore
+from gateway.counters import CircuitBreakerCounterStore, LocalFallbackCounterStore, RedisCounterStore
 from gateway.metrics import Metrics
 from gateway.pipeline import Gateway
 from tests.gateway.conftest import chat, make_settings, start
@@ -105,3 +106,92 @@ async def test_a_blackholed_redis_is_refused_fast_behind_the_circuit_breaker(pri
         await breaker.aclose()
         await redis.aclose()
     assert len(records) == 53  # every request accounted, refused or served
+
+
+async def test_a_settlement_while_redis_is_down_is_spooled_and_applied_after_a_gateway_restart(
+    private_redis: PrivateRedis, tmp_path
+):
+    """Redis stops (its counters saved) while a stream is in flight: the settlement goes to the spool on
+    disk; this gateway stops; the next one, started once Redis is back, applies it."""
+    spool = tmp_path / "charges"
+    records: list = []
+    tiers = {"small": ScriptedTier("small"), "large": ScriptedTier("large")}
+    tiers["small"].hold_after = 1
+    settings = make_settings(tier_prices=PRICE, spend_per_day_usd=10.0, max_output_tokens=16)
+
+    def gateway_on(redis: Redis) -> Gateway:
+        counters = RedisCounterStore(redis, "restart")
+        return Gateway(settings, tiers, counters, records.append, Metrics(), charge_spool=spool)
+
+    redis = Redis.from_url(private_redis.url, socket_connect_timeout=0.5, socket_timeout=0.5)
+    first = gateway_on(redis)
+    try:
+        reply = await first.chat(await start(first), chat(stream=True, max_tokens=16))
+        assert (await first.counters.spent(SUBJECT, first.clock()))[0] == pytest.approx(0.016)  # reserved
+        private_redis.stop(save=True)
+        tiers["small"].release.set()
+        async for _ in reply.stream:  # type: ignore[union-attr]
+            pass
+        for _ in range(100):  # the settlement fails, and is written to disk
+            if list(spool.glob("*.jsonl")):
+                break
+            await asyncio.sleep(0.05)
+        await first.drain(timeout_s=0.5)  # shutdown while Redis is still down
+    finally:
+        await first.counters.aclose()  # type: ignore[attr-defined]
+        await redis.aclose()
+    (kept,) = first.unsettled.values()  # on disk, not in memory only
+    assert (kept.completion_tokens, kept.cost_usd) == (-8, pytest.approx(-0.008))
+    assert list(spool.glob("*.jsonl"))
+
+    private_redis.start()
+    redis = Redis.from_url(private_redis.url, socket_connect_timeout=0.5, socket_timeout=0.5)
+    second = gateway_on(redis)
+    try:
+        second.charges.start()  # as the app's startup does
+        await asyncio.sleep(0.1)
+        await second.drain(timeout_s=10)
+        spent, _ = await second.counters.spent(SUBJECT, second.clock())
+    finally:
+        await second.counters.aclose()  # type: ignore[attr-defined]
+        await redis.aclose()
+    assert spent == pytest.approx(records[0].cost_usd) == pytest.approx(0.008)  # reservation replaced, once
+    assert not second.unsettled and not list(spool.glob("*.jsonl"))
+
+
+async def test_in_local_mode_each_request_is_settled_where_it_was_reserved(private_redis: PrivateRedis, tmp_path):
+    """One stream is admitted by Redis, then Redis stops and another is admitted in this replica's
+    counters. The first one's settlement waits (spooled) for Redis; the second one's is counted locally.
+    Neither store gets back a reservation it never counted."""
+    redis = Redis.from_url(private_redis.url, socket_connect_timeout=0.5, socket_timeout=0.5)
+    counters = LocalFallbackCounterStore(RedisCounterStore(redis, "local-mode"), retry_interval_s=0.2)
+    tiers = {"small": ScriptedTier("small"), "large": ScriptedTier("large")}
+    tiers["small"].hold_after = 1
+    records: list = []
+    settings = make_settings(tier_prices=PRICE, spend_per_day_usd=10.0, max_output_tokens=16)
+    gateway = Gateway(settings, tiers, counters, records.append, Metrics(), charge_spool=tmp_path / "charges")
+    request = chat(stream=True, max_tokens=16)
+    try:
+        by_redis = await gateway.chat(await start(gateway), request)
+        private_redis.stop(save=True)
+        by_replica = await gateway.chat(await start(gateway), request)
+        assert counters.using_local
+        tiers["small"].release.set()
+        for reply in (by_redis, by_replica):
+            async for _ in reply.stream:  # type: ignore[union-attr]
+                pass
+        await asyncio.sleep(0.3)
+        local_spent, _ = await counters.local.spent(SUBJECT, gateway.clock())
+        assert local_spent == pytest.approx(0.008)  # reserved 0.016 here, settled here
+        (kept,) = gateway.unsettled.values()  # the Redis-admitted one's settlement, for Redis
+        assert kept.cost_usd == pytest.approx(-0.008)
+        private_redis.start()
+        await asyncio.sleep(0.3)
+        await gateway.drain(timeout_s=10)
+        redis_spent, _ = await counters.shared.spent(SUBJECT, gateway.clock())
+    finally:
+        await counters.shared.aclose()  # type: ignore[attr-defined]
+        await redis.aclose()
+    assert redis_spent == pytest.approx(0.008)  # reserved 0.016 there, settled there
+    assert not gateway.unsettled
+    assert [r.cost_usd for r in records] == [pytest.approx(0.008)] * 2

@@ -1,0 +1,104 @@
+"""Cached answers and streams: an answer kept from a stream, and a kept answer replayed as a stream.
+
+An entry always holds the plain JSON answer (chat.completion / text_completion). A streamed miss is
+kept by assembling its chunks; a streamed hit replays the answer as server-sent events: the role, the
+text, the finish reason, the usage chunk when the client asked for it, then [DONE].
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from engines.api.protocol import (
+    SSE_DONE,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChoice,
+    DeltaMessage,
+    Usage,
+    sse_event,
+)
+
+Chunk = ChatCompletionChunk | Completion
+
+
+def assemble(chunks: list[Chunk], usage: Usage | None) -> bytes | None:
+    """The JSON answer a stream of one choice amounts to; None when it cannot be kept whole (several
+    choices, logprobs, or no usage)."""
+    if not chunks:
+        return None
+    choices = [choice for c in chunks for choice in c.choices]
+    if usage is None or any(ch.index != 0 or ch.logprobs is not None for ch in choices):
+        return None
+    finish = next((ch.finish_reason for ch in reversed(choices) if ch.finish_reason), None)
+    first = chunks[0]
+    if isinstance(first, ChatCompletionChunk):
+        text = "".join(ch.delta.content or "" for ch in choices)  # type: ignore[union-attr]
+        message = AssistantMessage(content=text)
+        answer: ChatCompletion | Completion = ChatCompletion(
+            id=first.id,
+            created=first.created,
+            model=first.model,
+            usage=usage,
+            choices=[ChatChoice(index=0, message=message, finish_reason=finish)],
+            system_fingerprint=first.system_fingerprint,
+        )
+    else:
+        text = "".join(ch.text for ch in choices)  # type: ignore[union-attr]
+        answer = Completion(
+            id=first.id,
+            created=first.created,
+            model=first.model,
+            usage=usage,
+            choices=[CompletionChoice(index=0, text=text, finish_reason=finish)],
+            system_fingerprint=first.system_fingerprint,
+        )
+    return msgspec.json.encode(answer)
+
+
+def replay(body: bytes, endpoint: str, include_usage: bool) -> list[bytes]:
+    """The server-sent events of a kept answer."""
+    if endpoint == "chat":
+        chat = msgspec.json.decode(body, type=ChatCompletion)
+        events = []
+        for choice in chat.choices:
+            events.append(_chat_chunk(chat, choice.index, DeltaMessage(role="assistant", content="")))
+            if choice.message.content:
+                events.append(_chat_chunk(chat, choice.index, DeltaMessage(content=choice.message.content)))
+            events.append(_chat_chunk(chat, choice.index, DeltaMessage(), choice.finish_reason))
+        if include_usage:
+            events.append(
+                sse_event(
+                    ChatCompletionChunk(
+                        id=chat.id, created=chat.created, model=chat.model, choices=[], usage=chat.usage
+                    )
+                )
+            )
+        return [*events, SSE_DONE]
+    completion = msgspec.json.decode(body, type=Completion)
+    events = [
+        sse_event(Completion(id=completion.id, created=completion.created, model=completion.model, choices=[choice]))
+        for choice in completion.choices
+    ]
+    if include_usage and completion.usage is not None:
+        events.append(
+            sse_event(
+                Completion(
+                    id=completion.id,
+                    created=completion.created,
+                    model=completion.model,
+                    choices=[],
+                    usage=completion.usage,
+                )
+            )
+        )
+    return [*events, SSE_DONE]
+
+
+def _chat_chunk(chat: ChatCompletion, index: int, delta: DeltaMessage, finish: str | None = None) -> bytes:
+    choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish)
+    return sse_event(ChatCompletionChunk(id=chat.id, created=chat.created, model=chat.model, choices=[choice]))

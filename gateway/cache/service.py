@@ -1,0 +1,241 @@
+"""The response cache as the request path sees it: `begin` (look up, or lead the miss), `store`, `release`.
+
+Exact tier: the entry whose key is the hash of scope + query. Semantic tier: the scope's nearest
+cached questions by embedding (cosine ≥ the matcher's floor), read together with the new question by
+the matcher; the best one at or above the matcher's threshold is read back from the store and served.
+Identical misses in this replica wait for the first one (single flight) and are then served from the
+cache. When the store fails the cache is bypassed for `retry_after_s` and requests are served as if
+it were off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from engines.api.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.cache.index import VectorIndex
+from gateway.cache.keys import CacheKey, cache_control, cache_key, is_deterministic
+from gateway.cache.store import CacheStore, CacheUnavailable, Entry, IndexChanges, ScopeRef
+from gateway.cache.verifier import Matcher
+
+log = logging.getLogger("sluice.cache")
+
+Status = Literal["off", "bypass", "miss", "exact", "semantic"]
+
+
+class Embeds:
+    """What the semantic tier needs of the embedding service (router.embedding.Embedder)."""
+
+    version: str
+    dim: int
+
+    async def embed_async(self, texts: list[str]) -> np.ndarray: ...
+
+
+@dataclass(frozen=True, slots=True)
+class CachePolicy:
+    mode: Literal["off", "exact", "semantic"]
+    ttl_s: float
+    nondeterministic: bool = False  # the feature opted in to reusing answers sampled at temperature > 0
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    entry: Entry
+    status: Literal["exact", "semantic"]
+    similarity: float  # cosine of the two questions (1.0 for an exact hit)
+    score: float | None = None  # the matcher's, for a semantic hit
+
+
+@dataclass(slots=True)
+class Lookup:
+    status: Status
+    key: CacheKey | None = None
+    scope: ScopeRef | None = None
+    policy: CachePolicy | None = None
+    write: bool = False
+    vector: np.ndarray | None = None
+    hit: Hit | None = None
+    leader: bool = False
+
+
+@dataclass(slots=True)
+class _Replica:
+    index: VectorIndex
+    cursor: str | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class ResponseCache:
+    def __init__(
+        self,
+        store: CacheStore,
+        models: Callable[[], Awaitable[tuple[Embeds, Matcher]]],
+        *,
+        max_entries_per_scope: int = 10_000,
+        candidates: int = 2,
+        retry_after_s: float = 1.0,
+        flight_wait_s: float = 60.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.backend = store
+        self._load_models = models
+        self.max_entries_per_scope = max_entries_per_scope
+        self.candidates = candidates
+        self.retry_after_s = retry_after_s
+        self.flight_wait_s = flight_wait_s
+        self.clock = clock
+        self._replicas: dict[str, _Replica] = {}
+        self._flights: dict[str, asyncio.Future[None]] = {}
+        self._down_until = 0.0
+
+    # -- the request path -----------------------------------------------------------------------
+
+    async def begin(
+        self,
+        request: ChatCompletionRequest | CompletionRequest,
+        policy: CachePolicy,
+        *,
+        tenant: str,
+        feature: str,
+        endpoint: str,
+        tier: str,
+        control: str | None = None,
+        embedding: np.ndarray | None = None,
+    ) -> Lookup:
+        """Look the request up. A miss that may be stored comes back with `leader` set: the caller must
+        end it with `store` or `release`."""
+        read, write = cache_control(control)
+        if policy.mode == "off" or not (read or write) or not is_deterministic(request, policy.nondeterministic):
+            return Lookup("off")
+        if self.clock() < self._down_until:
+            return Lookup("bypass")
+        versions = "exact"
+        if policy.mode == "semantic":
+            embedder, matcher = await self._load_models()
+            versions = f"{embedder.version}+{matcher.version}"
+        key = cache_key(request, tenant=tenant, feature=feature, endpoint=endpoint, tier=tier, versions=versions)
+        if key is None:
+            return Lookup("off")
+        lookup = Lookup("miss", key, ScopeRef(key.scope, tenant, feature), policy, write, embedding)
+        try:
+            if read and await self._find(lookup):
+                return lookup
+            if await self._follow(key.exact) and read and await self._find(lookup, exact_only=True):
+                return lookup
+        except CacheUnavailable as exc:
+            return self._bypass(exc)
+        if write:
+            self._flights[key.exact] = asyncio.get_running_loop().create_future()
+            lookup.leader = True
+        return lookup
+
+    async def store(self, lookup: Lookup, body: bytes, cost_usd: float) -> None:
+        """Keep the answer of a led miss, then let its followers in."""
+        try:
+            if lookup.write and lookup.key is not None and lookup.scope is not None and lookup.policy is not None:
+                entry = Entry(body, lookup.scope.feature, lookup.key.query, cost_usd, self.clock())
+                vector = lookup.vector if lookup.policy.mode == "semantic" and lookup.key.semantic else None
+                await self.backend.put(
+                    lookup.scope, lookup.key.exact, entry, lookup.policy.ttl_s, vector, self.max_entries_per_scope
+                )
+        except CacheUnavailable as exc:
+            self._bypass(exc)
+        finally:
+            self.release(lookup)
+
+    def release(self, lookup: Lookup) -> None:
+        """End a led miss without storing (the answer failed or is not cacheable)."""
+        if lookup.leader and lookup.key is not None:
+            lookup.leader = False
+            flight = self._flights.pop(lookup.key.exact, None)
+            if flight is not None and not flight.done():
+                flight.set_result(None)
+
+    async def purge(self, tenant: str, feature: str | None = None) -> int:
+        """Delete every entry of a tenant (or of one of its features), in every replica."""
+        return await self.backend.purge(tenant, feature)
+
+    # -- internals ------------------------------------------------------------------------------
+
+    async def _follow(self, exact: str) -> bool:
+        """Wait for the same miss led elsewhere in this replica; True if there was one."""
+        flight = self._flights.get(exact)
+        if flight is None:
+            return False
+        try:
+            await asyncio.wait_for(asyncio.shield(flight), self.flight_wait_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def _find(self, lookup: Lookup, exact_only: bool = False) -> bool:
+        assert lookup.key is not None and lookup.policy is not None
+        entry = await self.backend.get(lookup.key.exact)
+        if entry is not None:
+            lookup.status, lookup.hit = "exact", Hit(entry, "exact", 1.0)
+            return True
+        if exact_only or lookup.policy.mode != "semantic" or not lookup.key.semantic:
+            return False
+        embedder, matcher = await self._load_models()
+        if lookup.vector is None:
+            lookup.vector = (await embedder.embed_async([lookup.key.query]))[0]
+        replica = await self._sync(lookup.key.scope, embedder.dim)
+        found = replica.index.search(lookup.vector, self.candidates, matcher.floor, self.clock())
+        if not found:
+            return False
+        texts = [replica.index.texts[k] for k, _ in found]
+        probabilities = await matcher.score_async([lookup.key.query] * len(found), texts)
+        scores = matcher.rule_score(probabilities, np.array([cosine for _, cosine in found]))
+        for i in np.argsort(-scores):
+            if scores[i] < matcher.threshold:
+                break
+            key, cosine = found[i]
+            entry = await self.backend.get(key)  # re-read: TTL, eviction and purge hold in every replica
+            if entry is None:
+                replica.index.remove(key)
+                continue
+            if key == lookup.key.exact:  # stored by another request since the exact read: the same question
+                lookup.status, lookup.hit = "exact", Hit(entry, "exact", 1.0)
+            else:
+                lookup.status, lookup.hit = "semantic", Hit(entry, "semantic", cosine, float(scores[i]))
+            return True
+        return False
+
+    async def _sync(self, scope: str, dim: int) -> _Replica:
+        replica = self._replicas.get(scope)
+        if replica is None:
+            replica = self._replicas[scope] = _Replica(VectorIndex(dim))
+        async with replica.lock:
+            changes = await self.backend.changes(scope, replica.cursor)
+            _apply(replica, changes)
+        return replica
+
+    def _bypass(self, exc: Exception) -> Lookup:
+        if self.clock() >= self._down_until:
+            log.warning("response cache unavailable, bypassed for %.1fs: %s", self.retry_after_s, exc)
+        self._down_until = self.clock() + self.retry_after_s
+        return Lookup("bypass")
+
+    async def aclose(self) -> None:
+        await self.backend.aclose()
+
+
+def _apply(replica: _Replica, changes: IndexChanges) -> None:
+    if changes.reset:
+        replica.index.clear()
+    for event in changes.events:
+        if event.op == "add" and event.vector is not None:
+            replica.index.add(event.key, event.vector, event.expires_at, event.text)
+        elif event.op == "del":
+            replica.index.remove(event.key)
+        elif event.op == "purge":
+            replica.index.clear()
+    replica.cursor = changes.cursor

@@ -1,0 +1,330 @@
+"""Where cached answers live: Redis (the source of truth shared by every replica) or this process.
+
+Per entry: the answer under `e:<key>` with the feature's TTL. Per scope: a sorted set of its keys by
+expiry (expired ones are dropped and the oldest evicted past `max_entries` on every put), a hash of
+the semantic tier's vectors, and a change log (a Redis stream: add / del / purge) from which each
+replica keeps its in-memory `VectorIndex` current. A replica reads the log since its cursor before
+searching; one that fell behind the log's trimmed start reloads the vectors from the hash. A
+candidate found in the index is read back from the store before it is served, so TTLs, evictions and
+purges hold in every replica at once. Per tenant: a hash scope → feature, for purging.
+
+`MemoryCacheStore` has the same semantics without Redis (`make run`, one replica).
+"""
+
+from __future__ import annotations
+
+import heapq
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import msgspec
+import numpy as np
+
+# A vector record: expiry (unix seconds), float count, the floats, then the question's UTF-8 text.
+RECORD = struct.Struct("<dI")
+
+
+class CacheUnavailable(Exception):
+    """The store cannot be reached: the cache is bypassed for this request."""
+
+
+class Entry(msgspec.Struct, array_like=True):
+    body: bytes  # the answer as JSON (a chat.completion or text_completion object)
+    endpoint: str
+    query: str  # the text it answered, what the matcher compares a new query with
+    cost_usd: float  # what generating it cost: what a hit saves
+    created: float
+
+
+_entry_encoder = msgspec.msgpack.Encoder()
+_entry_decoder = msgspec.msgpack.Decoder(Entry)
+
+
+@dataclass(frozen=True, slots=True)
+class ScopeRef:
+    id: str
+    tenant: str
+    feature: str
+
+
+@dataclass(frozen=True, slots=True)
+class IndexEvent:
+    op: str  # add | del | purge
+    key: str = ""
+    vector: np.ndarray | None = None
+    expires_at: float = 0.0
+    text: str = ""  # the cached question: what the matcher reads beside the new one
+
+
+@dataclass(slots=True)
+class IndexChanges:
+    events: list[IndexEvent]
+    cursor: str
+    reset: bool  # drop the replica's index first: `events` is a full snapshot
+
+
+def pack_vector(vector: np.ndarray, expires_at: float, text: str) -> bytes:
+    floats = np.asarray(vector, dtype=np.float32)
+    return RECORD.pack(expires_at, len(floats)) + floats.tobytes() + text.encode()
+
+
+def unpack_vector(key: str, packed: bytes) -> IndexEvent:
+    expires_at, n = RECORD.unpack_from(packed)
+    vector = np.frombuffer(packed, dtype=np.float32, count=n, offset=RECORD.size)
+    return IndexEvent("add", key, vector, expires_at, packed[RECORD.size + 4 * n :].decode())
+
+
+class CacheStore(Protocol):
+    async def get(self, key: str) -> Entry | None: ...
+
+    async def put(
+        self, scope: ScopeRef, key: str, entry: Entry, ttl_s: float, vector: np.ndarray | None, max_entries: int
+    ) -> None: ...
+
+    async def changes(self, scope: str, cursor: str | None) -> IndexChanges: ...
+
+    async def purge(self, tenant: str, feature: str | None) -> int: ...
+
+    async def aclose(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Redis
+# ---------------------------------------------------------------------------------------------
+
+_PUT = """
+local ttl, now = tonumber(ARGV[2]), tonumber(ARGV[3])
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
+local function drop(k)
+  redis.call('ZREM', KEYS[2], k)
+  if redis.call('HDEL', KEYS[3], k) == 1 then
+    redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[8], '*', 'op', 'del', 'k', k)
+  end
+end
+for _, k in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)) do drop(k) end
+redis.call('ZADD', KEYS[2], now + ttl, ARGV[4])
+if ARGV[5] ~= '' then
+  redis.call('HSET', KEYS[3], ARGV[4], ARGV[5])
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[8], '*', 'op', 'add', 'k', ARGV[4], 'v', ARGV[5])
+end
+local over = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[6])
+if over > 0 then
+  for _, k in ipairs(redis.call('ZRANGE', KEYS[2], 0, over - 1)) do
+    redis.call('DEL', ARGV[7] .. k)
+    drop(k)
+  end
+end
+for i = 2, 4 do redis.call('PEXPIRE', KEYS[i], ttl) end
+redis.call('HSET', KEYS[5], ARGV[9], ARGV[10])
+return over
+"""
+
+_PURGE = """
+local keys = redis.call('ZRANGE', KEYS[1], 0, -1)
+for _, k in ipairs(keys) do redis.call('DEL', ARGV[1] .. k) end
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[2], '*', 'op', 'purge')
+redis.call('PEXPIRE', KEYS[3], ARGV[3])
+return #keys
+"""
+
+
+class RedisCacheStore:
+    """Plain Redis 7 commands and Lua only (no modules)."""
+
+    def __init__(self, redis: object, prefix: str = "sluice", log_length: int = 20_000) -> None:
+        from redis.asyncio import Redis
+
+        assert isinstance(redis, Redis)
+        self.redis = redis
+        self.prefix = f"{prefix}:cache"
+        self.log_length = log_length  # past this the log is trimmed; a replica further behind reloads
+        self._put = redis.register_script(_PUT)
+        self._purge = redis.register_script(_PURGE)
+
+    def _entry(self, key: str) -> str:
+        return f"{self.prefix}:e:{key}"
+
+    def _scope(self, scope: str, part: str) -> str:
+        return f"{self.prefix}:s:{scope}:{part}"
+
+    async def get(self, key: str) -> Entry | None:
+        try:
+            raw = await self.redis.get(self._entry(key))
+        except Exception as exc:
+            raise CacheUnavailable(str(exc)) from exc
+        return None if raw is None else _entry_decoder.decode(raw)
+
+    async def put(
+        self, scope: ScopeRef, key: str, entry: Entry, ttl_s: float, vector: np.ndarray | None, max_entries: int
+    ) -> None:
+        now = time.time()
+        ttl_ms = max(1, int(ttl_s * 1000))
+        packed = b"" if vector is None else pack_vector(vector, now + ttl_s, entry.query)
+        keys = [
+            self._entry(key),
+            *(self._scope(scope.id, p) for p in ("z", "v", "log")),
+            f"{self.prefix}:t:{scope.tenant}",
+        ]
+        args = [
+            _entry_encoder.encode(entry),
+            ttl_ms,
+            int(now * 1000),
+            key,
+            packed,
+            max_entries,
+            f"{self.prefix}:e:",
+            self.log_length,
+            scope.id,
+            scope.feature,
+        ]
+        try:
+            await self._put(keys=keys, args=args)
+        except Exception as exc:
+            raise CacheUnavailable(str(exc)) from exc
+
+    async def changes(self, scope: str, cursor: str | None) -> IndexChanges:
+        log, vectors = self._scope(scope, "log"), self._scope(scope, "v")
+        try:
+            if cursor is not None:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.xrange(log, min=f"({cursor}", count=self.log_length)
+                    pipe.xrange(log, count=1)
+                    tail, first = await pipe.execute()
+                if not first or _stream_id(first[0][0]) <= _stream_id(cursor):
+                    events = [_event(fields) for _, fields in tail]
+                    return IndexChanges(events, tail[-1][0].decode() if tail else cursor, reset=False)
+            async with self.redis.pipeline(transaction=True) as pipe:  # one consistent snapshot
+                pipe.xrevrange(log, count=1)
+                pipe.hgetall(vectors)
+                last, snapshot = await pipe.execute()
+        except Exception as exc:
+            raise CacheUnavailable(str(exc)) from exc
+        events = [unpack_vector(k.decode(), v) for k, v in snapshot.items()]
+        return IndexChanges(events, last[0][0].decode() if last else "0-0", reset=True)
+
+    async def purge(self, tenant: str, feature: str | None) -> int:
+        registry = f"{self.prefix}:t:{tenant}"
+        try:
+            scopes = {s.decode(): f.decode() for s, f in (await self.redis.hgetall(registry)).items()}
+            purged = 0
+            for scope, owner in scopes.items():
+                if feature is None or owner == feature:
+                    keys = [self._scope(scope, p) for p in ("z", "v", "log")]
+                    purged += int(await self._purge(keys=keys, args=[f"{self.prefix}:e:", self.log_length, 86_400_000]))
+                    await self.redis.hdel(registry, scope)
+            return purged
+        except Exception as exc:
+            raise CacheUnavailable(str(exc)) from exc
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()
+
+
+def _stream_id(raw: bytes | str) -> tuple[int, int]:
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _event(fields: dict[bytes, bytes]) -> IndexEvent:
+    op = fields[b"op"].decode()
+    if op == "add":
+        return unpack_vector(fields[b"k"].decode(), fields[b"v"])
+    return IndexEvent(op, fields.get(b"k", b"").decode())
+
+
+# ---------------------------------------------------------------------------------------------
+# In process
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Scope:
+    expiry: dict[str, float] = field(default_factory=dict)
+    vectors: dict[str, bytes] = field(default_factory=dict)
+    log: list[tuple[int, IndexEvent]] = field(default_factory=list)
+    trimmed_to: int = 0  # the last sequence number trimmed off the log
+    by_expiry: list[tuple[float, str]] = field(default_factory=list)  # a heap; items whose key moved are stale
+
+
+class MemoryCacheStore:
+    """The same store in this process, for a gateway without Redis."""
+
+    def __init__(self, log_length: int = 20_000, clock: object = time.time) -> None:
+        self.log_length = log_length
+        self.clock = clock
+        self._entries: dict[str, tuple[Entry, float]] = {}
+        self._scopes: dict[str, _Scope] = {}
+        self._tenants: dict[str, dict[str, str]] = {}
+        self._seq = 0
+
+    async def get(self, key: str) -> Entry | None:
+        item = self._entries.get(key)
+        if item is None or item[1] <= self.clock():  # type: ignore[operator]
+            self._entries.pop(key, None)
+            return None
+        return item[0]
+
+    def _log(self, scope: _Scope, event: IndexEvent) -> None:
+        self._seq += 1
+        scope.log.append((self._seq, event))
+        if len(scope.log) > self.log_length:
+            cut = len(scope.log) - self.log_length
+            scope.trimmed_to = scope.log[cut - 1][0]
+            del scope.log[:cut]
+
+    def _drop(self, scope: _Scope, key: str) -> None:
+        scope.expiry.pop(key, None)
+        if scope.vectors.pop(key, None) is not None:
+            self._log(scope, IndexEvent("del", key))
+
+    async def put(
+        self, scope: ScopeRef, key: str, entry: Entry, ttl_s: float, vector: np.ndarray | None, max_entries: int
+    ) -> None:
+        now: float = self.clock()  # type: ignore[operator]
+        s = self._scopes.setdefault(scope.id, _Scope())
+        self._entries[key] = (entry, now + ttl_s)
+        s.expiry[key] = now + ttl_s
+        heapq.heappush(s.by_expiry, (now + ttl_s, key))
+        if vector is not None:
+            s.vectors[key] = pack_vector(vector, now + ttl_s, entry.query)
+            self._log(s, unpack_vector(key, s.vectors[key]))
+        # Soonest expiry first: the expired, then the oldest while the scope is over its bound.
+        while s.by_expiry and (s.by_expiry[0][0] <= now or len(s.expiry) > max_entries):
+            expires, k = heapq.heappop(s.by_expiry)
+            if s.expiry.get(k) == expires:
+                self._entries.pop(k, None)
+                self._drop(s, k)
+        self._tenants.setdefault(scope.tenant, {})[scope.id] = scope.feature
+
+    async def changes(self, scope: str, cursor: str | None) -> IndexChanges:
+        s = self._scopes.get(scope)
+        if s is None:
+            return IndexChanges([], str(self._seq), reset=cursor is not None)
+        since = int(cursor) if cursor is not None else None
+        if since is not None and since >= s.trimmed_to:
+            events = [event for seq, event in s.log if seq > since]
+            return IndexChanges(events, str(s.log[-1][0]) if s.log else cursor, reset=False)  # type: ignore[arg-type]
+        events = [unpack_vector(k, v) for k, v in s.vectors.items()]
+        return IndexChanges(events, str(s.log[-1][0]) if s.log else "0", reset=True)
+
+    async def purge(self, tenant: str, feature: str | None) -> int:
+        scopes = self._tenants.get(tenant, {})
+        purged = 0
+        for scope_id, owner in list(scopes.items()):
+            if feature is None or owner == feature:
+                s = self._scopes[scope_id]
+                for k in s.expiry:
+                    purged += self._entries.pop(k, None) is not None
+                s.expiry.clear()
+                s.vectors.clear()
+                s.by_expiry.clear()
+                self._log(s, IndexEvent("purge"))
+                del scopes[scope_id]
+        return purged
+
+    async def aclose(self) -> None:
+        return None

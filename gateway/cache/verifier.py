@@ -1,0 +1,141 @@
+"""The match rule of the semantic tier: a trained cross-encoder (the matcher) run on the nearest candidates.
+
+Cosine similarity alone confuses "how do I learn Python" with "how do I learn Java"; the matcher reads
+both questions together and scores "same question" in [0, 1]. A candidate is served only when its score
+reaches the threshold chosen on held-out data for a false-hit rate of at most 1% (meta.json).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+MATCHER_FORMAT = 1
+# The shipped artifact; `sluice cache train-matcher` rebuilds it.
+MATCHER_DIR = Path(__file__).resolve().parent / "matcher"
+
+
+def pick_threshold(scores: np.ndarray, labels: np.ndarray, target_fhr: float) -> tuple[float, float, float]:
+    """The lowest threshold whose false-hit rate (false hits / negative pairs) is ≤ target.
+
+    Returns (threshold, false_hit_rate, recall) on these pairs; a pair is a hit when score ≥ threshold.
+    """
+    scores = np.asarray(scores, dtype=np.float64)
+    labels = np.asarray(labels).astype(bool)
+    negatives, positives = max(1, int((~labels).sum())), max(1, int(labels.sum()))
+    order = np.argsort(-scores, kind="stable")
+    s, y = scores[order], labels[order]
+    fh = np.cumsum(~y)
+    tp = np.cumsum(y)
+    # Cut only between distinct scores: every pair scoring ≥ the threshold is a hit.
+    last_of_run = np.r_[s[1:] != s[:-1], True]
+    ok = last_of_run & (fh / negatives <= target_fhr)
+    if not ok.any():
+        return float(np.nextafter(s[0], np.inf)) if len(s) else 1.0, 0.0, 0.0
+    i = int(np.flatnonzero(ok)[-1])
+    return float(s[i]), float(fh[i] / negatives), float(tp[i] / positives)
+
+
+def rates_at(scores: np.ndarray, labels: np.ndarray, threshold: float) -> tuple[float, float]:
+    """(false_hit_rate, recall) of the rule score ≥ threshold."""
+    hit = np.asarray(scores) >= threshold
+    labels = np.asarray(labels).astype(bool)
+    return float((hit & ~labels).sum() / max(1, (~labels).sum())), float((hit & labels).sum() / max(1, labels.sum()))
+
+
+@dataclass
+class Matcher:
+    """ONNX cross-encoder + its tokenizer; `score` is synchronous and batched (callers run it off the loop)."""
+
+    session: object
+    tokenizer: object
+    threshold: float
+    version: str
+    meta: dict
+    floor: float = 0.5  # cosine below which a candidate is not even shown to the matcher
+    # The rule's score: a logistic regression over the cosine and the matcher's logit, fit on validation
+    # (None: the matcher's probability alone).
+    combine: dict[str, float] | None = None
+    _queue: list[tuple[list[str], list[str], asyncio.Future[np.ndarray]]] = field(default_factory=list)
+    _worker: asyncio.Task[None] | None = None
+
+    @classmethod
+    def load(cls, directory: Path = MATCHER_DIR, threshold: float | None = None, threads: int = 1) -> Matcher:
+        import onnxruntime as ort
+        from tokenizers import Tokenizer
+
+        meta_path = directory / "meta.json"
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        tok.enable_truncation(max_length=int(meta.get("max_length", 64)))
+        tok.enable_padding(pad_id=0, pad_token="[PAD]")
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = int(os.environ.get("SLUICE_MATCHER_THREADS", threads))
+        opts.inter_op_num_threads = 1
+        session = ort.InferenceSession(str(directory / "model.onnx"), opts, providers=_providers(ort))
+        chosen = threshold if threshold is not None else float(meta["threshold"])
+        version = str(meta.get("version", "unversioned"))
+        floor = float(meta.get("cosine_floor", 0.5))
+        return cls(session, tok, chosen, version, meta, floor, meta.get("combine"))
+
+    def rule_score(self, probabilities: np.ndarray, cosines: np.ndarray) -> np.ndarray:
+        """What the threshold applies to, for candidates at or above the floor."""
+        if not self.combine:
+            return np.asarray(probabilities, dtype=np.float32)
+        p = np.clip(np.asarray(probabilities, dtype=np.float64), 1e-7, 1 - 1e-7)
+        z = self.combine["cosine"] * np.asarray(cosines) + self.combine["logit"] * np.log(p / (1 - p))
+        return (1.0 / (1.0 + np.exp(-(z + self.combine["bias"])))).astype(np.float32)
+
+    def score(self, queries: Sequence[str], candidates: Sequence[str]) -> np.ndarray:
+        """P(same question) for each (query, candidate) pair, float32 of shape (n,)."""
+        if not queries:
+            return np.zeros(0, dtype=np.float32)
+        enc = self.tokenizer.encode_batch(list(zip(queries, candidates, strict=True)))
+        feed = {
+            "input_ids": np.array([e.ids for e in enc], dtype=np.int64),
+            "attention_mask": np.array([e.attention_mask for e in enc], dtype=np.int64),
+            "token_type_ids": np.array([e.type_ids for e in enc], dtype=np.int64),
+        }
+        logits = self.session.run(None, feed)[0][:, 0]
+        return (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+
+    async def score_async(self, queries: Sequence[str], candidates: Sequence[str]) -> np.ndarray:
+        """`score` off the event loop; concurrent callers share one batch (one forward pass for a burst)."""
+        future: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
+        self._queue.append((list(queries), list(candidates), future))
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        while self._queue:
+            batch, self._queue = self._queue, []
+            queries = [q for qs, _, _ in batch for q in qs]
+            candidates = [c for _, cs, _ in batch for c in cs]
+            try:
+                scores = await asyncio.to_thread(self.score, queries, candidates)
+            except Exception as exc:
+                for _, _, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            start = 0
+            for qs, _, future in batch:
+                if not future.done():
+                    future.set_result(scores[start : start + len(qs)])
+                start += len(qs)
+
+    def score_many(self, queries: Sequence[str], candidates: Sequence[str], batch: int = 256) -> np.ndarray:
+        parts = [self.score(queries[i : i + batch], candidates[i : i + batch]) for i in range(0, len(queries), batch)]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
+
+
+def _providers(ort: object) -> list[str]:
+    available = ort.get_available_providers()  # type: ignore[attr-defined]
+    return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]

@@ -1,0 +1,77 @@
+"""The matcher's data split, its operating point, and its false-hit rate on pairs it never saw."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gateway.cache.index import VectorIndex
+from gateway.cache.pairs import DEFAULT_PAIRS, Pair, load_pairs, split_pairs
+from gateway.cache.verifier import Matcher, pick_threshold, rates_at
+
+
+def _questions(pairs: list[Pair]) -> set[str]:
+    return {" ".join(t.lower().split()) for p in pairs for t in (p.text_a, p.text_b)}
+
+
+def test_no_question_is_in_two_splits_and_the_split_ignores_file_order():
+    rng = np.random.default_rng(0)
+    questions = [f"question number {i}?" for i in range(400)]
+    pairs = [Pair(questions[a], questions[b], int(rng.integers(2))) for a, b in rng.integers(0, 400, (600, 2))]
+    splits = split_pairs(pairs)
+    names = list(splits)
+    for i, first in enumerate(names):
+        for second in names[i + 1 :]:
+            assert not _questions(splits[first]) & _questions(splits[second])
+    shuffled = split_pairs(list(reversed(pairs)))
+    assert {k: set(v) for k, v in shuffled.items()} == {k: set(v) for k, v in splits.items()}
+    assert sum(map(len, splits.values())) == len(pairs)
+
+
+def test_the_threshold_is_the_lowest_that_keeps_the_false_hit_rate():
+    scores = np.array([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2])
+    labels = np.array([1, 1, 0, 1, 1, 0, 0, 0])
+    assert pick_threshold(scores, labels, 0.0) == (0.8, 0.0, 0.5)
+    assert pick_threshold(scores, labels, 0.25) == (0.5, 0.25, 1.0)
+    assert rates_at(scores, labels, 0.5) == (0.25, 1.0)
+    tied = np.array([0.9, 0.9, 0.1])
+    assert pick_threshold(tied, np.array([1, 0, 1]), 0.0)[2] == 0.0  # never cuts between equal scores
+
+
+def test_the_index_finds_the_nearest_live_entries_also_through_the_bit_prefilter(monkeypatch):
+    import gateway.cache.index as index_module
+
+    monkeypatch.setattr(index_module, "EXACT_SCAN_MAX", 100)
+    rng = np.random.default_rng(1)
+    vectors = rng.standard_normal((1000, 384)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    index = VectorIndex(384)
+    for i, v in enumerate(vectors):
+        index.add(f"k{i}", v, expires_at=100.0 if i != 7 else 1.0, text=f"q{i}")
+    near = vectors[3] + 0.02 * rng.standard_normal(384).astype(np.float32)
+    near /= np.linalg.norm(near)
+    assert [k for k, _ in index.search(near, 2, 0.5, now=10.0)] == ["k3"]
+    assert index.search(vectors[7], 2, 0.5, now=10.0) == []  # expired
+    index.remove("k3")
+    assert index.search(near, 2, 0.5, now=10.0) == [] and len(index) == 999 and "k3" not in index.texts
+    index.add("k-new", vectors[3], 100.0)  # reuses the freed row
+    assert [k for k, _ in index.search(near, 2, 0.5, now=10.0)] == ["k-new"]
+
+
+HELD_OUT_SLICE = 2000  # pairs of the test split: about 1,300 negatives, so ±0.3% of sampling noise at 1%
+
+
+@pytest.mark.skipif(not DEFAULT_PAIRS.exists(), reason=f"no QQP pairs at {DEFAULT_PAIRS} (../shared/data absent)")
+def test_the_shipped_rule_keeps_its_false_hit_rate_on_a_held_out_slice(matcher: Matcher, embedder):
+    """The cache's rule (cosine floor, then the matcher) on pairs no question of which was trained or tuned
+    on. The full split's figures are in BENCHMARKS.md (`make bench-semcache`)."""
+    test = split_pairs(load_pairs(DEFAULT_PAIRS))["test"][:HELD_OUT_SLICE]
+    labels = np.array([p.label for p in test])
+    cosine = (embedder.embed([p.text_a for p in test]) * embedder.embed([p.text_b for p in test])).sum(axis=1)
+    shown = np.flatnonzero(cosine >= matcher.floor)
+    probabilities = matcher.score_many([test[i].text_a for i in shown], [test[i].text_b for i in shown])
+    scores = np.full(len(test), -1.0, dtype=np.float32)
+    scores[shown] = matcher.rule_score(probabilities, cosine[shown])
+    false_hit_rate, recall = rates_at(scores, labels, matcher.threshold)
+    assert false_hit_rate <= 0.015  # the 1% target plus the slice's sampling noise
+    assert recall > 0.05
