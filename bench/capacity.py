@@ -76,16 +76,24 @@ async def interactive_request(http: httpx.AsyncClient, body: dict[str, Any]) -> 
             return Outcome(response.status_code, None)
         ttft = None
         async for line in response.aiter_lines():
-            if ttft is None and line.startswith("data: ") and '"content"' in line:
+            if ttft is None and _has_text(line):
                 ttft = time.perf_counter() - started
         return Outcome(200, ttft)
 
 
-async def interactive_load(http: httpx.AsyncClient, args: argparse.Namespace, seed: int) -> list[Outcome]:
-    rng = random.Random(seed)
+def _has_text(line: str) -> bool:
+    """An SSE chunk carrying generated text (not the role-only first delta, not usage)."""
+    if not line.startswith("data: {"):
+        return False
+    choices = json.loads(line[6:]).get("choices") or []
+    return any((choice.get("delta") or {}).get("content") for choice in choices)
+
+
+async def interactive_load(http: httpx.AsyncClient, args: argparse.Namespace, name: str) -> list[Outcome]:
+    rng = random.Random(1)  # the same arrival times in every scenario; prompts differ by scenario (prefix cache)
     tasks, clock, end = [], 0.0, args.duration
     while (clock := clock + rng.expovariate(args.rps)) < end:
-        text = f"In one sentence, what is interesting about {rng.choice(TOPICS)}? (#{len(tasks)})"
+        text = f"[{name} #{len(tasks)}] In one sentence, what is interesting about {rng.choice(TOPICS)}?"
         body = chat_body(args.tier, text, args.max_tokens, stream=True)
         tasks.append(asyncio.create_task(_after(clock, interactive_request(http, body))))
     return list(await asyncio.gather(*tasks))
@@ -96,15 +104,16 @@ async def _after(delay_s: float, work: Any) -> Any:
     return await work
 
 
-def batch_prompts(args: argparse.Namespace) -> list[str]:
+def batch_prompts(args: argparse.Namespace, name: str) -> list[str]:
     rng = random.Random(7)
-    return [f"Write a short paragraph comparing {rng.choice(TOPICS)} and {rng.choice(TOPICS)}. (#{i})"
+    return [f"[{name} #{i}] Write a short paragraph comparing {rng.choice(TOPICS)} and {rng.choice(TOPICS)}."
             for i in range(args.batch)]  # fmt: skip
 
 
 async def run_batch_api(http: httpx.AsyncClient, args: argparse.Namespace) -> float:
+    prompts = batch_prompts(args, "batch_api")
     lines = [{"custom_id": f"b{i}", "method": "POST", "url": "/v1/chat/completions",
-              "body": chat_body(args.tier, text, args.max_tokens)} for i, text in enumerate(batch_prompts(args))]
+              "body": chat_body(args.tier, text, args.max_tokens)} for i, text in enumerate(prompts)]
     data = "".join(json.dumps(line) + "\n" for line in lines).encode()
     started = time.perf_counter()
     uploaded = (await http.post("/v1/files", files={"file": ("b.jsonl", data)}, data={"purpose": "batch"})).json()
@@ -126,7 +135,7 @@ async def run_plain_batch(http: httpx.AsyncClient, args: argparse.Namespace) -> 
             assert response.status_code in (200, 429), response.text
 
     started = time.perf_counter()
-    await asyncio.gather(*(one(text) for text in batch_prompts(args)))
+    await asyncio.gather(*(one(text) for text in batch_prompts(args, "no_priority")))
     return time.perf_counter() - started
 
 
@@ -134,7 +143,7 @@ async def scenario(base_url: str, name: str, args: argparse.Namespace, slo_ttft_
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as http:
         batch = {"alone": None, "batch_api": run_batch_api, "no_priority": run_plain_batch}[name]
         batch_task = asyncio.create_task(batch(http, args)) if batch else None
-        outcomes = await interactive_load(http, args, seed=1)
+        outcomes = await interactive_load(http, args, name)
         batch_s = await batch_task if batch_task else None
     ttfts = [o.ttft_s for o in outcomes if o.ttft_s is not None]
     within = sum(1 for t in ttfts if t <= slo_ttft_s)
