@@ -48,9 +48,13 @@ _REASONS: tuple[LimitName, ...] = ("rpm", "tpm", "spend_per_day", "spend_per_mon
 _WINDOW_TTL_S = 120  # a minute window outlives its minute a little, then expires
 # A settlement's id is remembered this long after it was applied: a copy sent again later (a reply lost,
 # then Redis out of reach, or this gateway stopped with it spooled, for longer than this) would apply
-# again. One id per round trip of the charge batcher (at most 1 / CHARGE_COALESCE_S a second and
-# replica, ~100 bytes each in Redis).
+# again. One id per round trip of the charge batcher and minute (at most one per settled request; fewer
+# when a round trip carries many), 104 bytes each in Redis 7 (`MEMORY USAGE`).
 SETTLEMENT_ID_TTL_S = 2 * 86400
+# In process, where a settlement is never refused (so its sender never sends it again), memory is
+# spent on the most recent ids only (the batcher's round trips to it come at most every
+# CHARGE_COALESCE_S: that is over 20 minutes of them).
+_IN_PROCESS_IDS_MAX = 1 << 16
 
 
 class CountersUnavailable(Exception):
@@ -401,7 +405,7 @@ class InProcessCounterStore:
         clock = time.monotonic()
         while self._applied:  # ids were added in time order, each for as long: the oldest go first
             oldest, until = next(iter(self._applied.items()))
-            if until > clock:
+            if until > clock and len(self._applied) < _IN_PROCESS_IDS_MAX:
                 break
             del self._applied[oldest]
         if settlement_id in self._applied:
