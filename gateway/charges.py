@@ -6,12 +6,14 @@ disk (`gateway.accounting.spool`, the accounting spool's format, in its own dire
 when Redis answers again, by this process or, after a restart, by the next one. In `local` mode a
 request admitted in this replica's counters while Redis was down (`Admission.local`) is settled there.
 
-A settlement is sent at least once and applied once: when a round trip is formed each (subject,
-minute) it carries becomes part of a `Settlement` with a fresh id, kept (in memory or in the spool) with
-that id until Redis answers, and the counters apply an id only once (`gateway.counters`). So one whose
+A settlement is sent at least once and applied once: the charges a round trip carries become one
+`Settlement` per minute, with a fresh id, kept (in memory or in the spool) under that id until Redis
+answers, and the counters apply an id only once (`gateway.counters`). So one whose
 reply was lost (a timeout, a connection cut mid-write) and was applied is not applied again when sent
 again, nor is a spooled one replayed twice (a crash between applying a segment and deleting it), for
-`SETTLEMENT_ID_TTL_S` after it was first applied.
+`SETTLEMENT_ID_TTL_S` after it was first applied. Once applied and kept here no more (answered, its
+segment deleted), its id goes with the next round trip for the counters to keep only
+`SETTLEMENT_ID_GRACE_S` more, so that Redis holds about an hour of ids, not two days.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class ChargeBatcher:
         self._pending_local: Pending = {}  # settlements of requests admitted in this replica's counters
         self._in_flight: Batch = []  # its round trip not yet answered
         self._kept: Batch = []  # refused, to send again (without a spool)
+        self._forgotten: list[str] = []  # ids of settlements applied and kept no more, for the counters to forget
         self._spool_waiting = False  # spooled settlements this process has yet to replay
         self._writing: asyncio.Task[None] | None = None
 
@@ -128,6 +131,7 @@ class ChargeBatcher:
                 failed = await self._apply(self._in_flight)
                 if failed:
                     await self._keep(failed)
+                self._forget(self._in_flight, failed)
                 self._in_flight = []  # only once kept: `unsettled` counts them meanwhile
                 if not failed and self._spool_waiting and await self._replay():
                     self._spool_waiting = False
@@ -144,13 +148,21 @@ class ChargeBatcher:
         for at, settlement in batch:
             by_window.setdefault(at, []).append(settlement)
         failed: Batch = []
+        forget, self._forgotten = ([], self._forgotten) if local else (self._forgotten, [])
         for at, settlements in by_window.items():
             try:
-                await self.counters.charge_many(settlements, at, local)
+                await self.counters.charge_many(settlements, at, local, forget)
+                forget = []
             except CountersUnavailable as exc:
                 log.warning("%d spend settlements kept until the counters answer: %s", len(settlements), exc)
                 failed += [(at, settlement) for settlement in settlements]
+        self._forgotten += forget  # not sent: with the next round trip
         return failed
+
+    def _forget(self, sent: Batch, failed: Batch) -> None:
+        """Those of `sent` not `failed` are kept no more: their ids go to the counters' next round trip."""
+        kept = {settlement.id for _, settlement in failed}
+        self._forgotten += [settlement.id for _, settlement in sent if settlement.id not in kept]
 
     async def _keep(self, failed: Batch) -> None:
         """Spool `failed` (in memory without a spool) for a later attempt, under the same ids."""
@@ -187,6 +199,8 @@ class ChargeBatcher:
                 done = len(failed) < len(batch) or not batch
             finally:
                 self.spool.release(path, segment, done=done)
+            if done:  # deleted (the failed ones spooled again): the applied ones are kept no more
+                self._forget(batch, failed)
             if failed:
                 return False
             log.info("applied %d spooled spend settlements from %s", len(entries), path.name)
@@ -229,7 +243,9 @@ def _from_spool(entries: list[SpooledCharge], segment: str) -> Batch:
     by_id: dict[tuple[float, str], dict[str, Charge]] = {}
     for entry in entries:
         charges = by_id.setdefault((entry.at, entry.settlement or f"{segment}:{entry.at:.0f}"), {})
-        charges[entry.subject] = charges.get(entry.subject, Charge()) + Charge(entry.completion_tokens, entry.cost_usd)
+        charge = Charge(entry.completion_tokens, entry.cost_usd)
+        # An entry of a settlement twice is one copy spooled twice (a shutdown cut a spool write short).
+        charges[entry.subject] = charge if entry.settlement else charges.get(entry.subject, Charge()) + charge
     return [(at, Settlement(settlement_id, charges)) for (at, settlement_id), charges in by_id.items()]
 
 

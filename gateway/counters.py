@@ -51,6 +51,11 @@ _WINDOW_TTL_S = 120  # a minute window outlives its minute a little, then expire
 # again. One id per round trip of the charge batcher and minute (at most one per settled request; fewer
 # when a round trip carries many), 104 bytes each in Redis 7 (`MEMORY USAGE`).
 SETTLEMENT_ID_TTL_S = 2 * 86400
+# Once its sender keeps a settlement no more (answered, and its spool segment deleted), its id is kept
+# this long only: a copy still travelling (written on a connection that timed out, delivered late by
+# TCP's retransmissions, which give up within ~15 minutes) still finds it. So ids held in Redis are
+# about an hour of round trips, besides those of settlements whose answer was lost.
+SETTLEMENT_ID_GRACE_S = 3600
 # In process, where a settlement is never refused (so its sender never sends it again), memory is
 # spent on the most recent ids only (the batcher's round trips to it come at most every
 # CHARGE_COALESCE_S: that is over 20 minutes of them).
@@ -169,9 +174,12 @@ class CounterStore(Protocol):
         and reserve `reserve` for each of them, atomically."""
         ...
 
-    async def charge_many(self, settlements: Sequence[Settlement], now: float, local: bool = False) -> None:
+    async def charge_many(
+        self, settlements: Sequence[Settlement], now: float, local: bool = False, forget: Sequence[str] = ()
+    ) -> None:
         """Apply each of `settlements` whose id was not applied before, in one round trip: settlements of
-        requests admitted with `Admission.local` (`local`), or not."""
+        requests admitted with `Admission.local` (`local`), or not. `forget`: ids of settlements applied
+        before that their sender keeps no more, kept only SETTLEMENT_ID_GRACE_S from now."""
         ...
 
     async def spent(self, subject: str, now: float) -> tuple[float, float]:
@@ -218,23 +226,26 @@ end
 return 0
 """
 
-# KEYS: the settlement's mark, then per subject tokens-this-minute, spend-today, spend-this-month.
-# ARGV: the mark's TTL, minute/day/month TTLs, then per subject tokens, cost (usually negative: less
-# was produced than reserved). Marking and applying in one script: a settlement is applied exactly
-# when its mark is set. Returns 1 when applied, 0 when it had been already.
+# KEYS: marks to forget (ARGV[1] of them), the settlement's mark, then per subject tokens-this-minute,
+# spend-today, spend-this-month. ARGV: the number of marks to forget, their grace, the mark's TTL,
+# minute/day/month TTLs, then per subject tokens, cost (usually negative: less was produced than
+# reserved). Marking and applying in one script: a settlement is applied exactly when its mark is set.
+# Returns 1 when applied, 0 when it had been already.
 _CHARGE_LUA = """
-if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then return 0 end
-for s = 0, (#KEYS - 1) / 3 - 1 do
-  local k, a = 1 + s * 3, 5 + s * 2
+local forget = tonumber(ARGV[1])
+for i = 1, forget do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+if not redis.call('SET', KEYS[forget + 1], '1', 'NX', 'EX', ARGV[3]) then return 0 end
+for s = 0, (#KEYS - forget - 1) / 3 - 1 do
+  local k, a = forget + 1 + s * 3, 7 + s * 2
   if tonumber(ARGV[a]) ~= 0 then
     redis.call('INCRBY', KEYS[k + 1], ARGV[a])
-    redis.call('EXPIRE', KEYS[k + 1], ARGV[2])
+    redis.call('EXPIRE', KEYS[k + 1], ARGV[4])
   end
   if tonumber(ARGV[a + 1]) ~= 0 then
     redis.call('INCRBYFLOAT', KEYS[k + 2], ARGV[a + 1])
-    redis.call('EXPIRE', KEYS[k + 2], ARGV[3])
+    redis.call('EXPIRE', KEYS[k + 2], ARGV[5])
     redis.call('INCRBYFLOAT', KEYS[k + 3], ARGV[a + 1])
-    redis.call('EXPIRE', KEYS[k + 3], ARGV[4])
+    redis.call('EXPIRE', KEYS[k + 3], ARGV[6])
   end
 end
 return 1
@@ -299,12 +310,15 @@ class RedisCounterStore:
         if self._multiplexed is not None:
             self._multiplexed.close()
 
-    async def charge_many(self, settlements: Sequence[Settlement], now: float, local: bool = False) -> None:
+    async def charge_many(
+        self, settlements: Sequence[Settlement], now: float, local: bool = False, forget: Sequence[str] = ()
+    ) -> None:
         w = Windows.at(now)
-        ttls = [SETTLEMENT_ID_TTL_S, _WINDOW_TTL_S, *_spend_ttls(w)]
+        ttls = [SETTLEMENT_ID_GRACE_S, SETTLEMENT_ID_TTL_S, _WINDOW_TTL_S, *_spend_ttls(w)]
         calls: list[tuple[list[str], list[Any]]] = []
         for settlement in settlements:
-            keys, args = [f"{self._prefix}:applied:{settlement.id}"], list(ttls)
+            keys = [self._mark(settlement_id) for settlement_id in forget] + [self._mark(settlement.id)]
+            args, forget = [len(keys) - 1, *ttls], ()  # the first call forgets them
             for subject, charge in settlement.charges.items():
                 keys += self._keys(subject, w)[1:]
                 args += [charge.completion_tokens, repr(charge.cost_usd)]
@@ -313,6 +327,9 @@ class RedisCounterStore:
             await self._run_scripts(self._charge, calls)
         except (RedisError, OSError) as exc:
             raise CountersUnavailable(str(exc) or type(exc).__name__) from exc
+
+    def _mark(self, settlement_id: str) -> str:
+        return f"{self._prefix}:applied:{settlement_id}"
 
     async def spent(self, subject: str, now: float) -> tuple[float, float]:
         _, _, day, month = self._keys(subject, Windows.at(now))
@@ -388,7 +405,10 @@ class InProcessCounterStore:
         )
         return next((name for name, refused in checks if refused), None)
 
-    async def charge_many(self, settlements: Sequence[Settlement], now: float, local: bool = False) -> None:
+    async def charge_many(
+        self, settlements: Sequence[Settlement], now: float, local: bool = False, forget: Sequence[str] = ()
+    ) -> None:
+        # `forget` is not needed: the ids kept here are bounded by number (_IN_PROCESS_IDS_MAX)
         w = Windows.at(now)
         get = self._counts.get
         for settlement in settlements:
@@ -456,14 +476,16 @@ class LocalFallbackCounterStore:
         admission = await self.local.admit(subject, limits, prompt_tokens, now, reserve, also)
         return dataclasses.replace(admission, local=True)
 
-    async def charge_many(self, settlements: Sequence[Settlement], now: float, local: bool = False) -> None:
+    async def charge_many(
+        self, settlements: Sequence[Settlement], now: float, local: bool = False, forget: Sequence[str] = ()
+    ) -> None:
         if local:
             await self.local.charge_many(settlements, now)
         elif self.using_local:
             raise CountersUnavailable("Redis is down; the settlement waits for it")
         else:
             try:
-                await self.shared.charge_many(settlements, now)
+                await self.shared.charge_many(settlements, now, forget=forget)
             except CountersUnavailable as exc:
                 self._fall_back(exc)
                 raise
@@ -515,8 +537,10 @@ class CircuitBreakerCounterStore:
     ) -> Admission:
         return await self._guarded(lambda: self.shared.admit(subject, limits, prompt_tokens, now, reserve, also))
 
-    async def charge_many(self, settlements: Sequence[Settlement], now: float, local: bool = False) -> None:
-        await self._guarded(lambda: self.shared.charge_many(settlements, now))
+    async def charge_many(
+        self, settlements: Sequence[Settlement], now: float, local: bool = False, forget: Sequence[str] = ()
+    ) -> None:
+        await self._guarded(lambda: self.shared.charge_many(settlements, now, forget=forget))
 
     async def spent(self, subject: str, now: float) -> tuple[float, float]:
         return await self._guarded(lambda: self.shared.spent(subject, now))

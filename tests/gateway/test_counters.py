@@ -11,6 +11,7 @@ import pytest
 from redis.asyncio import Redis
 
 from gateway.counters import (
+    SETTLEMENT_ID_GRACE_S,
     Charge,
     CounterStore,
     CountersUnavailable,
@@ -96,6 +97,23 @@ async def test_a_settlement_sent_again_changes_the_counters_once(store: CounterS
     refused = await store.admit("k", Limits(tpm=100), 106, NOON)  # -5 tokens counted once: 101 > 100
     assert refused.refused_by == "tpm"
     assert (await store.admit("k", Limits(tpm=100), 105, NOON)).admitted
+
+
+async def test_a_settlement_its_sender_keeps_no_more_is_remembered_a_grace_period(redis_url: str, redis_prefix: str):
+    redis = Redis.from_url(redis_url)
+    store = RedisCounterStore(redis, redis_prefix)
+    first, second = Settlement("first", {"k": Charge(cost_usd=1.0)}), Settlement("second", {"k": Charge(cost_usd=1.0)})
+    try:
+        await store.charge_many([first], NOON)
+        assert await redis.ttl(f"{redis_prefix}:applied:first") > SETTLEMENT_ID_GRACE_S
+        await store.charge_many([second], NOON, forget=["first"])
+        assert 0 < await redis.ttl(f"{redis_prefix}:applied:first") <= SETTLEMENT_ID_GRACE_S
+        assert await redis.ttl(f"{redis_prefix}:applied:second") > SETTLEMENT_ID_GRACE_S
+        await store.charge_many([first, second], NOON)  # a late copy within the grace: still applied once
+        assert await store.spent("k", NOON) == (pytest.approx(2.0), pytest.approx(2.0))
+    finally:
+        await store.aclose()
+        await redis.aclose()
 
 
 async def test_distinct_settlements_of_one_subject_all_apply(store: CounterStore):

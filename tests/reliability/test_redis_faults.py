@@ -16,7 +16,13 @@ from redis.asyncio import Redis
 from engines.api.errors import APIError
 from gateway.accounting.spool import Spool
 from gateway.charges import ChargeBatcher, SpooledCharge
-from gateway.counters import Charge, CircuitBreakerCounterStore, LocalFallbackCounterStore, RedisCounterStore
+from gateway.counters import (
+    SETTLEMENT_ID_GRACE_S,
+    Charge,
+    CircuitBreakerCounterStore,
+    LocalFallbackCounterStore,
+    RedisCounterStore,
+)
 from gateway.metrics import Metrics
 from gateway.pipeline import Gateway
 from tests.gateway.conftest import chat, make_settings, start
@@ -259,6 +265,12 @@ async def test_a_settlement_whose_reply_was_lost_is_sent_again_and_applied_once(
         await charges.drain(timeout_s=10)  # sent again CHARGE_RETRY_S later, and answered
         assert not charges.unsettled
         assert (await counters.spent(SUBJECT, at))[0] == pytest.approx(-0.008)  # applied once
+        ttls = sorted([await direct.ttl(key) async for key in direct.scan_iter("lost:applied:*")])
+        assert len(ttls) == 2 and 0 < ttls[0] <= SETTLEMENT_ID_GRACE_S < ttls[1]  # the warm-up's id forgotten
+        charges.charge("after", Charge(cost_usd=1.0), at)  # its round trip has Redis forget the lost one's id
+        await charges.drain()
+        ttls = sorted([await direct.ttl(key) async for key in direct.scan_iter("lost:applied:*")])
+        assert len(ttls) == 3 and 0 < ttls[1] <= SETTLEMENT_ID_GRACE_S < ttls[2]
     finally:
         await charges.counters.aclose()  # type: ignore[attr-defined]
         await counters.aclose()
