@@ -148,7 +148,9 @@ class ChargeBatcher:
         for at, settlement in batch:
             by_window.setdefault(at, []).append(settlement)
         failed: Batch = []
-        forget, self._forgotten = ([], self._forgotten) if local else (self._forgotten, [])
+        forget: list[str] = []
+        if not local:  # ids Redis is to forget; this replica's counters bound theirs by number
+            forget, self._forgotten = self._forgotten, []
         for at, settlements in by_window.items():
             try:
                 await self.counters.charge_many(settlements, at, local, forget)
