@@ -6,12 +6,13 @@
     baseline predicting "the small model is wrong" and the oracle, all on the same held-out 20%.
     With `--data FILE` the same comparison runs on any file in the training format (its own 80/20 split, seed 0).
     Generalisation: the comparison on each benchmark alone (GSM8K only, MMLU only), each its own training file.
-(b) The cascade on our own tiers: written on the cascade branch, added to PARTS as "cascade".
+(b) The cascade on our own tiers (bench/router_cascade.py): from `--labels` (default var/labels/gsm8k_test.jsonl,
+    written by `sluice router label`); skipped with a message when the file is absent.
 (c) Router overhead per request, embedding + classifier: p50/p99 at batch 1 and with 32 concurrent requests.
 
     python bench/router.py --routellm-only --out FIGURES.json     # (a) alone
     python bench/router.py --data FILE --out FIGURES.json         # (a)'s comparison on FILE
-    python bench/router.py                                        # (a), generalisation and (c)
+    python bench/router.py                                        # (a), (b), generalisation and (c)
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS_DIR, percentile, print_table
+from bench.common import RESULTS_DIR, cpu_model, percentile, print_table
 from router.data import TrainingRow, load_rows
 from router.metrics import apgr, cpt, oracle_scores, routing_curve
 from router.train import split_indices, train_router
@@ -212,7 +213,22 @@ def part_overhead(n: int = 300) -> dict[str, Any]:
     return result
 
 
-PARTS = {"generalisation": part_generalisation, "overhead": part_overhead}  # (b) "cascade" joins here
+LABELS = [Path("var/labels/gsm8k_test.jsonl")]  # --labels
+
+
+def part_cascade() -> dict[str, Any]:
+    """(b): the cascade on our own tiers, from `sluice router label` output (bench/router_cascade.py)."""
+    from bench.router_cascade import cascade_benchmark
+
+    labels = LABELS[0]
+    if not labels.exists():
+        message = f"{labels} not found: run `sluice router label --dataset gsm8k --n 120 --out {labels}` first"
+        print(f"(b) skipped: {message}")
+        return {"skipped": message}
+    return cascade_benchmark(labels)
+
+
+PARTS = {"cascade": part_cascade, "generalisation": part_generalisation, "overhead": part_overhead}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(RESULTS_DIR / "router.json"), help="where to write the JSON")
     parser.add_argument("--generalisation", nargs="+", choices=("gsm8k", "mmlu"), default=["gsm8k", "mmlu"],
                         help="benchmarks to run alone as their own training files")
+    parser.add_argument("--labels", type=Path, default=LABELS[0],
+                        help="(b): labelled GSM8K rows of our tiers, from `sluice router label`")
     parser.add_argument("--cached-train-only", action="store_true",
                         help="train ours only on training rows already in the embedding cache (slow CPUs); the "
                         "held-out rows are always all embedded, and the JSON says how many rows ours trained on")
@@ -231,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     global CACHED_TRAIN_ONLY
     CACHED_TRAIN_ONLY = args.cached_train_only
     GENERALISATION[:] = args.generalisation
+    LABELS[:] = [args.labels]
     figures: dict[str, Any] = {}
     if args.data:
         figures.update(compare(load_rows(args.data), cached_train_only=args.cached_train_only))
@@ -247,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "router",
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": " ".join(sys.argv),
-        "machine": {"python": platform.python_version(), "processor": platform.processor() or platform.machine()},
+        "machine": {"cpu": cpu_model(), "python": platform.python_version()},
         **figures,
     }
     out = Path(args.out)

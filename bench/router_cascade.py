@@ -128,16 +128,23 @@ def small_only_study(answers: Path, data_dir: Path, split: str) -> dict[str, Any
 Confidence = Callable[[Labelled], float]
 
 
-def evaluate(rows: Sequence[Labelled], tau: float | None, conf: Confidence) -> tuple[float, float, float]:
-    """(accuracy, escalation rate, cost) of the cascade at τ (None: small-only)."""
-    correct = cost = escalated = 0.0
-    for r in rows:
+def evaluate(rows: Sequence[Labelled], tau: float | None, conf: Confidence,
+             to_large: Sequence[bool] | None = None) -> tuple[float, float, float]:  # fmt: skip
+    """(accuracy, share of requests reaching the large tier, cost) of the cascade at τ (None: small-only);
+    `to_large` marks the questions the classifier sends straight to the large tier."""
+    correct = cost = large = 0.0
+    for i, r in enumerate(rows):
+        if to_large is not None and to_large[i]:
+            large += 1
+            correct += r.large_correct
+            cost += r.large_cost
+            continue
         up = tau is not None and conf(r) < tau
-        escalated += up
+        large += up
         correct += r.large_correct if up else r.small_correct
         cost += r.small_cost + (r.large_cost if up else 0.0)
     n = len(rows)
-    return correct / n, escalated / n, cost
+    return correct / n, large / n, cost
 
 
 def cheapest_tau(rows: Sequence[Labelled], conf: Confidence, share: float) -> float:
@@ -187,6 +194,56 @@ def cross_validated(rows: Sequence[Labelled], conf: Confidence, share: float) ->
         "large_call_fraction": escalated / n,
         "cost_vs_large_only": cost / large_cost,
     }
+
+
+def cheapest_routed(rows: Sequence[Labelled], scores: Sequence[float], conf: Confidence,
+                    share: float) -> tuple[float, float]:  # fmt: skip
+    """(θ, τ) of the routed cascade — score ≥ θ goes to the large tier, the rest to the small one with
+    escalation below τ — that reaches `share` of large-only accuracy with the fewest large calls."""
+    target = share * sum(r.large_correct for r in rows) / len(rows)
+    best: tuple[float, float, float] = (math.inf, math.inf, math.inf)  # (large share, θ, τ)
+    taus = sorted({conf(r) for r in rows} | {-math.inf, math.inf})
+    for theta in sorted(set(scores) | {math.inf}):
+        to_large = [s >= theta for s in scores]
+        for tau in taus:
+            accuracy, large, _ = evaluate(rows, tau, conf, to_large)
+            if accuracy >= target - 1e-12:
+                best = min(best, (large, theta, tau))
+                break  # a higher τ only escalates more
+    return best[1], best[2]
+
+
+def routed_results(rows: Sequence[Labelled], scores: Sequence[float], conf: Confidence,
+                   share: float) -> dict[str, Any]:  # fmt: skip
+    """The gateway's policy — classifier, then the cascade — in-sample and 2-fold cross-validated."""
+    large_accuracy = sum(r.large_correct for r in rows) / len(rows)
+    large_cost = sum(r.large_cost for r in rows)
+    theta, tau = cheapest_routed(rows, scores, conf, share)
+    accuracy, large, cost = evaluate(rows, tau, conf, [s >= theta for s in scores])
+    halves = [list(range(0, len(rows), 2)), list(range(1, len(rows), 2))]
+    correct = calls = spent = 0.0
+    for fit, test in (halves, halves[::-1]):
+        fit_theta, fit_tau = cheapest_routed([rows[i] for i in fit], [scores[i] for i in fit], conf, share)
+        a, lg, c = evaluate([rows[i] for i in test], fit_tau, conf, [scores[i] >= fit_theta for i in test])
+        correct, calls, spent = correct + a * len(test), calls + lg * len(test), spent + c
+    n = len(rows)
+    return {
+        "in_sample": {"theta": theta, "tau": tau, "accuracy": accuracy,
+                      "accuracy_vs_large_only": accuracy / large_accuracy if large_accuracy else 0.0,
+                      "large_call_fraction": large, "cost_vs_large_only": cost / large_cost},
+        "cross_validated": {"accuracy": correct / n,
+                            "accuracy_vs_large_only": correct / n / large_accuracy if large_accuracy else 0.0,
+                            "large_call_fraction": calls / n, "cost_vs_large_only": spent / large_cost},
+    }  # fmt: skip
+
+
+def classifier_scores(rows: Sequence[Labelled]) -> list[float]:
+    """The shipped difficulty classifier's score of each question (trained on RouteLLM's model pair, not ours)."""
+    from router.artifact import DEFAULT_ARTIFACT_DIR, RouterArtifact
+    from router.embedding import Embedder
+
+    prompts = [r.prompt for r in rows]
+    return RouterArtifact.load(DEFAULT_ARTIFACT_DIR).score(Embedder.load().embed(prompts), prompts).tolist()
 
 
 def pearson(xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -253,6 +310,7 @@ def cascade_benchmark(labels: Path) -> dict[str, Any]:
     results = policy_results(rows, tau, conf)
     cascade = results[-1]
     cv = cross_validated(rows, conf, QUALITY_SHARE)
+    routed = routed_results(rows, classifier_scores(rows), conf, QUALITY_SHARE)
     study = confidence_study(rows)
     figures = {
         "questions": len(rows),
@@ -262,6 +320,7 @@ def cascade_benchmark(labels: Path) -> dict[str, Any]:
         "large_accuracy": results[1].accuracy,
         "policies": {r.policy: asdict(r) for r in results},
         "cascade_cross_validated": cv,
+        "routed_cascade": routed,
         "targets": {
             "quality_share_of_large_only": QUALITY_SHARE,
             "max_large_call_fraction": MAX_LARGE_FRACTION,
@@ -269,6 +328,8 @@ def cascade_benchmark(labels: Path) -> dict[str, Any]:
             and cascade.large_call_fraction <= MAX_LARGE_FRACTION,
             "met_cross_validated": cv["accuracy_vs_large_only"] >= QUALITY_SHARE
             and cv["large_call_fraction"] <= MAX_LARGE_FRACTION,
+            "routed_met_cross_validated": routed["cross_validated"]["accuracy_vs_large_only"] >= QUALITY_SHARE
+            and routed["cross_validated"]["large_call_fraction"] <= MAX_LARGE_FRACTION,
         },
         "confidence_auroc": study,
         "agreement_validation": agreement_study(rows),
@@ -287,6 +348,8 @@ def _print(figures: dict[str, Any]) -> None:
     print_table(f"Cascade on our tiers, {figures['questions']} GSM8K questions (tau in-sample)", header, table)
     cv = figures["cascade_cross_validated"]
     print_table("Cascade, tau chosen on the other half (2-fold)", list(cv), [list(cv.values())])
+    for name, figures_ in figures["routed_cascade"].items():
+        print_table(f"Classifier, then the cascade ({name})", list(figures_), [list(figures_.values())])
     auc = figures["confidence_auroc"]
     print_table("Confidence candidates: AUROC for 'small answer correct'", ["candidate", "auroc"],
                 sorted(auc.items(), key=lambda kv: -kv[1] if kv[1] == kv[1] else 0))

@@ -10,7 +10,9 @@ of one tenant overspend the tenant's budget by at most one reservation too.
 Once the request is over `charge_many` settles it: it adds the difference between what was produced
 and what was reserved (usually negative), for many requests in one round trip. So N concurrent
 requests cannot overspend together: each one's worst case is counted before it runs, and a budget is
-exceeded by at most the reservation of the request admitted last below it.
+exceeded by at most the reservation of the request admitted last below it. Each settlement has an id,
+marked applied by the script that applies it: one sent again (its reply was lost, its spool was
+replayed twice) changes nothing.
 
 Windows are fixed (the minute, the UTC day, the UTC month), so `Retry-After` is exact: the
 seconds until the window that refused the request ends.
@@ -44,6 +46,20 @@ _T = TypeVar("_T")
 LimitName = Literal["rpm", "tpm", "spend_per_day", "spend_per_month"]
 _REASONS: tuple[LimitName, ...] = ("rpm", "tpm", "spend_per_day", "spend_per_month")
 _WINDOW_TTL_S = 120  # a minute window outlives its minute a little, then expires
+# A settlement's id is remembered this long after it was applied: a copy sent again later (a reply lost,
+# then Redis out of reach, or this gateway stopped with it spooled, for longer than this) would apply
+# again. One id per round trip of the charge batcher and minute (at most one per settled request; fewer
+# when a round trip carries many), 104 bytes each in Redis 7 (`MEMORY USAGE`).
+SETTLEMENT_ID_TTL_S = 2 * 86400
+# Once its sender keeps a settlement no more (answered, and its spool segment deleted), its id is kept
+# this long only: a copy still travelling (written on a connection that timed out, delivered late by
+# TCP's retransmissions, which give up within ~15 minutes) still finds it. So ids held in Redis are
+# about an hour of round trips, besides those of settlements whose answer was lost.
+SETTLEMENT_ID_GRACE_S = 3600
+# In process, where a settlement is never refused (so its sender never sends it again), memory is
+# spent on the most recent ids only (the batcher's round trips to it come at most every
+# CHARGE_COALESCE_S: that is over 20 minutes of them).
+_IN_PROCESS_IDS_MAX = 1 << 16
 
 
 class CountersUnavailable(Exception):
@@ -62,6 +78,14 @@ class Charge:
 
     def __sub__(self, other: Charge) -> Charge:
         return Charge(self.completion_tokens - other.completion_tokens, self.cost_usd - other.cost_usd)
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    """Charges to subjects' counters, applied once: sent again under the same `id` it changes nothing."""
+
+    id: str
+    charges: Mapping[str, Charge]
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,8 +174,12 @@ class CounterStore(Protocol):
         and reserve `reserve` for each of them, atomically."""
         ...
 
-    async def charge_many(self, charges: Mapping[str, Charge], now: float, local: bool = False) -> None:
-        """Add `charges`: settlements of requests admitted with `Admission.local` (`local`), or not."""
+    async def charge_many(
+        self, settlements: Sequence[Settlement], now: float, local: bool = False, forget: Sequence[str] = ()
+    ) -> None:
+        """Apply each of `settlements` whose id was not applied before, in one round trip: settlements of
+        requests admitted with `Admission.local` (`local`), or not. `forget`: ids of settlements applied
+        before that their sender keeps no more, kept only SETTLEMENT_ID_GRACE_S from now."""
         ...
 
     async def spent(self, subject: str, now: float) -> tuple[float, float]:
@@ -198,20 +226,29 @@ end
 return 0
 """
 
-# KEYS: tokens-this-minute, spend-today, spend-this-month. ARGV: tokens, cost, minute/day/month TTLs.
-# A settlement is usually negative (less was produced than reserved).
+# KEYS: marks to forget (ARGV[1] of them), the settlement's mark, then per subject tokens-this-minute,
+# spend-today, spend-this-month. ARGV: the number of marks to forget, their grace, the mark's TTL,
+# minute/day/month TTLs, then per subject tokens, cost (usually negative: less was produced than
+# reserved). Marking and applying in one script: a settlement is applied exactly when its mark is set.
+# Returns 1 when applied, 0 when it had been already.
 _CHARGE_LUA = """
-if tonumber(ARGV[1]) ~= 0 then
-  redis.call('INCRBY', KEYS[1], ARGV[1])
-  redis.call('EXPIRE', KEYS[1], ARGV[3])
+local forget = tonumber(ARGV[1])
+for i = 1, forget do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+if not redis.call('SET', KEYS[forget + 1], '1', 'NX', 'EX', ARGV[3]) then return 0 end
+for s = 0, (#KEYS - forget - 1) / 3 - 1 do
+  local k, a = forget + 1 + s * 3, 7 + s * 2
+  if tonumber(ARGV[a]) ~= 0 then
+    redis.call('INCRBY', KEYS[k + 1], ARGV[a])
+    redis.call('EXPIRE', KEYS[k + 1], ARGV[4])
+  end
+  if tonumber(ARGV[a + 1]) ~= 0 then
+    redis.call('INCRBYFLOAT', KEYS[k + 2], ARGV[a + 1])
+    redis.call('EXPIRE', KEYS[k + 2], ARGV[5])
+    redis.call('INCRBYFLOAT', KEYS[k + 3], ARGV[a + 1])
+    redis.call('EXPIRE', KEYS[k + 3], ARGV[6])
+  end
 end
-if tonumber(ARGV[2]) ~= 0 then
-  redis.call('INCRBYFLOAT', KEYS[2], ARGV[2])
-  redis.call('EXPIRE', KEYS[2], ARGV[4])
-  redis.call('INCRBYFLOAT', KEYS[3], ARGV[2])
-  redis.call('EXPIRE', KEYS[3], ARGV[5])
-end
-return 0
+return 1
 """
 
 
@@ -273,17 +310,26 @@ class RedisCounterStore:
         if self._multiplexed is not None:
             self._multiplexed.close()
 
-    async def charge_many(self, charges: Mapping[str, Charge], now: float, local: bool = False) -> None:
+    async def charge_many(
+        self, settlements: Sequence[Settlement], now: float, local: bool = False, forget: Sequence[str] = ()
+    ) -> None:
         w = Windows.at(now)
-        ttls = [_WINDOW_TTL_S, *_spend_ttls(w)]
+        ttls = [SETTLEMENT_ID_GRACE_S, SETTLEMENT_ID_TTL_S, _WINDOW_TTL_S, *_spend_ttls(w)]
         calls: list[tuple[list[str], list[Any]]] = []
-        for subject, charge in charges.items():
-            _, tokens, day, month = self._keys(subject, w)
-            calls.append(([tokens, day, month], [charge.completion_tokens, repr(charge.cost_usd), *ttls]))
+        for settlement in settlements:
+            keys = [self._mark(settlement_id) for settlement_id in forget] + [self._mark(settlement.id)]
+            args, forget = [len(keys) - 1, *ttls], ()  # the first call forgets them
+            for subject, charge in settlement.charges.items():
+                keys += self._keys(subject, w)[1:]
+                args += [charge.completion_tokens, repr(charge.cost_usd)]
+            calls.append((keys, args))
         try:
             await self._run_scripts(self._charge, calls)
         except (RedisError, OSError) as exc:
             raise CountersUnavailable(str(exc) or type(exc).__name__) from exc
+
+    def _mark(self, settlement_id: str) -> str:
+        return f"{self._prefix}:applied:{settlement_id}"
 
     async def spent(self, subject: str, now: float) -> tuple[float, float]:
         _, _, day, month = self._keys(subject, Windows.at(now))
@@ -304,6 +350,7 @@ class InProcessCounterStore:
 
     def __init__(self) -> None:
         self._counts: dict[str, float] = {}
+        self._applied: dict[str, float] = {}  # settlement id → when it is forgotten (monotonic), oldest first
 
     def _keys(self, subject: str, w: Windows) -> tuple[str, str, str, str]:
         return (
@@ -358,14 +405,33 @@ class InProcessCounterStore:
         )
         return next((name for name, refused in checks if refused), None)
 
-    async def charge_many(self, charges: Mapping[str, Charge], now: float, local: bool = False) -> None:
+    async def charge_many(
+        self, settlements: Sequence[Settlement], now: float, local: bool = False, forget: Sequence[str] = ()
+    ) -> None:
+        # `forget` is not needed: the ids kept here are bounded by number (_IN_PROCESS_IDS_MAX)
         w = Windows.at(now)
         get = self._counts.get
-        for subject, charge in charges.items():
-            _, tokens, day, month = self._keys(subject, w)
-            self._counts[tokens] = get(tokens, 0) + charge.completion_tokens
-            self._counts[day] = get(day, 0.0) + charge.cost_usd
-            self._counts[month] = get(month, 0.0) + charge.cost_usd
+        for settlement in settlements:
+            if not self._mark_applied(settlement.id):
+                continue
+            for subject, charge in settlement.charges.items():
+                _, tokens, day, month = self._keys(subject, w)
+                self._counts[tokens] = get(tokens, 0) + charge.completion_tokens
+                self._counts[day] = get(day, 0.0) + charge.cost_usd
+                self._counts[month] = get(month, 0.0) + charge.cost_usd
+
+    def _mark_applied(self, settlement_id: str) -> bool:
+        """Remember `settlement_id` for SETTLEMENT_ID_TTL_S; False when it is remembered already."""
+        clock = time.monotonic()
+        while self._applied:  # ids were added in time order, each for as long: the oldest go first
+            oldest, until = next(iter(self._applied.items()))
+            if until > clock and len(self._applied) < _IN_PROCESS_IDS_MAX:
+                break
+            del self._applied[oldest]
+        if settlement_id in self._applied:
+            return False
+        self._applied[settlement_id] = clock + SETTLEMENT_ID_TTL_S
+        return True
 
     async def spent(self, subject: str, now: float) -> tuple[float, float]:
         _, _, day, month = self._keys(subject, Windows.at(now))
@@ -410,14 +476,16 @@ class LocalFallbackCounterStore:
         admission = await self.local.admit(subject, limits, prompt_tokens, now, reserve, also)
         return dataclasses.replace(admission, local=True)
 
-    async def charge_many(self, charges: Mapping[str, Charge], now: float, local: bool = False) -> None:
+    async def charge_many(
+        self, settlements: Sequence[Settlement], now: float, local: bool = False, forget: Sequence[str] = ()
+    ) -> None:
         if local:
-            await self.local.charge_many(charges, now)
+            await self.local.charge_many(settlements, now)
         elif self.using_local:
             raise CountersUnavailable("Redis is down; the settlement waits for it")
         else:
             try:
-                await self.shared.charge_many(charges, now)
+                await self.shared.charge_many(settlements, now, forget=forget)
             except CountersUnavailable as exc:
                 self._fall_back(exc)
                 raise
@@ -469,8 +537,10 @@ class CircuitBreakerCounterStore:
     ) -> Admission:
         return await self._guarded(lambda: self.shared.admit(subject, limits, prompt_tokens, now, reserve, also))
 
-    async def charge_many(self, charges: Mapping[str, Charge], now: float, local: bool = False) -> None:
-        await self._guarded(lambda: self.shared.charge_many(charges, now))
+    async def charge_many(
+        self, settlements: Sequence[Settlement], now: float, local: bool = False, forget: Sequence[str] = ()
+    ) -> None:
+        await self._guarded(lambda: self.shared.charge_many(settlements, now, forget=forget))
 
     async def spent(self, subject: str, now: float) -> tuple[float, float]:
         return await self._guarded(lambda: self.shared.spent(subject, now))

@@ -18,6 +18,7 @@ import os
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -26,6 +27,7 @@ from tokenizers import Tokenizer
 MODEL_NAME = "all-MiniLM-L6-v2"
 DIM = 384
 MAX_TOKENS = 256  # the model's own max_seq_length (sentence_bert_config.json); longer text is truncated
+MAX_BATCH = 32  # texts per onnxruntime call in `embed`
 DEFAULT_CACHE_DIR = Path("~/.cache/sluice/models")
 EXPORT_FORMAT = 1  # bump when the exported graph changes, so stale exports are not reused
 
@@ -123,6 +125,18 @@ class Embedder:
         if not texts:
             return np.zeros((0, DIM), dtype=np.float32)
         encodings = self._tokenizer.encode_batch(list(texts))
+        if len(encodings) <= MAX_BATCH:
+            return self._run(encodings)
+        # Attention memory grows with batch × width²: run long lists a bounded batch at a time, similar
+        # lengths together so that little is padding.
+        order = sorted(range(len(encodings)), key=lambda i: len(encodings[i].ids))
+        vectors = np.empty((len(encodings), DIM), dtype=np.float32)
+        for start in range(0, len(order), MAX_BATCH):
+            rows = order[start : start + MAX_BATCH]
+            vectors[rows] = self._run([encodings[i] for i in rows])
+        return vectors
+
+    def _run(self, encodings: list[Any]) -> np.ndarray:
         width = max(len(e.ids) for e in encodings)
         input_ids = np.zeros((len(encodings), width), dtype=np.int64)
         attention_mask = np.zeros((len(encodings), width), dtype=np.int64)

@@ -21,7 +21,8 @@ class NeighbourIndex:
                  k: int) -> None:
         self.mean = mean.astype(np.float32)
         self.components = components.astype(np.float32)
-        self.points = points
+        self.points = points.astype(np.float16)  # what the artifact stores
+        self._points32 = self.points.astype(np.float32)  # what a lookup multiplies (numpy has no fast float16 matmul)
         self.labels = labels.astype(np.float32)
         self.k = k
 
@@ -30,18 +31,17 @@ class NeighbourIndex:
         mean = embeddings.mean(0)
         # Principal directions of the centred embeddings (SVD; a few hundred columns, so cheap).
         _, _, vt = np.linalg.svd(embeddings - mean, full_matrices=False)
-        index = cls(mean, vt[: min(dims, vt.shape[0])], np.zeros((0, 0), np.float16), labels, k)
-        index.points = index._project(embeddings).astype(np.float16)
-        return index
+        components = vt[: min(dims, vt.shape[0])]
+        projected = _normalised((np.asarray(embeddings, np.float32) - mean) @ components.T)
+        return cls(mean, components, projected.astype(np.float16), labels, k)
 
     def _project(self, embeddings: np.ndarray) -> np.ndarray:
-        projected = (np.asarray(embeddings, np.float32) - self.mean) @ self.components.T
-        return projected / np.maximum(np.linalg.norm(projected, axis=1, keepdims=True), 1e-9)
+        return _normalised((np.asarray(embeddings, np.float32) - self.mean) @ self.components.T)
 
     def score(self, embeddings: np.ndarray, exclude_self: bool = False) -> np.ndarray:
         """Mean label of the k nearest indexed prompts; `exclude_self` skips each query's own best match (for
         scoring the indexed prompts themselves)."""
-        similarity = self._project(embeddings) @ self.points.astype(np.float32).T
+        similarity = self._project(embeddings) @ self._points32.T
         skip = 1 if exclude_self else 0
         k = min(self.k + skip, similarity.shape[1])
         nearest = np.argpartition(-similarity, k - 1, axis=1)[:, :k]
@@ -62,3 +62,7 @@ class NeighbourIndex:
     def load(cls, directory: Path) -> NeighbourIndex:
         with np.load(directory / FILE) as data:
             return cls(data["mean"], data["components"], data["points"], data["labels"], int(data["k"]))
+
+
+def _normalised(projected: np.ndarray) -> np.ndarray:
+    return projected / np.maximum(np.linalg.norm(projected, axis=1, keepdims=True), 1e-9)

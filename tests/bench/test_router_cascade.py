@@ -81,3 +81,20 @@ def test_the_small_only_study_scores_answers_against_gsm8k(tmp_path: Path):
     study = small_only_study(answers, tmp_path, "test")
     assert (study["questions"], study["small_correct"], study["truncated_at_budget"]) == (3, 2, 1)
     assert study["confidence_auroc"]["mean"] == 1.0  # both right answers are surer than the wrong one
+
+
+def test_the_routed_cascade_sends_the_question_the_classifier_flags_straight_to_large(labels: Path):
+    from bench.router_cascade import cheapest_routed, evaluate, load_labelled
+    from gateway.config import load_settings
+    from router.confidence import confidence
+
+    rows = load_labelled(labels, load_settings(environ={}).tiers)
+
+    def conf(r):
+        return confidence(r.small_logprobs)
+
+    # A classifier that flags q1 (small wrong, large right): it alone goes to large, no escalation needed.
+    assert cheapest_routed(rows, [0.1, 0.9, 0.1, 0.1], conf, 0.95) == (0.9, -float("inf"))
+    assert evaluate(rows, -float("inf"), conf, [False, True, False, False])[:2] == (0.75, 0.25)
+    # One that flags q3 (both wrong) is no help: the cascade alone (τ just above q1's -2.0) is cheapest.
+    assert cheapest_routed(rows, [0.1, 0.1, 0.1, 0.9], conf, 0.95) == (float("inf"), -1.5)

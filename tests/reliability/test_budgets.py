@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 from engines.api.errors import APIError
 from gateway.auth import Principal
 from gateway.config import TenantConfig
-from gateway.counters import Charge, InProcessCounterStore, Limits, RedisCounterStore
+from gateway.counters import Charge, InProcessCounterStore, Limits, RedisCounterStore, Settlement
 from gateway.metrics import Metrics
 from gateway.pipeline import Gateway, RequestState
 from tests.gateway.conftest import chat, make_settings, start
@@ -83,7 +83,8 @@ async def test_tokens_per_minute_count_the_reserved_output(store, redis_url, red
         assert (await counters.admit("k", limits, 10, NOON, reserve)).admitted  # 70 ≤ 100: admitted, 120 counted
         refused = await counters.admit("k", limits, 10, NOON, reserve)
         assert refused.refused_by == "tpm"
-        await counters.charge_many({"k": Charge(completion_tokens=-90)}, NOON)  # both produced 5 of 50
+        both = Settlement("both", {"k": Charge(completion_tokens=-90)})  # both produced 5 of 50
+        await counters.charge_many([both], NOON)
         assert (await counters.admit("k", limits, 10, NOON, reserve)).admitted
     finally:
         with contextlib.suppress(Exception):

@@ -1,7 +1,8 @@
 """Redis faults (issue #14, items 1 and 9), on a private redis-server this test may stop: a stopped
 Redis costs a clean, fast 503 (refuse mode) and service resumes when it is back; a settlement that
 fails while Redis does not answer is kept (on disk) and applied once it does, never only logged; in
-`local` mode each request is settled in the store that reserved it."""
+`local` mode each request is settled in the store that reserved it; a settlement sent again (its reply
+was lost, its spool replayed twice) is applied once."""
 
 from __future__ import annotations
 
@@ -13,7 +14,15 @@ import pytest
 from redis.asyncio import Redis
 
 from engines.api.errors import APIError
-from gateway.counters import CircuitBreakerCounterStore, LocalFallbackCounterStore, RedisCounterStore
+from gateway.accounting.spool import Spool
+from gateway.charges import ChargeBatcher, SpooledCharge
+from gateway.counters import (
+    SETTLEMENT_ID_GRACE_S,
+    Charge,
+    CircuitBreakerCounterStore,
+    LocalFallbackCounterStore,
+    RedisCounterStore,
+)
 from gateway.metrics import Metrics
 from gateway.pipeline import Gateway
 from tests.gateway.conftest import chat, make_settings, start
@@ -195,3 +204,105 @@ async def test_in_local_mode_each_request_is_settled_where_it_was_reserved(priva
     assert redis_spent == pytest.approx(0.008)  # reserved 0.016 there, settled there
     assert not gateway.unsettled
     assert [r.cost_usd for r in records] == [pytest.approx(0.008)] * 2
+
+
+class ReplyDropper:
+    """A TCP proxy in front of Redis that can lose a reply: the command reaches Redis and runs, and the
+    client's connection is cut instead of answered (a network fault after the write)."""
+
+    def __init__(self, redis_port: int) -> None:
+        self.redis_port = redis_port
+        self.drop_next = False
+        self.dropped = 0
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+
+    async def _serve(self, client: asyncio.StreamReader, to_client: asyncio.StreamWriter) -> None:
+        redis, to_redis = await asyncio.open_connection("127.0.0.1", self.redis_port)
+
+        async def forward_commands() -> None:
+            while data := await client.read(1 << 16):
+                to_redis.write(data)
+            to_redis.close()
+
+        async def forward_replies() -> None:
+            while data := await redis.read(1 << 16):
+                if self.drop_next:
+                    self.drop_next, self.dropped = False, self.dropped + 1
+                    to_client.transport.abort()
+                    to_redis.close()
+                    return
+                to_client.write(data)
+            to_client.close()
+
+        await asyncio.gather(forward_commands(), forward_replies(), return_exceptions=True)
+
+
+@pytest.mark.parametrize("kept_in", ["memory", "spool"])
+async def test_a_settlement_whose_reply_was_lost_is_sent_again_and_applied_once(
+    private_redis: PrivateRedis, kept_in: str, tmp_path
+):
+    proxy = ReplyDropper(private_redis.port)
+    via_proxy, direct = Redis.from_url(await proxy.start(), socket_timeout=1.0), Redis.from_url(private_redis.url)
+    spool = tmp_path / "charges" if kept_in == "spool" else None
+    charges = ChargeBatcher(RedisCounterStore(via_proxy, "lost"), spool_dir=spool)
+    counters = RedisCounterStore(direct, "lost")
+    at = time.time()
+    try:
+        charges.charge("warm-up", Charge(cost_usd=1.0), at)  # Redis learns the script: the next reply is its result
+        await charges.drain()
+        proxy.drop_next = True
+        charges.charge(SUBJECT, Charge(completion_tokens=-8, cost_usd=-0.008), at)
+        for _ in range(200):
+            if proxy.dropped:
+                break
+            await asyncio.sleep(0.01)
+        assert proxy.dropped == 1
+        assert (await counters.spent(SUBJECT, at))[0] == pytest.approx(-0.008)  # applied, its reply lost
+        assert charges.unsettled  # so its sender keeps it, to send again
+        await charges.drain(timeout_s=10)  # sent again CHARGE_RETRY_S later, and answered
+        assert not charges.unsettled
+        assert (await counters.spent(SUBJECT, at))[0] == pytest.approx(-0.008)  # applied once
+        ttls = sorted([await direct.ttl(key) async for key in direct.scan_iter("lost:applied:*")])
+        assert len(ttls) == 2 and 0 < ttls[0] <= SETTLEMENT_ID_GRACE_S < ttls[1]  # the warm-up's id forgotten
+        charges.charge("after", Charge(cost_usd=1.0), at)  # its round trip has Redis forget the lost one's id
+        await charges.drain()
+        ttls = sorted([await direct.ttl(key) async for key in direct.scan_iter("lost:applied:*")])
+        assert len(ttls) == 3 and 0 < ttls[1] <= SETTLEMENT_ID_GRACE_S < ttls[2]
+    finally:
+        await charges.counters.aclose()  # type: ignore[attr-defined]
+        await counters.aclose()
+        await via_proxy.aclose()
+        await direct.aclose()
+        proxy.server.close()
+
+
+async def test_a_spool_replayed_twice_applies_its_settlements_once(redis_url: str, redis_prefix: str, tmp_path):
+    """A gateway applies a spooled segment and stops before deleting it: the next one replays it again."""
+    directory, at = tmp_path / "charges", float(int(time.time() // 60) * 60)
+    spool = Spool(directory, max_bytes=1 << 20, segment_bytes=1 << 20, item_type=SpooledCharge)
+    spool.append([
+        SpooledCharge("k", at, -8, -0.008, settlement="s-1"),
+        SpooledCharge("tenant:t", at, -8, -0.008, settlement="s-1"),
+        SpooledCharge("k", at, -2, -0.002, settlement="s-2"),  # a distinct settlement of the same subject
+        SpooledCharge("old", at, 0, 0.5),  # spooled by a version without ids
+    ])  # fmt: skip
+    spool.seal()
+    (segment,) = directory.glob("*.jsonl")
+    spooled = segment.read_bytes()
+    redis = Redis.from_url(redis_url)
+    counters = RedisCounterStore(redis, redis_prefix)
+    try:
+        for _ in range(2):
+            segment.write_bytes(spooled)
+            charges = ChargeBatcher(counters, spool_dir=directory)
+            charges.start()
+            await charges.drain(timeout_s=10)
+            assert not list(directory.glob("*.jsonl")) and not charges.unsettled
+        spent = [(await counters.spent(subject, at))[0] for subject in ("k", "tenant:t", "old")]
+    finally:
+        await counters.aclose()
+        await redis.aclose()
+    assert spent == [pytest.approx(-0.01), pytest.approx(-0.008), pytest.approx(0.5)]

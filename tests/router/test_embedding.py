@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from router.embedding import DIM, Embedder, minilm_dir
+from router.embedding import DIM, MAX_BATCH, Embedder, minilm_dir
 
 TEXTS = ["How do I learn Python quickly?", "What is the capital of France?", "ok"]
 
@@ -42,6 +42,24 @@ def test_vectors_are_unit_length_and_match_the_pytorch_model(embedder: Embedder)
 def test_a_text_gets_the_same_vector_alone_or_padded_in_a_batch(embedder: Embedder) -> None:
     alone = np.stack([embedder.embed([text])[0] for text in TEXTS])
     np.testing.assert_allclose(embedder.embed(TEXTS), alone, atol=1e-5)
+
+
+def test_a_long_list_is_embedded_in_bounded_batches_and_keeps_its_order(embedder: Embedder) -> None:
+    texts = [f"question {i}: " + "why " * (i % 17) for i in range(MAX_BATCH * 2 + 5)]
+    widths: list[int] = []
+    run = embedder._run
+
+    def counting(encodings: list) -> np.ndarray:
+        widths.append(len(encodings))
+        return run(encodings)
+
+    embedder._run = counting  # type: ignore[method-assign]
+    try:
+        together = embedder.embed(texts)
+    finally:
+        del embedder._run
+    assert max(widths) == MAX_BATCH and sum(widths) == len(texts)
+    np.testing.assert_allclose(together, np.stack([embedder.embed([t])[0] for t in texts]), atol=1e-5)
 
 
 def test_paraphrases_are_closer_than_unrelated_questions(embedder: Embedder) -> None:
