@@ -12,9 +12,8 @@ dequantisation is `gguf.quants.dequantize` (numpy) on zero-copy views of a memor
 from __future__ import annotations
 
 import json
-import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 @dataclass
 class Checkpoint:
     config: ModelConfig
-    tensors: dict[str, torch.Tensor]  # HF parameter names, float32
+    tensors: MutableMapping[str, torch.Tensor]  # HF parameter names, float32 (GGUF: dequantised when read)
     tokenizer: Tokenizer
 
 
@@ -250,10 +249,40 @@ def _load_gguf(path: Path) -> Checkpoint:
         # dequantize returns a fresh writable array except for F32 (a read-only map view): copy only then
         return torch.from_numpy(values if values.flags.writeable else values.copy())
 
-    # numpy releases the GIL inside its kernels, so threads dequantise tensors in parallel
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        tensors = dict(zip(map(hf_name, gguf_file.tensors), pool.map(convert, gguf_file.tensors), strict=True))
-    return Checkpoint(config, tensors, tokenizer)
+    return Checkpoint(config, LazyTensors({hf_name(name): name for name in gguf_file.tensors}, convert), tokenizer)
+
+
+class LazyTensors(MutableMapping[str, torch.Tensor]):
+    """A checkpoint's float32 tensors, each dequantised from the memory-mapped file when it is read.
+
+    A 1.5B model is 6 GB in float32: loading it whole before building (and quantising) the model
+    doubled the peak memory of a start. Reading a tensor twice dequantises it twice; tensors stored
+    (`mapping[name] = tensor`) are kept as given.
+    """
+
+    def __init__(self, sources: dict[str, str], convert: Callable[[str], torch.Tensor]) -> None:
+        self._sources = dict(sources)  # HF name → name in the file
+        self._convert = convert
+        self._stored: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._stored:
+            return self._stored[name]
+        return self._convert(self._sources[name])
+
+    def __setitem__(self, name: str, tensor: torch.Tensor) -> None:
+        self._sources.pop(name, None)
+        self._stored[name] = tensor
+
+    def __delitem__(self, name: str) -> None:
+        if self._stored.pop(name, None) is None:
+            del self._sources[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self._sources, *self._stored])
+
+    def __len__(self) -> int:
+        return len(self._sources) + len(self._stored)
 
 
 # -- HF safetensors -------------------------------------------------------------------------------
