@@ -27,3 +27,21 @@ def has_int8_dot_product() -> bool:
 
 def has_native_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def release_free_memory() -> None:
+    """Hand the C heap's free pages back to the OS (glibc `malloc_trim`; elsewhere nothing).
+
+    Loading frees gigabytes of float32 temporaries in pieces small enough to live in malloc's arenas,
+    which glibc keeps mapped: without this a loaded engine stays that much larger than its weights."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        trim = getattr(libc, "malloc_trim", None)
+    except OSError:
+        return
+    if trim is not None:
+        trim(0)

@@ -22,7 +22,7 @@ import torch
 
 from engines.block_manager import BlockManager
 from engines.config import EngineConfig, ModelConfig
-from engines.cpu import has_native_bf16
+from engines.cpu import has_native_bf16, release_free_memory
 from engines.detokenizer import IncrementalDetokenizer
 from engines.loader import Checkpoint, load_checkpoint
 from engines.model_runner import ModelRunner, kv_block_bytes
@@ -147,6 +147,7 @@ class LLMEngine:
         self.speculator = None
         if drafter is not None or config.speculative_model:
             self.speculator = self._load_speculator(num_kv_blocks, drafter)
+        release_free_memory()  # what loading freed (dequantised tensors), still mapped by malloc
         self._rng = random.Random(config.seed)
         self._grammars: Grammars | None = None
         self._requests: dict[str, Sequence] = {}
@@ -175,7 +176,7 @@ class LLMEngine:
         if quantize is not None:
             tied = model.lm_head is None
             model.untie_lm_head()
-            quantize(model)  # what is left: the head
+            quantize(model)  # a tied head (an untied one was quantised as soon as it was loaded)
             # The float32 embedding table goes too (a tied head's int8 table serves both).
             model.embed_tokens = Int8Embedding.from_embedding(model.embed_tokens, self.dtype,
                                                               model.lm_head if tied else None)

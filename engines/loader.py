@@ -180,6 +180,9 @@ def hf_name(gguf_name: str) -> str:
     return f"{_GGUF_GLOBAL_NAMES[stem]}.{suffix}"
 
 
+_DEQUANTIZE_ROWS = 4096
+
+
 def dequantize(tensor: GGUFTensor) -> np.ndarray:
     """float32 array of `tensor.shape`."""
     from gguf.quants import dequantize as gguf_dequantize
@@ -189,7 +192,13 @@ def dequantize(tensor: GGUFTensor) -> np.ndarray:
     elif tensor.ggml_type == 1:  # F16
         values = tensor.data.view(np.float16).astype(np.float32)
     else:
-        values = gguf_dequantize(tensor.data, tensor.ggml_type)
+        # Row block by row block into one output: gguf's numpy dequantisation makes temporaries several
+        # times the size of what it returns (a 151936-row embedding took gigabytes at once).
+        rows = tensor.data.shape[0]
+        values = np.empty((rows, tensor.shape[-1]), dtype=np.float32)
+        for start in range(0, rows, _DEQUANTIZE_ROWS):
+            block = tensor.data[start:start + _DEQUANTIZE_ROWS]
+            values[start:start + len(block)] = gguf_dequantize(block, tensor.ggml_type).reshape(len(block), -1)
     return values.reshape(tensor.shape)
 
 

@@ -52,11 +52,21 @@ def resolve_quantization(mode: str | None) -> str | None:
     return mode
 
 
+_QUANTIZE_ROWS = 4096  # rows quantised at a time: the float temporaries stay small beside a 150k-row head
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(weight_int8 [out, in], scales [out])` with weight ≈ weight_int8 * scales[:, None]."""
-    weight = weight.float()
-    scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127
-    weight_int8 = torch.round(weight / scales[:, None]).clamp(-128, 127).to(torch.int8)
+    """`(weight_int8 [out, in], scales [out])` with weight ≈ weight_int8 * scales[:, None].
+
+    Row block by row block: done whole, a tied head (151936 × 1536 at 1.5B) would make three float32
+    temporaries of its size (2.8 GB) while loading."""
+    weight_int8 = torch.empty(weight.shape, dtype=torch.int8)
+    scales = torch.empty(weight.shape[0])
+    for start in range(0, weight.shape[0], _QUANTIZE_ROWS):
+        rows = weight[start:start + _QUANTIZE_ROWS].float()
+        block_scales = rows.abs().amax(dim=1).clamp(min=1e-8) / 127
+        weight_int8[start:start + _QUANTIZE_ROWS] = torch.round(rows / block_scales[:, None]).clamp(-128, 127)
+        scales[start:start + _QUANTIZE_ROWS] = block_scales
     return weight_int8, scales
 
 

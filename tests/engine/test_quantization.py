@@ -248,3 +248,31 @@ def test_w8a8_layers_need_no_float_copy() -> None:
     model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 64))
     quantize_model(model, "w8a8", torch.float32, dequantize_many_rows=True)
     assert all(isinstance(layer, W8A8Linear) for layer in model)
+
+
+def test_an_untied_head_is_handed_over_after_every_layer_and_before_the_embedding(tiny_llama: TinyModel) -> None:
+    """Loading quantises the head as soon as it is loaded: at no time are both vocabulary-sized tables float32."""
+    checkpoint = tiny_llama.checkpoint
+    assert not checkpoint.config.tie_word_embeddings
+    seen: list[str] = []
+
+    def quantize(module: nn.Module) -> None:
+        if hasattr(module, "lm_head"):  # the model itself
+            assert module.embed_tokens.weight.is_meta  # the embedding is not loaded yet
+            assert not any(isinstance(m, nn.Linear) for m in module.layers.modules())  # every layer was quantised
+        seen.append("head" if hasattr(module, "lm_head") else "layer")
+        quantize_model(module, "int8", torch.float32)
+
+    model = build_model(checkpoint.config, dict(checkpoint.tensors), torch.float32, max_positions=128,
+                        on_layer_loaded=quantize)
+    assert seen == ["layer"] * checkpoint.config.num_hidden_layers + ["head"]
+    assert isinstance(model.lm_head, Int8Linear) and not model.embed_tokens.weight.is_meta
+
+
+def test_int8_quantisation_in_row_blocks_equals_quantising_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    weight = torch.randn(300, 64)
+    monkeypatch.setattr(quantization, "_QUANTIZE_ROWS", 7)  # many blocks and a ragged last one
+    weight_int8, scales = quantize_int8(weight)
+    expected_scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127
+    assert torch.equal(scales, expected_scales)
+    assert torch.equal(weight_int8, torch.round(weight / expected_scales[:, None]).clamp(-128, 127).to(torch.int8))
