@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from engines.config import ModelConfig
+from engines.cpu import drop_mapped_pages
 from engines.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -251,6 +252,8 @@ def _load_gguf(path: Path) -> Checkpoint:
 
     def convert(name: str) -> torch.Tensor:
         values = dequantize(gguf_file.tensors[name])
+        if values.flags.writeable:  # a fresh array: the file's pages are read and not needed again
+            drop_mapped_pages(gguf_file.tensors[name].data)
         if config.architecture == "llama" and ".attn_q." in name:
             values = reverse_llama_rope_permutation(values, config.num_attention_heads)
         elif config.architecture == "llama" and ".attn_k." in name:
