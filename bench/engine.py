@@ -16,6 +16,10 @@ prompts and arrival times:
        (float32 or bfloat16 weights, dynamic or static KV cache) and the fastest one runs the workload.
 Both run with the same torch intra-op thread count (`--threads`).
 
+Batch-1 decode (`--batch1-only` runs just that): one greedy request alone after the workload, its
+decode tokens/s as bytes of weights read per second (`decode_weight_bytes`) over the memory bandwidth a
+large tensor read or copy reaches in the same run, just before and after (the roofline).
+
 Reported: output tokens/s, TTFT and ITL p50/p99, KV waste (token slots allocated in held blocks
 but not holding a token, averaged over the run), prefix-cache hit rate, and separately the TTFT of
 a request whose 500-token system prompt is cached against the same request uncached, and what our
@@ -263,6 +267,7 @@ async def bench_engine(
         uncached, cached = await cached_prefix_ttft(async_engine, fresh_tokens, question_tokens)
     finally:
         await async_engine.shutdown()
+    batch1 = batch1_decode(llm_engine, workload.prompts[0][:BATCH1_PROMPT_TOKENS], args.batch1_tokens)
     figures = summarise(timings, started)
     figures.update(
         kv_blocks_total=after.kv_blocks_total,
@@ -272,7 +277,103 @@ async def bench_engine(
         prefix_cache_hit_rate=hits / queries if queries else 0.0,
         preemptions=after.num_preempted_total - before.num_preempted_total,
     )
-    return {"figures": figures, "cached_prefix_ttft": {"uncached_s": uncached, "cached_s": cached}}
+    return {"figures": figures, "cached_prefix_ttft": {"uncached_s": uncached, "cached_s": cached}, "batch1": batch1}
+
+
+# -- batch-1 decode against the memory roofline ---------------------------------------------------
+
+BANDWIDTH_BYTES = 512 << 20  # far beyond the last-level cache
+BANDWIDTH_TRIALS = 5
+DECODE_WARMUP_STEPS = 4
+BATCH1_PROMPT_TOKENS = 64
+
+
+def memory_bandwidth() -> dict[str, float]:
+    """Bytes/s a large float32 tensor reaches here, read (`sum`) and copied (read + write), with the
+    torch threads the engine uses: best of a few trials. The higher is the roofline of a decode step,
+    which streams its weights once."""
+    source = torch.ones(BANDWIDTH_BYTES // 4)
+    target = torch.empty_like(source)
+
+    def best(operation: Any) -> float:
+        operation()  # first touch
+        seconds = []
+        for _ in range(BANDWIDTH_TRIALS):
+            started = time.perf_counter()
+            operation()
+            seconds.append(time.perf_counter() - started)
+        return min(seconds)
+
+    read = BANDWIDTH_BYTES / best(source.sum)
+    copy = 2 * BANDWIDTH_BYTES / best(lambda: target.copy_(source))
+    return {"read_gb_s": read / 1e9, "copy_gb_s": copy / 1e9, "roofline_gb_s": max(read, copy) / 1e9}
+
+
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: every parameter and buffer (shared tensors once) except an
+    embedding table the head does not share, of which a step reads one row."""
+    from engines.speculative import weight_bytes
+
+    embedding, head = model.embed_tokens, model.lm_head
+    shared = {t.data_ptr() for t in [*embedding.parameters(), *embedding.buffers()]} & (
+        {t.data_ptr() for t in [*head.parameters(), *head.buffers()]} if head is not None else set())
+    return weight_bytes(model) - (0 if shared else weight_bytes(embedding))
+
+
+def batch1_decode(llm_engine: Any, prompt: list[int], tokens: int) -> dict[str, float]:
+    """One greedy request alone: decode tokens/s through `LLMEngine.step` (scheduling, sampling and
+    detokenisation included, as a user meets them), as weight bytes/s over the bandwidth measured
+    just before and after."""
+    from engines.sampling_params import SamplingParams
+
+    before = memory_bandwidth()
+    llm_engine.add_request("batch1", prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+    for _ in range(1 + DECODE_WARMUP_STEPS):  # the prefill, then a few decode steps
+        llm_engine.step()
+    steps = 0
+    started = time.perf_counter()
+    while llm_engine.has_unfinished_requests():
+        llm_engine.step()
+        steps += 1
+    seconds = time.perf_counter() - started
+    after = memory_bandwidth()
+    roofline = (before["roofline_gb_s"] + after["roofline_gb_s"]) / 2
+    weight_gb = decode_weight_bytes(llm_engine.model) / 1e9
+    tokens_per_s = steps / seconds
+    return {
+        "decode_tokens_per_s": tokens_per_s,
+        "step_ms": 1000 / tokens_per_s,
+        "weight_gb_per_token": weight_gb,
+        "weight_gb_per_s": weight_gb * tokens_per_s,
+        "bandwidth_read_gb_s": (before["read_gb_s"] + after["read_gb_s"]) / 2,
+        "bandwidth_copy_gb_s": (before["copy_gb_s"] + after["copy_gb_s"]) / 2,
+        "roofline_gb_s": roofline,
+        "roofline_fraction_pct": 100 * weight_gb * tokens_per_s / roofline,
+        "roofline_tokens_per_s": roofline / weight_gb,
+    }
+
+
+def run_batch1_only(checkpoint: Checkpoint, args: argparse.Namespace, model_path: Path, workload: Workload) -> None:
+    from engines.llm_engine import LLMEngine
+
+    llm_engine = LLMEngine.from_checkpoint(checkpoint, engine_config(model_path, args))
+    figures = batch1_decode(llm_engine, workload.prompts[0][:BATCH1_PROMPT_TOKENS], args.batch1_tokens)
+    print_batch1(args.model, figures)
+    write_results("engine_batch1", {
+        "model": args.model, "model_path": str(model_path), "precision": llm_engine.precision(),
+        "threads": args.threads, "decode_tokens": args.batch1_tokens, "prompt_tokens": BATCH1_PROMPT_TOKENS,
+        "batch1_decode": figures, "target_at_least_60_pct_of_roofline": figures["roofline_fraction_pct"] >= 60,
+    })
+
+
+def print_batch1(model: str, figures: dict[str, float]) -> None:
+    print_table(
+        f"Batch-1 decode against the memory roofline: {model} ({torch.get_num_threads()} threads)",
+        ["tok/s", "step ms", "weights GB/token", "weights GB/s", "bandwidth GB/s (read, copy)", "% of roofline"],
+        [[figures["decode_tokens_per_s"], figures["step_ms"], figures["weight_gb_per_token"],
+          figures["weight_gb_per_s"], f"{figures['bandwidth_read_gb_s']:.1f}, {figures['bandwidth_copy_gb_s']:.1f}",
+          figures["roofline_fraction_pct"]]],
+    )  # fmt: skip
 
 
 # -- quality: what our precision settings cost ----------------------------------------------------
@@ -469,6 +570,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--skip-hf", action="store_true", help="measure only our engine")
+    parser.add_argument("--batch1-only", action="store_true",
+                        help="only batch-1 decode against the memory roofline (a few minutes, not the workload)")
+    parser.add_argument("--batch1-tokens", type=int, default=64, help="decode steps timed at batch 1")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.quick:
@@ -490,6 +594,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     args.threads = args.threads or physical_core_count()
     torch.set_num_threads(args.threads)
+    if args.batch1_only:
+        run_batch1_only(checkpoint, args, model_path, workload)
+        return
     hf, hf_probe = None, {}
     if not args.skip_hf:  # before the engine may cast or quantise tensors
         eos = checkpoint.config.eos_token_ids
@@ -506,6 +613,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     engine_figures, prefix = ours["figures"], ours["cached_prefix_ttft"]
     print(f"  sluice engine: {engine_figures['output_tokens_per_s']:.2f} out tok/s, TTFT p99 "
           f"{engine_figures['ttft_p99_s']:.1f} s", flush=True)
+    print("batch-1 decode against the memory roofline ...", flush=True)
+    batch1 = ours["batch1"]
+    print_batch1(args.model, batch1)
     print("measuring quality against float32 ...", flush=True)
     unused_texts = _corpus_texts()[1][-400:]  # the system prompts come from the start of these
     quality_tokens = token_stream(checkpoint.tokenizer, unused_texts, QUALITY_TOKENS)[:QUALITY_TOKENS]
@@ -582,12 +692,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             "hf_transformers_generate": hf_figures,
             "ours_vs_hf": comparison,
             "cached_prefix_ttft": {**prefix, "speedup_x": speedup},
+            "batch1_decode": batch1,
             "quality_vs_float32": quality,
             "targets": {
                 "throughput_at_least_3x_hf": comparison.get("throughput_ours_over_hf_x", 0) >= 3,
                 "ttft_p99_no_worse_than_hf": comparison.get("ttft_p99_ours_over_hf", float("inf")) <= 1,
                 "kv_waste_below_4_pct": engine_figures["kv_waste_pct"] < 4,
                 "cached_prefix_ttft_at_least_5x_sooner": speedup >= 5,
+                "batch1_decode_at_least_60_pct_of_roofline": batch1["roofline_fraction_pct"] >= 60,
             },
         },
     )

@@ -87,11 +87,15 @@ class BlockManager:
             block_ids.append(block_id)
         return block_ids
 
-    def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Register `seq`'s full blocks whose K/V are now computed, so later sequences can share them."""
+    def cache_computed_blocks(self, seq: Sequence, num_computed_tokens: int | None = None) -> None:
+        """Register `seq`'s full blocks whose K/V are now computed, so later sequences can share them.
+
+        `num_computed_tokens` (default: the sequence's) lowers the mark: a speculative drafter's KV
+        cache may lag the target's by a token, and a shared block must be whole in both."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        computed = seq.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
+        num_full = min(computed // self.block_size, len(seq.block_table))
         if num_full <= seq.num_registered_blocks:
             return
         hashes = self.block_hashes(seq)
@@ -125,6 +129,8 @@ class BlockManager:
             block.ref_count += 1
         seq.block_table = list(computed_blocks)
         seq.num_computed_tokens = len(computed_blocks) * self.block_size
+        # A speculative drafter's cache holds every registered block too (cache_computed_blocks' contract).
+        seq.num_draft_computed_tokens = seq.num_computed_tokens
         seq.num_registered_blocks = len(computed_blocks)
         self.may_append(seq, num_new_tokens)
 
@@ -138,6 +144,21 @@ class BlockManager:
         num_needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         for _ in range(num_needed):
             seq.block_table.append(self._take_free_block())
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Free `seq`'s blocks past the first `num_tokens` tokens (rejected speculative tokens' slots).
+
+        Only unregistered tail blocks can be dropped: registered ones are full of computed tokens."""
+        keep = self.num_blocks_for(num_tokens)
+        assert keep >= seq.num_registered_blocks, f"{seq.request_id}: cannot truncate registered blocks"
+        for block_id in reversed(seq.block_table[keep:]):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                # It caches no prefix: hand it out before evicting a block that does.
+                self.free_block_ids[block_id] = None
+                self.free_block_ids.move_to_end(block_id, last=False)
+        del seq.block_table[keep:]
 
     def deallocate(self, seq: Sequence) -> None:
         """Release `seq`'s blocks. Tail blocks are freed first so that they are evicted before the prefix."""

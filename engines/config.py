@@ -52,5 +52,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None: physical cores
     seed: int = 0
+    # Speculative decoding: a drafter sharing the tokenizer (GGUF file or safetensors directory) proposes
+    # up to `num_speculative_tokens` tokens per decode step (engines.speculative); None: off.
+    speculative_model: str | None = None
+    num_speculative_tokens: int = 4
     served_model_name: str | None = None
     extra: dict[str, str] = field(default_factory=dict)

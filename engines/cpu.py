@@ -7,6 +7,11 @@ float32 ones, and native bfloat16 (AVX-512 BF16, AMX) makes a bfloat16 KV cache 
 from __future__ import annotations
 
 import functools
+import os
+import sys
+from typing import Any
+
+import numpy as np
 
 
 @functools.cache
@@ -27,3 +32,43 @@ def has_int8_dot_product() -> bool:
 
 def has_native_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def _libc() -> Any:
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
+_MADV_DONTNEED = 4  # Linux
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def drop_mapped_pages(view: np.ndarray) -> None:
+    """Let go of the resident pages of a read-only file mapping under `view` (Linux `madvise(DONTNEED)`;
+    elsewhere nothing). A later read faults them back in from the file, so this is safe on any view.
+
+    Loading reads each tensor of a memory-mapped checkpoint once: without this the whole file (1.1 GB
+    for the large demo model) stays counted in the process's resident memory until loading ends."""
+    madvise = getattr(_libc(), "madvise", None) if sys.platform == "linux" else None
+    if madvise is None or view.nbytes == 0:
+        return
+    import ctypes
+
+    start = view.ctypes.data // _PAGE_SIZE * _PAGE_SIZE
+    madvise(ctypes.c_void_p(start), ctypes.c_size_t(view.ctypes.data + view.nbytes - start), _MADV_DONTNEED)
+
+
+def release_free_memory() -> None:
+    """Hand the C heap's free pages back to the OS (glibc `malloc_trim`; elsewhere nothing).
+
+    Loading frees gigabytes of float32 temporaries in pieces small enough to live in malloc's arenas,
+    which glibc keeps mapped: without this a loaded engine stays that much larger than its weights."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)

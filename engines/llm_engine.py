@@ -8,12 +8,13 @@ to asyncio consumers; it is the API the engine HTTP server and in-process tiers 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,17 +22,18 @@ import torch
 
 from engines.block_manager import BlockManager
 from engines.config import EngineConfig, ModelConfig
-from engines.cpu import has_native_bf16
+from engines.cpu import has_native_bf16, release_free_memory
 from engines.detokenizer import IncrementalDetokenizer
 from engines.loader import Checkpoint, load_checkpoint
 from engines.model_runner import ModelRunner, kv_block_bytes
 from engines.models import model_class
-from engines.outputs import EngineOverloaded, EngineStepFailed, RequestOutput
-from engines.quantization import quantize_model, resolve_quantization
+from engines.outputs import EngineOverloaded, EngineStepFailed, RequestOutput, TokenLogprob
+from engines.quantization import Int8Embedding, quantize_model, resolve_quantization
 from engines.sampler import sample
 from engines.sampling_params import SamplingParams
-from engines.scheduler import Scheduler
+from engines.scheduler import ScheduledBatch, Scheduler
 from engines.sequence import Sequence
+from engines.speculative import Speculator, weight_bytes
 from engines.structured import Grammars
 from engines.tokenizer import Tokenizer
 
@@ -77,14 +79,26 @@ def resolve_kv_cache_dtype(name: str | None, dtype: torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
-def build_model(model_config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                max_positions: int, *, consume: bool = False) -> torch.nn.Module:
-    """Instantiate the architecture without random init, in `dtype`, and load `tensors` into it."""
+def build_model(model_config: ModelConfig, tensors: MutableMapping[str, torch.Tensor], dtype: torch.dtype,
+                max_positions: int, *, consume: bool = False,
+                on_layer_loaded: Callable[[torch.nn.Module], None] | None = None) -> torch.nn.Module:
+    """Instantiate the architecture without random init, in `dtype`, and load `tensors` into it
+    (`on_layer_loaded`: see `load_weights`)."""
     with torch.device("meta"):
         model = model_class(model_config)(model_config, max_positions=max_positions)
-    model = model.to(dtype).to_empty(device="cpu")
-    model.load_weights(tensors, consume=consume)
+    model = model.to(dtype)
+    model.load_weights(tensors, consume=consume, on_layer_loaded=on_layer_loaded)
     return model.eval()
+
+
+def check_same_vocabulary(target: ModelConfig, target_tokenizer: Tokenizer, drafter: ModelConfig,
+                          drafter_tokenizer: Tokenizer, drafter_name: str) -> None:
+    """A drafter must speak the target's token ids: same vocabulary size and the same token for every id."""
+    same_size = target.vocab_size == drafter.vocab_size and target_tokenizer.vocab_size == drafter_tokenizer.vocab_size
+    # Every 97th id is enough to tell two different tokenizers apart; all of them would take seconds.
+    if not same_size or any(target_tokenizer.token_bytes(i) != drafter_tokenizer.token_bytes(i)
+                            for i in range(0, target_tokenizer.vocab_size, 97)):
+        raise ValueError(f"speculative drafter {drafter_name} does not share the target's vocabulary")
 
 
 class LLMEngine:
@@ -99,13 +113,16 @@ class LLMEngine:
         self._setup(load_checkpoint(config.model), config, consume_checkpoint=True)
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: Checkpoint, config: EngineConfig) -> LLMEngine:
-        """An engine over an already loaded checkpoint (`config.model` is then only a label)."""
+    def from_checkpoint(cls, checkpoint: Checkpoint, config: EngineConfig, drafter: Checkpoint | None = None
+                        ) -> LLMEngine:
+        """An engine over an already loaded checkpoint (`config.model` is then only a label), with an
+        already loaded speculative drafter (`config.speculative_model` is then only a label)."""
         engine = cls.__new__(cls)
-        engine._setup(checkpoint, config)
+        engine._setup(checkpoint, config, drafter=drafter)
         return engine
 
-    def _setup(self, checkpoint: Checkpoint, config: EngineConfig, consume_checkpoint: bool = False) -> None:
+    def _setup(self, checkpoint: Checkpoint, config: EngineConfig, consume_checkpoint: bool = False,
+               drafter: Checkpoint | None = None) -> None:
         if config.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {config.dtype!r}; expected one of {sorted(DTYPES)}")
         if config.device != "cpu":
@@ -116,17 +133,8 @@ class LLMEngine:
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.dtype = DTYPES[config.dtype]
         self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
-        self.model = build_model(self.model_config, checkpoint.tensors, self.dtype, self.max_model_len,
-                                 consume=consume_checkpoint)
         self.quantization = resolve_quantization(config.quantization)
-        if self.quantization is not None:
-            self.model.untie_lm_head()
-            # Weight-only modes with float32 activations keep the float weights for prefill chunks,
-            # where sgemm beats the packed kernels.
-            quantize_model(self.model, self.quantization, activation_dtype=self.dtype,
-                           keep_dense=self.dtype == torch.float32)
-            logger.info("%s: weights quantised %s (requested %s)", config.model, self.quantization,
-                        config.quantization)
+        self.model = self._load_model(checkpoint, consume_checkpoint)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         num_kv_blocks = config.num_kv_blocks or config.kv_cache_bytes // kv_block_bytes(
             self.model_config, config.block_size, self.kv_cache_dtype)
@@ -138,6 +146,10 @@ class LLMEngine:
                                    eos_token_ids)
         self.runner = ModelRunner(self.model, self.model_config, config.block_size, num_kv_blocks,
                                   self.kv_cache_dtype)
+        self.speculator = None
+        if drafter is not None or config.speculative_model:
+            self.speculator = self._load_speculator(num_kv_blocks, drafter)
+        release_free_memory()  # what loading freed (dequantised tensors), still mapped by malloc
         self._rng = random.Random(config.seed)
         self._grammars: Grammars | None = None
         self._requests: dict[str, Sequence] = {}
@@ -151,6 +163,38 @@ class LLMEngine:
             eos = sorted(self.scheduler.eos_token_ids)
             self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size, eos)
         return self._grammars
+
+    def _load_model(self, checkpoint: Checkpoint, consume: bool) -> torch.nn.Module:
+        config = self.config
+        quantize = None
+        if self.quantization is not None:
+            # With float32 activations, int8 weight-only layers run prefill chunks through sgemm on the
+            # weights dequantised a layer at a time: it beats the packed kernel there.
+            quantize = functools.partial(quantize_model, mode=self.quantization, activation_dtype=self.dtype,
+                                         dequantize_many_rows=self.dtype == torch.float32)
+        # Each decoder layer is quantised as soon as it is loaded: the float32 model is never whole.
+        model = build_model(checkpoint.config, checkpoint.tensors, self.dtype, self.max_model_len, consume=consume,
+                            on_layer_loaded=quantize)
+        if quantize is not None:
+            tied = model.lm_head is None
+            model.untie_lm_head()
+            quantize(model)  # a tied head (an untied one was quantised as soon as it was loaded)
+            # The float32 embedding table goes too (a tied head's int8 table serves both).
+            model.embed_tokens = Int8Embedding.from_embedding(model.embed_tokens, self.dtype,
+                                                              model.lm_head if tied else None)
+            logger.info("%s: weights quantised %s (requested %s)", config.model, self.quantization, config.quantization)
+        return model
+
+    def _load_speculator(self, num_kv_blocks: int, checkpoint: Checkpoint | None) -> Speculator:
+        """The drafter: same precision settings, a KV cache of its own with the target's block layout."""
+        name = str(self.config.speculative_model or "drafter")
+        owned = checkpoint is None
+        if checkpoint is None:
+            checkpoint = load_checkpoint(name)
+        check_same_vocabulary(self.model_config, self.tokenizer, checkpoint.config, checkpoint.tokenizer, name)
+        model = self._load_model(checkpoint, consume=owned)
+        runner = ModelRunner(model, checkpoint.config, self.config.block_size, num_kv_blocks, self.kv_cache_dtype)
+        return Speculator(runner, self.config.num_speculative_tokens, weight_bytes(model) / weight_bytes(self.model))
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -222,7 +266,13 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
+        if self.speculator is not None:
+            outputs = self._speculative_step(batch, self.speculator)
+            if outputs is not None:
+                return outputs
         logits, seqs = self.runner.execute(batch)
+        if self.speculator is not None:
+            self.speculator.sync(batch)  # before postprocess, which frees the blocks of finished sequences
         token_ids, logprobs = ([], []) if not seqs else sample(
             logits, [s.params for s in seqs], [s.generator for s in seqs],
             [s.output_token_ids for s in seqs], [s.grammar for s in seqs])
@@ -232,7 +282,31 @@ class LLMEngine:
         for seq, token_id, text, logprob in zip(seqs, token_ids, texts, logprobs, strict=True):
             if seq.is_finished:
                 del self._requests[seq.request_id]
-            outputs.append(_delta(seq, token_id, text, logprob))
+            outputs.append(_delta(seq, [token_id], text, [logprob]))
+        return outputs
+
+    def _speculative_step(self, batch: ScheduledBatch, speculator: Speculator) -> list[RequestOutput] | None:
+        """A draft-and-verify round when every scheduled sequence decodes and the cache has room; else None."""
+        seqs = batch.seqs
+        if any(num_new != 1 for num_new in batch.num_new_tokens):
+            return None  # prefill chunks in the step: a plain step, and the drafter follows
+        if not all(_speculable(seq) for seq in seqs):
+            return None
+        k = speculator.num_drafts(seqs, self.max_model_len)
+        manager = self.block_manager
+        num_needed = sum(manager.num_blocks_for(seq.num_computed_tokens + k + 1) - len(seq.block_table)
+                         for seq in seqs)
+        if k == 0 or num_needed > manager.num_free_blocks:
+            return None
+        for seq in seqs:
+            manager.may_append(seq, k + 1)
+        outputs = []
+        for seq, result in zip(seqs, speculator.step(seqs, k, self.runner, manager), strict=True):
+            num_taken, text = self.scheduler.append_tokens(seq, result.token_ids)
+            self._num_generated_tokens_total += num_taken
+            if seq.is_finished:
+                del self._requests[seq.request_id]
+            outputs.append(_delta(seq, result.token_ids[:num_taken], text, result.logprobs[:num_taken]))
         return outputs
 
     def precision(self) -> dict[str, str]:
@@ -262,12 +336,19 @@ class LLMEngine:
         )
 
 
-def _delta(seq: Sequence, token_id: int, text: str, logprob: object) -> RequestOutput:
+def _speculable(seq: Sequence) -> bool:
+    """Whether a round's acceptance test is exact for `seq`: it judges drafts by the target's raw
+    (filtered) distribution, and a grammar mask, penalties or a logit bias would change that
+    distribution token by token within the round. Such sequences decode plainly (the whole step)."""
+    return seq.grammar is None and not seq.params.penalised and not seq.params.logit_bias
+
+
+def _delta(seq: Sequence, token_ids: list[int], text: str, logprobs: list[TokenLogprob | None]) -> RequestOutput:
     return RequestOutput(
         request_id=seq.request_id,
-        new_token_ids=[token_id],
+        new_token_ids=token_ids,
         new_text=text,
-        logprobs=[logprob] if logprob is not None else [],  # type: ignore[list-item]
+        logprobs=[logprob for logprob in logprobs if logprob is not None],
         finished=seq.is_finished,
         finish_reason=seq.finish_reason,
         num_prompt_tokens=seq.num_prompt_tokens,

@@ -12,9 +12,8 @@ dequantisation is `gguf.quants.dequantize` (numpy) on zero-copy views of a memor
 from __future__ import annotations
 
 import json
-import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 
 from engines.config import ModelConfig
+from engines.cpu import drop_mapped_pages
 from engines.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -31,7 +31,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 @dataclass
 class Checkpoint:
     config: ModelConfig
-    tensors: dict[str, torch.Tensor]  # HF parameter names, float32
+    tensors: MutableMapping[str, torch.Tensor]  # HF parameter names, float32 (GGUF: dequantised when read)
     tokenizer: Tokenizer
 
 
@@ -181,6 +181,9 @@ def hf_name(gguf_name: str) -> str:
     return f"{_GGUF_GLOBAL_NAMES[stem]}.{suffix}"
 
 
+_DEQUANTIZE_ROWS = 4096
+
+
 def dequantize(tensor: GGUFTensor) -> np.ndarray:
     """float32 array of `tensor.shape`."""
     from gguf.quants import dequantize as gguf_dequantize
@@ -190,7 +193,13 @@ def dequantize(tensor: GGUFTensor) -> np.ndarray:
     elif tensor.ggml_type == 1:  # F16
         values = tensor.data.view(np.float16).astype(np.float32)
     else:
-        values = gguf_dequantize(tensor.data, tensor.ggml_type)
+        # Row block by row block into one output: gguf's numpy dequantisation makes temporaries several
+        # times the size of what it returns (a 151936-row embedding took gigabytes at once).
+        rows = tensor.data.shape[0]
+        values = np.empty((rows, tensor.shape[-1]), dtype=np.float32)
+        for start in range(0, rows, _DEQUANTIZE_ROWS):
+            block = tensor.data[start:start + _DEQUANTIZE_ROWS]
+            values[start:start + len(block)] = gguf_dequantize(block, tensor.ggml_type).reshape(len(block), -1)
     return values.reshape(tensor.shape)
 
 
@@ -243,6 +252,8 @@ def _load_gguf(path: Path) -> Checkpoint:
 
     def convert(name: str) -> torch.Tensor:
         values = dequantize(gguf_file.tensors[name])
+        if values.flags.writeable:  # a fresh array: the file's pages are read and not needed again
+            drop_mapped_pages(gguf_file.tensors[name].data)
         if config.architecture == "llama" and ".attn_q." in name:
             values = reverse_llama_rope_permutation(values, config.num_attention_heads)
         elif config.architecture == "llama" and ".attn_k." in name:
@@ -250,10 +261,40 @@ def _load_gguf(path: Path) -> Checkpoint:
         # dequantize returns a fresh writable array except for F32 (a read-only map view): copy only then
         return torch.from_numpy(values if values.flags.writeable else values.copy())
 
-    # numpy releases the GIL inside its kernels, so threads dequantise tensors in parallel
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        tensors = dict(zip(map(hf_name, gguf_file.tensors), pool.map(convert, gguf_file.tensors), strict=True))
-    return Checkpoint(config, tensors, tokenizer)
+    return Checkpoint(config, LazyTensors({hf_name(name): name for name in gguf_file.tensors}, convert), tokenizer)
+
+
+class LazyTensors(MutableMapping[str, torch.Tensor]):
+    """A checkpoint's float32 tensors, each dequantised from the memory-mapped file when it is read.
+
+    A 1.5B model is 6 GB in float32: loading it whole before building (and quantising) the model
+    doubled the peak memory of a start. Reading a tensor twice dequantises it twice; tensors stored
+    (`mapping[name] = tensor`) are kept as given.
+    """
+
+    def __init__(self, sources: dict[str, str], convert: Callable[[str], torch.Tensor]) -> None:
+        self._sources = dict(sources)  # HF name → name in the file
+        self._convert = convert
+        self._stored: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._stored:
+            return self._stored[name]
+        return self._convert(self._sources[name])
+
+    def __setitem__(self, name: str, tensor: torch.Tensor) -> None:
+        self._sources.pop(name, None)
+        self._stored[name] = tensor
+
+    def __delitem__(self, name: str) -> None:
+        if self._stored.pop(name, None) is None:
+            del self._sources[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self._sources, *self._stored])
+
+    def __len__(self) -> int:
+        return len(self._sources) + len(self._stored)
 
 
 # -- HF safetensors -------------------------------------------------------------------------------

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
 import torch
 
 from engines.attention import AttentionMetadata, PrefillChunk
@@ -10,10 +14,31 @@ from engines.scheduler import ScheduledBatch
 from engines.sequence import Sequence
 
 
+@dataclass
+class TokenSpan:
+    """Tokens at positions [start, start + len(token_ids)) of one sequence whose K/V live at `block_table`'s
+    slots (positions before `start` are cached). `logits`: which rows go through the LM head."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    logits: Literal["none", "last", "all"] = "last"
+
+
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one KV block takes across all layers (K and V)."""
     element_size = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element_size
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed tensor whose pages become resident only when written (calloc'd through numpy; torch.zeros
+    writes every byte): a KV cache sized for a full engine costs memory only as it fills.
+
+    Zeros, not garbage: masked-out slots still meet V in the attention product, and 0 x NaN is NaN."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(shape, dtype={2: np.int16, 4: np.int32}[element_size])
+    return torch.from_numpy(raw).view(dtype)
 
 
 class ModelRunner:
@@ -23,69 +48,82 @@ class ModelRunner:
         self.config = config
         self.block_size = block_size
         shape = (num_kv_blocks * block_size, config.num_key_value_heads, config.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=kv_cache_dtype), torch.zeros(shape, dtype=kv_cache_dtype))
+        self.kv_caches = [(lazy_zeros(shape, kv_cache_dtype), lazy_zeros(shape, kv_cache_dtype))
                           for _ in range(config.num_hidden_layers)]
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Compute the batch; return float32 logits [S, V] for the S sequences that sample this step
         (`batch.sampled`, in that order). Only their last row goes through the LM head.
         """
-        order = sorted(range(len(batch)), key=lambda i: batch.num_new_tokens[i] != 1)  # decode rows first
+        spans = []
+        for seq, num_new, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples, strict=True):
+            start = seq.num_computed_tokens
+            spans.append(TokenSpan(seq.token_ids[start:start + num_new], start, seq.block_table,
+                                   "last" if samples else "none"))
+        return self.forward(spans), batch.sampled
+
+    @torch.inference_mode()
+    def forward(self, spans: list[TokenSpan]) -> torch.Tensor:
+        """Compute every span's tokens (writing their K/V); return float32 logits of the rows the spans ask
+        for, span by span in the order given: [sum of each span's 0, 1 or len(token_ids) rows, V]."""
+        order = sorted(range(len(spans)), key=lambda i: len(spans[i].token_ids) != 1)  # decode rows first
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
-        decode_seqs: list[Sequence] = []
+        decode_spans: list[TokenSpan] = []
         prefills: list[PrefillChunk] = []
-        last_rows: dict[int, int] = {}  # batch index → the row of its last token
+        logit_rows: dict[int, list[int]] = {}
         size = self.block_size
         for i in order:
-            seq, num_new = batch.seqs[i], batch.num_new_tokens[i]
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            span = spans[i]
+            num_new = len(span.token_ids)
+            start, end = span.start, span.start + num_new
             row = len(input_ids)
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(span.token_ids)
             positions.extend(range(start, end))
-            table = seq.block_table
+            table = span.block_table
             slot_mapping.extend(table[p // size] * size + p % size for p in range(start, end))
             if num_new == 1:
-                decode_seqs.append(seq)
+                decode_spans.append(span)
             else:
-                prefills.append(self._prefill_chunk(seq, row, row + num_new))
-            last_rows[i] = row + num_new - 1
+                prefills.append(self._prefill_chunk(span, row))
+            if span.logits == "last":
+                logit_rows[i] = [row + num_new - 1]
+            elif span.logits == "all":
+                logit_rows[i] = list(range(row, row + num_new))
 
         metadata = AttentionMetadata(
             block_size=size,
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
-            num_decode_tokens=len(decode_seqs),
+            num_decode_tokens=len(decode_spans),
             decode_block_tables=None,
             decode_mask=None,
             prefills=prefills,
         )
-        if decode_seqs:
-            metadata.decode_block_tables, metadata.decode_mask = self._decode_context(decode_seqs)
+        if decode_spans:
+            metadata.decode_block_tables, metadata.decode_mask = self._decode_context(decode_spans)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
                             self.kv_caches, metadata)
-        sample_rows = [last_rows[i] for i, samples in enumerate(batch.samples) if samples]
-        if not sample_rows:
-            return torch.empty(0, self.config.vocab_size), []
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows)])
-        return logits.float(), batch.sampled
+        rows = [row for i in range(len(spans)) for row in logit_rows.get(i, ())]
+        if not rows:
+            return torch.empty(0, self.config.vocab_size)
+        return self.model.compute_logits(hidden[torch.tensor(rows)]).float()
 
-    def _decode_context(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        context_lens = torch.tensor([seq.num_computed_tokens + 1 for seq in seqs])
+    def _decode_context(self, spans: list[TokenSpan]) -> tuple[torch.Tensor, torch.Tensor]:
+        context_lens = torch.tensor([span.start + 1 for span in spans])
         max_blocks = -(-int(context_lens.max()) // self.block_size)
-        tables = torch.tensor([seq.block_table[:max_blocks] + [0] * (max_blocks - len(seq.block_table[:max_blocks]))
-                               for seq in seqs], dtype=torch.long)
+        tables = torch.tensor([span.block_table[:max_blocks] + [0] * (max_blocks - len(span.block_table[:max_blocks]))
+                               for span in spans], dtype=torch.long)
         mask = torch.arange(max_blocks * self.block_size).unsqueeze(0) < context_lens.unsqueeze(1)
         return tables, mask[:, None, None, :]
 
-    def _prefill_chunk(self, seq: Sequence, start_row: int, end_row: int) -> PrefillChunk:
-        num_computed = seq.num_computed_tokens
+    def _prefill_chunk(self, span: TokenSpan, start_row: int) -> PrefillChunk:
+        num_computed, num_new = span.start, len(span.token_ids)
+        end_row = start_row + num_new
         if num_computed == 0:
             return PrefillChunk(start_row, end_row, 0, block_table=None, mask=None)
-        num_new = end_row - start_row
         num_blocks = -(-(num_computed + num_new) // self.block_size)
-        table = torch.tensor(seq.block_table[:num_blocks], dtype=torch.long)
+        table = torch.tensor(span.block_table[:num_blocks], dtype=torch.long)
         # Query i sits at position num_computed + i and sees every key up to that position (and no
         # slot past the chunk's end in its last block).
         key_positions = torch.arange(num_blocks * self.block_size).unsqueeze(0)

@@ -15,8 +15,10 @@ chunks many); `python -m bench.kernels` times all three here, and BENCHMARKS.md 
 With int8 dot-product instructions (VNNI, AMX) w8a8 beats float32 at every row count while int8
 weight-only loses on many-row prefill chunks; on AVX2-only CPUs int8 weight-only wins only for
 few-row steps, and w8a8 is no faster than float32 beyond a few rows. Hence `auto`: w8a8 on CPUs
-with int8 dot-product instructions, else int8 weight-only for few-row steps with the float32
-weights kept for prefill chunks (`RowDispatchLinear`, built by `quantize_model(keep_dense=True)`).
+with int8 dot-product instructions, else int8 weight-only for few-row steps, and for prefill chunks
+float32 sgemm over the int8 weights dequantised one layer at a time (`RowDispatchLinear`, built by
+`quantize_model(dequantize_many_rows=True)`): a transient float copy of one layer instead of a
+resident float copy of the model (4x the int8 weights), for a few percent of a prefill chunk's time.
 w8a8 costs some quality (perplexity and top-1 agreement with float32, in BENCHMARKS.md);
 `bench/engine.py` measures it in every run.
 """
@@ -50,11 +52,21 @@ def resolve_quantization(mode: str | None) -> str | None:
     return mode
 
 
+_QUANTIZE_ROWS = 4096  # rows quantised at a time: the float temporaries stay small beside a 150k-row head
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(weight_int8 [out, in], scales [out])` with weight ≈ weight_int8 * scales[:, None]."""
-    weight = weight.float()
-    scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127
-    weight_int8 = torch.round(weight / scales[:, None]).clamp(-128, 127).to(torch.int8)
+    """`(weight_int8 [out, in], scales [out])` with weight ≈ weight_int8 * scales[:, None].
+
+    Row block by row block: done whole, a tied head (151936 × 1536 at 1.5B) would make three float32
+    temporaries of its size (2.8 GB) while loading."""
+    weight_int8 = torch.empty(weight.shape, dtype=torch.int8)
+    scales = torch.empty(weight.shape[0])
+    for start in range(0, weight.shape[0], _QUANTIZE_ROWS):
+        rows = weight[start:start + _QUANTIZE_ROWS].float()
+        block_scales = rows.abs().amax(dim=1).clamp(min=1e-8) / 127
+        weight_int8[start:start + _QUANTIZE_ROWS] = torch.round(rows / block_scales[:, None]).clamp(-128, 127)
+        scales[start:start + _QUANTIZE_ROWS] = block_scales
     return weight_int8, scales
 
 
@@ -96,6 +108,10 @@ class Int8Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear, activation_dtype: torch.dtype = torch.bfloat16) -> Int8Linear:
         weight_int8, scales = quantize_int8(linear.weight.detach())
         return cls(weight_int8, scales, linear.bias, activation_dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [out, in] as the packed kernel sees it (int8 values times the stored scales)."""
+        return self.weight.to(dtype) * self.scales.to(dtype).unsqueeze(1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
@@ -178,28 +194,56 @@ class W8A8Linear(Int8Linear):
 
 
 class RowDispatchLinear(nn.Module):
-    """A linear layer with two copies of its weight: packed for few rows (decode), dense for many (prefill).
+    """An int8 weight-only layer that runs few rows (decode) on the packed kernel and many (prefill) on sgemm.
 
-    Both paths compute the same function up to the quantisation error; which one runs depends only
-    on the number of rows, so a request's results do not depend on what it is batched with beyond that.
+    For many rows the int8 weight is dequantised to the activation dtype for that one call: sgemm over a
+    transient copy beats the packed kernel there, and no float copy of the weight stays resident. Both
+    paths compute with the same quantised weight; which one runs depends only on the number of rows.
     """
 
-    def __init__(
-        self, dense: nn.Linear, packed: Int8Linear | Int4Linear, max_packed_rows: int = PACKED_MAX_ROWS
-    ) -> None:
+    def __init__(self, packed: Int8Linear, max_packed_rows: int = PACKED_MAX_ROWS) -> None:
         super().__init__()
-        self.in_features, self.out_features = dense.in_features, dense.out_features
-        self.dense = dense
+        self.in_features, self.out_features = packed.in_features, packed.out_features
         self.packed = packed
         self.max_packed_rows = max_packed_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() // self.in_features <= self.max_packed_rows:
             return self.packed(x)
-        return self.dense(x)
+        packed = self.packed
+        return torch.nn.functional.linear(x, packed.dequantize(x.dtype), packed.bias)
 
     def extra_repr(self) -> str:
         return f"max_packed_rows={self.max_packed_rows}"
+
+
+class Int8Embedding(nn.Module):
+    """Token embeddings as int8 rows with one scale each, looked up then dequantised.
+
+    A tied head quantised to int8 holds exactly this (per-output-channel scales are per-row scales of
+    the embedding), so the two share one int8 table instead of the embedding staying in float32.
+    """
+
+    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight_int8)
+        self.register_buffer("scales", scales)
+        self.dtype = dtype
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, dtype: torch.dtype,
+                       tied_head: nn.Module | None = None) -> Int8Embedding:
+        """Share the int8 table of `tied_head` (the embedding, quantised as a head) when it is int8, else
+        quantise the embedding."""
+        packed = tied_head.packed if isinstance(tied_head, RowDispatchLinear) else tied_head
+        if isinstance(packed, Int8Linear) and packed.weight.shape == embedding.weight.shape:
+            return cls(packed.weight, packed.scales, dtype)
+        weight_int8, scales = quantize_int8(embedding.weight.detach())
+        return cls(weight_int8, scales, dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.index_select(0, input_ids).to(self.dtype)
+        return rows * self.scales.index_select(0, input_ids).to(self.dtype).unsqueeze(1)
 
 
 def quantize_model(
@@ -208,15 +252,15 @@ def quantize_model(
     activation_dtype: torch.dtype = torch.bfloat16,
     skip: Callable[[str], bool] | None = None,
     group_size: int = 128,
-    keep_dense: bool = False,
+    dequantize_many_rows: bool = False,
 ) -> None:
     """Replace every nn.Linear (by qualified name, unless `skip(name)`) with its quantised version, in place.
 
     `mode` is "int8", "int4" or "w8a8". An int4 layer whose in_features is not a multiple of `group_size`
     falls back to the largest supported group size dividing it; a layer the int4 kernel cannot take
-    (no group size fits, or out_features not a multiple of 16) becomes int8. With `keep_dense`, each
-    weight-only layer becomes a `RowDispatchLinear` that keeps the original layer for many-row inputs
-    (worth it with float32 activations on CPUs without native bf16); w8a8 layers never need it.
+    (no group size fits, or out_features not a multiple of 16) becomes int8. With `dequantize_many_rows`,
+    each int8 weight-only layer becomes a `RowDispatchLinear` that runs many-row inputs through sgemm
+    (worth it with float32 activations on CPUs without native bf16); w8a8 and int4 layers stay packed.
     """
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"unknown quantization mode {mode!r}; expected one of {QUANTIZATION_MODES}")
@@ -229,8 +273,8 @@ def quantize_model(
         parent_name, _, child_name = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         packed = _quantized(linear, mode, activation_dtype, group_size)
-        dispatch = keep_dense and mode != "w8a8"
-        setattr(parent, child_name, RowDispatchLinear(linear, packed) if dispatch else packed)
+        dispatch = dequantize_many_rows and type(packed) is Int8Linear
+        setattr(parent, child_name, RowDispatchLinear(packed) if dispatch else packed)
 
 
 def _quantized(linear: nn.Linear, mode: str, activation_dtype: torch.dtype, group_size: int) -> nn.Module:

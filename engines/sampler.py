@@ -28,7 +28,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     if grammars is not None and any(g is not None for g in grammars):
         _constrain(adjusted, token_ids, params, generators, grammars)
     chosen = token_ids.tolist()
-    return chosen, _logprobs(logits, token_ids, chosen, params)
+    return chosen, token_logprobs(logits, chosen, params)
 
 
 def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -68,7 +68,7 @@ def _choose(logits: torch.Tensor, params: Sequence[SamplingParams],
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         rows = torch.tensor(random_rows)
-        probs = _filtered_probs(logits[rows], [params[i] for i in random_rows])
+        probs = filtered_probs(logits[rows], [params[i] for i in random_rows])
         for row, row_probs in zip(random_rows, probs, strict=True):
             token_ids[row] = torch.multinomial(row_probs, 1, generator=generators[row])[0]
     return token_ids
@@ -98,15 +98,17 @@ def _constrain(logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[S
     token_ids[index] = _choose(masked, [params[i] for i in redo], [generators[i] for i in redo])
 
 
-def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, chosen: list[int],
-              params: Sequence[SamplingParams]) -> list[TokenLogprob | None]:
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int],
+                   params: Sequence[SamplingParams]) -> list[TokenLogprob | None]:
+    """Each row's chosen token's logprob (and the top ones) under the unmodified distribution, for rows that ask."""
     logprobs: list[TokenLogprob | None] = [None] * len(params)
     wanted = [i for i, p in enumerate(params) if p.logprobs]
     if not wanted:
         return logprobs
     rows = torch.tensor(wanted)
     log_probs = torch.log_softmax(logits[rows], dim=-1)
-    chosen_lp = log_probs.gather(1, token_ids[rows].unsqueeze(1)).squeeze(1).tolist()
+    chosen = torch.tensor([token_ids[i] for i in wanted])
+    chosen_lp = log_probs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
     num_top = max(params[i].top_logprobs for i in wanted)
     top_values, top_ids = log_probs.topk(num_top, dim=-1) if num_top else (None, None)
     for j, row in enumerate(wanted):
@@ -114,11 +116,12 @@ def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, chosen: list[int],
         if top_ids is not None and top_values is not None:
             k = params[row].top_logprobs
             top = list(zip(top_ids[j, :k].tolist(), top_values[j, :k].tolist(), strict=True))
-        logprobs[row] = TokenLogprob(token_id=chosen[row], logprob=chosen_lp[j], top=top)
+        logprobs[row] = TokenLogprob(token_id=token_ids[row], logprob=chosen_lp[j], top=top)
     return logprobs
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from: softmax after temperature, top-k and top-p (rows: random params)."""
     temperatures = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
     logits = logits / temperatures
     top_ks = [p.top_k for p in params]

@@ -143,6 +143,16 @@ class Scheduler:
         token, and those the token ends are finished. Returns the text each token adds."""
         return [self._append(seq, token_id) for seq, token_id in zip(self.advance(batch), token_ids, strict=True)]
 
+    def append_tokens(self, seq: Sequence, token_ids: Seq[int]) -> tuple[int, str]:
+        """Append the tokens of one speculative round (computed and advanced by the speculator) in order,
+        up to the one that finishes `seq`. Returns how many were taken and the text they add."""
+        texts = []
+        for token_id in token_ids:
+            texts.append(self._append(seq, token_id))
+            if seq.is_finished:
+                break
+        return len(texts), "".join(texts)
+
     def _append(self, seq: Sequence, token_id: int) -> str:
         """Append a sampled token (advancing the sequence's grammar) and finish `seq` if it ends it: a stop
         token (never part of the text), a stop string (the detokenizer matches it), a complete grammar, or

@@ -36,6 +36,8 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
+        # Speculative decoding: leading tokens whose K/V the drafter holds (may lag num_computed_tokens by one).
+        self.num_draft_computed_tokens = 0
         self.block_table: list[int] = []
         # Chained hashes of this sequence's full blocks, extended lazily by the block manager.
         self.block_hashes: list[int] = []

@@ -233,6 +233,8 @@ def launch(spec: TierSpec, argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--num-threads", type=int)
+    parser.add_argument("--speculative-draft", help="demo model name or path of a drafter sharing the tokenizer")
+    parser.add_argument("--num-speculative-tokens", type=int, help="most drafts per decode step")
     parser.add_argument("--api-key", help="require `Authorization: Bearer <key>` on the OpenAI routes")
     args = parser.parse_args(argv)
     overridden = spec.replace(
@@ -245,6 +247,8 @@ def launch(spec: TierSpec, argv: Sequence[str] | None = None) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         num_threads=args.num_threads,
+        speculative_draft=args.speculative_draft,
+        num_speculative_tokens=args.num_speculative_tokens,
     )
     if args.quantization is not None:
         overridden = overridden.replace(quantization=None if args.quantization == "none" else args.quantization)

@@ -28,6 +28,10 @@ class TierSpec:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     max_model_len: int = 4096
+    # Speculative decoding: a drafter sharing the tokenizer (demo model name or path) proposing up to
+    # `num_speculative_tokens` tokens per decode step (engines.speculative); None: off.
+    speculative_draft: str | None = None
+    num_speculative_tokens: int = 4
     served_model_name: str | None = None
     num_threads: int | None = None
 
@@ -52,6 +56,9 @@ class TierSpec:
             max_model_len=self.max_model_len,
             num_threads=self.num_threads,
             served_model_name=self.served_name,
+            speculative_model=str(resolve_model(self.speculative_draft, cache_dir)) if self.speculative_draft
+            else None,
+            num_speculative_tokens=self.num_speculative_tokens,
         )
 
 
@@ -67,7 +74,9 @@ def demo_spec(name: str) -> TierSpec | None:
 
 def tier_spec(name: str, model: str, **overrides: object) -> TierSpec:
     """The tier `name`: its demo spec (or the `TierSpec` defaults) with `overrides` that are not None.
-    `quantization="none"` turns quantisation off."""
+    `quantization="none"` turns quantisation off, `speculative_draft=""` speculative decoding."""
     base = demo_spec(name) or TierSpec(name=name, model=model)
     spec = base.replace(model=model or None, **overrides)
-    return dataclasses.replace(spec, quantization=None) if spec.quantization == "none" else spec
+    if spec.quantization == "none":
+        spec = dataclasses.replace(spec, quantization=None)
+    return dataclasses.replace(spec, speculative_draft=None) if spec.speculative_draft == "" else spec

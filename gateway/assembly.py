@@ -17,6 +17,8 @@ ENGINE_FIELDS = (
     "max_num_batched_tokens",
     "max_model_len",
     "num_threads",
+    "speculative_draft",
+    "num_speculative_tokens",
 )
 
 

@@ -128,6 +128,10 @@ class TierConfig(_Section):
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     num_threads: int | None = None
+    # Speculative decoding: a drafter model sharing this tier's tokenizer (demo name or path; "" = off)
+    # proposes up to num_speculative_tokens tokens per decode step, the tier's model verifies them.
+    speculative_draft: str | None = None
+    num_speculative_tokens: int | None = None
     price_input_per_mtok: float = 0.0
     price_output_per_mtok: float = 0.0
     price_cached_input_per_mtok: float = 0.0

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.assembly import engine_spec
 from gateway.config import ConfigError, load_settings
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "sluice.example.toml"
@@ -77,3 +78,13 @@ def test_missing_or_broken_file_is_named(tmp_path: Path) -> None:
     broken.write_text("[server\n")
     with pytest.raises(ConfigError, match=r"broken\.toml"):
         load_settings(broken, environ={})
+
+
+def test_speculative_decoding_is_off_until_a_tier_names_a_drafter() -> None:
+    settings = load_settings(environ={"SLUICE_TIERS__LARGE__SPECULATIVE_DRAFT": "small"})
+    assert settings.tiers["large"].speculative_draft == "small"
+    assert settings.tiers["small"].speculative_draft is None
+    assert engine_spec("large", settings.tiers["large"]).speculative_draft == "small"
+    assert engine_spec("large", settings.tiers["large"]).num_speculative_tokens == 4
+    off = load_settings(environ={"SLUICE_TIERS__LARGE__SPECULATIVE_DRAFT": ""})
+    assert engine_spec("large", off.tiers["large"]).speculative_draft is None

@@ -3,6 +3,7 @@ the right ModelConfig and the model's tokenizer."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from engines.config import ModelConfig
+from engines.cpu import drop_mapped_pages
 from engines.loader import (
     hf_name,
     load_checkpoint,
@@ -199,3 +201,19 @@ def test_gguf_model_config(filename: str) -> None:
     im_end = tokenizer.backend.token_to_id("<|im_end|>")
     assert im_end in config.eos_token_ids
     assert isinstance(config, ModelConfig)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/status; madvise is Linux's")
+def test_dropping_a_mapped_files_pages_releases_them_and_keeps_the_data(tmp_path: Path) -> None:
+    def rss_file_kb() -> int:
+        status = Path("/proc/self/status").read_text()
+        return int(next(line for line in status.splitlines() if line.startswith("RssFile")).split()[1])
+
+    path = tmp_path / "blob"
+    path.write_bytes(bytes(range(256)) * (32 << 12))  # 32 MiB
+    mapped = np.memmap(path, mode="r", dtype=np.uint8)
+    assert int(mapped.sum(dtype=np.int64)) > 0  # every page read: resident
+    before = rss_file_kb()
+    drop_mapped_pages(mapped)
+    assert before - rss_file_kb() > 24 << 10
+    assert int(mapped[12345]) == 12345 % 256  # still readable: faulted back in from the file

@@ -15,6 +15,7 @@ from engines.model_runner import ModelRunner
 from engines.quantization import (
     PACKED_MAX_ROWS,
     Int4Linear,
+    Int8Embedding,
     Int8Linear,
     RowDispatchLinear,
     W8A8Linear,
@@ -143,25 +144,41 @@ def test_quantized_tiny_model_keeps_its_predictions(tmp_path: Path, mode: str) -
     assert relative_error(actual, expected) < (0.25 if mode == "int4" else 0.05)
 
 
-@pytest.mark.parametrize("packed_class", [Int8Linear, Int4Linear])
-def test_row_dispatch_runs_many_rows_on_the_float_weights_and_few_on_the_packed_ones(
-    linear: nn.Linear, packed_class: type[Int8Linear] | type[Int4Linear]
+def test_row_dispatch_runs_many_rows_through_sgemm_on_the_dequantised_weight_and_few_on_the_packed_one(
+    linear: nn.Linear,
 ) -> None:
-    packed = packed_class.from_linear(linear, activation_dtype=torch.float32)
-    dispatch = RowDispatchLinear(linear, packed)
+    packed = Int8Linear.from_linear(linear, activation_dtype=torch.float32)
+    dispatch = RowDispatchLinear(packed)
     many = torch.randn(2, PACKED_MAX_ROWS, 256)  # 2 * PACKED_MAX_ROWS rows: a prefill chunk
-    assert torch.equal(dispatch(many), linear(many))
+    with torch.no_grad():
+        assert torch.equal(dispatch(many), torch.nn.functional.linear(many, packed.dequantize(), packed.bias))
+        assert relative_error(dispatch(many), linear(many)) < 0.02
     few = torch.randn(PACKED_MAX_ROWS, 256)  # a decode step
     out = dispatch(few)
     assert torch.equal(out, packed(few)) and out.dtype == torch.float32
-    assert relative_error(out, linear(few).detach()) < (0.02 if packed_class is Int8Linear else 0.15)
+    assert relative_error(out, linear(few).detach()) < 0.02
 
 
-def test_quantize_model_keeping_dense_weights_wraps_every_linear() -> None:
+def test_quantize_model_keeps_no_float_copy_of_any_weight() -> None:
     model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 64))
-    quantize_model(model, "int4", torch.float32, group_size=64, keep_dense=True)
+    quantize_model(model, "int8", torch.float32, dequantize_many_rows=True)
     assert all(isinstance(layer, RowDispatchLinear) for layer in model)
-    assert isinstance(model[0].packed, Int4Linear) and type(model[0].dense) is nn.Linear
+    assert not any(tensor.dtype == torch.float32 and tensor.dim() == 2 for tensor in model.state_dict().values())
+    int4 = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 64))
+    quantize_model(int4, "int4", torch.float32, group_size=64, dequantize_many_rows=True)
+    assert all(isinstance(layer, Int4Linear) for layer in int4)
+
+
+def test_a_tied_int8_head_and_the_embedding_share_one_int8_table(tiny_qwen2: TinyModel) -> None:
+    checkpoint = tiny_qwen2.checkpoint
+    model = build_model(checkpoint.config, checkpoint.tensors, torch.float32, max_positions=128)
+    ids = torch.tensor([3, 17, 200])
+    expected = model.embed_tokens(ids)
+    model.untie_lm_head()
+    quantize_model(model, "int8", torch.float32, dequantize_many_rows=True)
+    embedding = Int8Embedding.from_embedding(model.embed_tokens, torch.float32, tied_head=model.lm_head)
+    assert embedding.weight.data_ptr() == model.lm_head.packed.weight.data_ptr()
+    assert relative_error(embedding(ids), expected) < 0.01
 
 
 def test_untied_head_shares_the_embedding_and_keeps_the_logits(tiny_qwen2: TinyModel) -> None:
@@ -179,7 +196,7 @@ def test_float32_model_with_row_dispatch_stays_close_to_hf_in_prefill_and_decode
     block_size = 4
     model = build_model(checkpoint.config, checkpoint.tensors, torch.float32, max_positions=128)
     model.untie_lm_head()
-    quantize_model(model, "int8", torch.float32, keep_dense=True)
+    quantize_model(model, "int8", torch.float32, dequantize_many_rows=True)
     dispatching = [module for module in model.modules() if isinstance(module, RowDispatchLinear)]
     assert len(dispatching) == 4 * checkpoint.config.num_hidden_layers + 1  # qkv, o, gate_up, down; the head
     runner = ModelRunner(model, checkpoint.config, block_size, num_kv_blocks=32, kv_cache_dtype=torch.float32)
@@ -197,7 +214,9 @@ def test_float32_model_with_row_dispatch_stays_close_to_hf_in_prefill_and_decode
         seq.num_computed_tokens += num_new
         with torch.no_grad():
             expected = tiny_model.hf_model(torch.tensor([seq.token_ids])).logits[0, -1]
-        assert relative_error(logits[0], expected) < 0.05
+        # Prefill and decode both compute with the int8 weights (prefill through sgemm on their dequantised
+        # copy), so decode's error adds to the cached context's; a wrong scale or layout gives >= 50%.
+        assert relative_error(logits[0], expected) < 0.1
         seq.append_token(int(expected.argmax()))
 
 
@@ -227,5 +246,33 @@ def test_auto_quantization_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_w8a8_layers_need_no_float_copy() -> None:
     model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 64))
-    quantize_model(model, "w8a8", torch.float32, keep_dense=True)
+    quantize_model(model, "w8a8", torch.float32, dequantize_many_rows=True)
     assert all(isinstance(layer, W8A8Linear) for layer in model)
+
+
+def test_an_untied_head_is_handed_over_after_every_layer_and_before_the_embedding(tiny_llama: TinyModel) -> None:
+    """Loading quantises the head as soon as it is loaded: at no time are both vocabulary-sized tables float32."""
+    checkpoint = tiny_llama.checkpoint
+    assert not checkpoint.config.tie_word_embeddings
+    seen: list[str] = []
+
+    def quantize(module: nn.Module) -> None:
+        if hasattr(module, "lm_head"):  # the model itself
+            assert module.embed_tokens.weight.is_meta  # the embedding is not loaded yet
+            assert not any(isinstance(m, nn.Linear) for m in module.layers.modules())  # every layer was quantised
+        seen.append("head" if hasattr(module, "lm_head") else "layer")
+        quantize_model(module, "int8", torch.float32)
+
+    model = build_model(checkpoint.config, dict(checkpoint.tensors), torch.float32, max_positions=128,
+                        on_layer_loaded=quantize)
+    assert seen == ["layer"] * checkpoint.config.num_hidden_layers + ["head"]
+    assert isinstance(model.lm_head, Int8Linear) and not model.embed_tokens.weight.is_meta
+
+
+def test_int8_quantisation_in_row_blocks_equals_quantising_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    weight = torch.randn(300, 64)
+    monkeypatch.setattr(quantization, "_QUANTIZE_ROWS", 7)  # many blocks and a ragged last one
+    weight_int8, scales = quantize_int8(weight)
+    expected_scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127
+    assert torch.equal(scales, expected_scales)
+    assert torch.equal(weight_int8, torch.round(weight / expected_scales[:, None]).clamp(-128, 127).to(torch.int8))

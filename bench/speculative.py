@@ -1,0 +1,167 @@
+"""Speculative decoding on the large tier (small tier's model as drafter) against plain decoding, same run.
+
+`python -m bench.speculative [--target large] [--drafter small] [--prompts 4] [--output-tokens 96]`
+
+Workload: GSM8K test questions (/work/shared/data/gsm8k) as chat prompts, greedy, `--output-tokens`
+tokens each unless the model stops first. One engine holds both models (the tier's shipped
+precision, `quantization=auto`; prefix caching off so that no run profits from another); each
+configuration runs the same prompts at batch 1 (one after another) and batch 4 (together):
+
+  plain        the target alone, one token per sequence per step;
+  speculative  the drafter proposes k tokens, the target verifies them in one forward (k adapted,
+               at most `--num-speculative-tokens`).
+
+Reported per batch size: decode tokens/s (output tokens after each request's first, over the time
+after its first token), end-to-end tokens/s, the drafter's acceptance rate, mean tokens per target
+forward, and whether the greedy outputs are token-identical. Writes bench/results/speculative.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import print_table, write_results
+from bench.engine import GSM8K_DIR
+from engines.large.spec import SPEC as LARGE
+from engines.llm_engine import LLMEngine
+from engines.sampling_params import SamplingParams
+from engines.speculative import SpeculativeStats
+
+GSM8K_TEST = GSM8K_DIR / "test.jsonl"
+INSTRUCTION = "Solve this math problem step by step, then give the final answer after '####'."
+
+
+def gsm8k_prompts(engine: LLMEngine, path: Path, count: int) -> list[list[int]]:
+    if not path.is_file():
+        raise SystemExit(f"{path} not found: the benchmark needs the GSM8K test questions (see /work/shared/data)")
+    questions = [json.loads(line)["question"] for line in path.read_text().splitlines()[:count]]
+    return [engine.tokenizer.apply_chat_template([{"role": "user", "content": f"{INSTRUCTION}\n\n{q}"}])
+            for q in questions]
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], batch: int, output_tokens: int) -> dict[str, Any]:
+    """Generate every prompt, `batch` at a time; return outputs and timings."""
+    params = SamplingParams(temperature=0, max_tokens=output_tokens)
+    outputs: dict[str, list[int]] = {}
+    decode_tokens, decode_seconds, total_tokens = 0, 0.0, 0
+    started = time.perf_counter()
+    for first in range(0, len(prompts), batch):
+        group = {f"p{i}": prompts[i] for i in range(first, min(first + batch, len(prompts)))}
+        first_token_at: dict[str, float] = {}
+        for request_id, prompt in group.items():
+            engine.add_request(request_id, prompt, params)
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                now = time.perf_counter()
+                outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
+                first_token_at.setdefault(output.request_id, now)
+                if output.finished:
+                    decode_tokens += len(outputs[output.request_id]) - 1
+                    decode_seconds += now - first_token_at[output.request_id]
+        total_tokens += sum(len(outputs[request_id]) for request_id in group)
+    elapsed = time.perf_counter() - started
+    return {
+        "outputs": [outputs[f"p{i}"] for i in range(len(prompts))],
+        # Per-request decode rates averaged by time: sum of tokens over sum of each request's decode time,
+        # times the batch (requests of a group decode concurrently).
+        "decode_tokens_per_s": decode_tokens / decode_seconds * batch,
+        "end_to_end_tokens_per_s": total_tokens / elapsed,
+        "seconds": elapsed,
+    }
+
+
+def rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default="large")
+    parser.add_argument("--drafter", default="small")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--output-tokens", type=int, default=96)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--batch-sizes", default="1,4")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--data", type=Path, default=GSM8K_TEST)
+    args = parser.parse_args()
+
+    load_started = time.perf_counter()
+    # The large tier's shipped settings (precision, KV cache), with the drafter named here.
+    spec = LARGE.replace(model=args.target, speculative_draft=args.drafter, kv_cache_mb=256,
+                         num_speculative_tokens=args.num_speculative_tokens, num_threads=args.threads)
+    engine = LLMEngine(dataclasses.replace(spec.engine_config(), enable_prefix_caching=False))
+    print(f"loaded {args.target} + drafter {args.drafter} in {time.perf_counter() - load_started:.0f}s, "
+          f"peak RSS {rss_gb():.1f} GB, precision {engine.precision()}")
+    speculator = engine.speculator
+    assert speculator is not None
+    prompts = gsm8k_prompts(engine, args.data, args.prompts)
+    run(engine, prompts[:1], 1, 8)  # warm-up: first-call allocations, oneDNN/packing caches
+
+    results: dict[str, Any] = {}
+    rows = []
+    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+        engine.speculator = None
+        plain = run(engine, prompts, batch, args.output_tokens)
+        engine.speculator = speculator
+        speculator.stats = SpeculativeStats()
+        speculative = run(engine, prompts, batch, args.output_tokens)
+        stats = speculator.stats
+        print(f"batch {batch}: plain {plain['decode_tokens_per_s']:.2f} tok/s, speculative "
+              f"{speculative['decode_tokens_per_s']:.2f} tok/s, acceptance {stats.acceptance_rate:.0%}", flush=True)
+        identical = sum(a == b for a, b in zip(plain["outputs"], speculative["outputs"], strict=True))
+        ratio = speculative["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
+        results[f"batch_{batch}"] = {
+            "plain_decode_tokens_per_s": plain["decode_tokens_per_s"],
+            "speculative_decode_tokens_per_s": speculative["decode_tokens_per_s"],
+            "speculative_over_plain_decode": ratio,
+            "plain_end_to_end_tokens_per_s": plain["end_to_end_tokens_per_s"],
+            "speculative_end_to_end_tokens_per_s": speculative["end_to_end_tokens_per_s"],
+            "acceptance_rate": stats.acceptance_rate,
+            "tokens_per_target_forward": stats.num_emitted_tokens / max(stats.num_rounds * batch, 1),
+            "mean_drafts_per_round": stats.num_draft_tokens / max(stats.num_rounds * batch, 1),
+            "greedy_outputs_identical": f"{identical}/{len(prompts)}",
+            "first_divergence": _first_divergences(plain["outputs"], speculative["outputs"]),
+        }
+        rows.append([batch, plain["decode_tokens_per_s"], speculative["decode_tokens_per_s"], f"{ratio:.2f}x",
+                     f"{stats.acceptance_rate:.0%}", results[f"batch_{batch}"]["tokens_per_target_forward"],
+                     f"{identical}/{len(prompts)}"])
+    print_table(f"Speculative decoding: {args.target} with drafter {args.drafter}, GSM8K prompts, greedy, "
+                f"{args.output_tokens} tokens",
+                ["batch", "plain tok/s", "speculative tok/s", "ratio", "acceptance", "tokens/target fwd",
+                 "identical"], rows)
+    write_results("speculative", {
+        "cpu": _cpu_model(), "load_average_at_end": os.getloadavg(), "torch_threads": torch.get_num_threads(),
+        "target": args.target, "drafter": args.drafter, "precision": engine.precision(),
+        "prompts": args.prompts, "output_tokens": args.output_tokens,
+        "max_num_speculative_tokens": args.num_speculative_tokens, "peak_rss_gb": rss_gb(), **results,
+    })
+
+
+def _first_divergences(plain: list[list[int]], speculative: list[list[int]]) -> list[int | None]:
+    """Per prompt: the index of the first differing token (None when identical)."""
+    found: list[int | None] = []
+    for a, b in zip(plain, speculative, strict=True):
+        index = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        found.append(index if index is not None or len(a) == len(b) else min(len(a), len(b)))
+    return found
+
+
+def _cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""Speculative decoding: a small drafter proposes k tokens, the target checks them all in one forward.
+
+A decode step of a large model reads all of its weights to produce one token per sequence; a forward
+over k + 1 tokens of the same sequence reads them once too, so it costs little more on a memory-bound
+machine. The drafter (a smaller model with the same tokenizer) proposes k tokens one at a time at a
+fraction of a target step; the target's one forward over [last token, d1 .. dk] gives k + 1
+distributions, and rejection sampling (Leviathan et al. 2023, Chen et al. 2023) keeps a prefix of the
+drafts plus one token of the target's own, so that every emitted token is distributed exactly as plain
+sampling from the target would draw it. Greedy requests accept a draft while it equals the target's
+argmax: their output is the target's greedy output.
+
+KV cache: the drafter has a cache of its own with the same block layout, addressed through the
+target's block tables, so one block manager keeps the books of both. The target writes K/V at all
+k + 1 verified positions; those of rejected drafts are rolled back (the sequence's computed count
+stops after the accepted ones, and tail blocks holding only rejected positions return to the free
+list). After a fully accepted round the drafter lags by one token (it never ran its last draft) and
+catches up in its next first forward; blocks are offered to the prefix cache only once both caches
+hold them, so a prefix shared later is whole for the drafter too.
+
+k adapts to the acceptance rate: with per-draft acceptance probability α (a running average of what
+the target accepted) and drafter / target cost ratio r, a round of k drafts emits (1 - α^(k+1)) / (1 - α)
+tokens in k·r + 1 target-forward times; each round uses the k in [1, num_speculative_tokens] that
+maximises that. r is the ratio of the models' weight bytes (a decode forward streams its weights), not a
+timing, so that k, and with it a seeded sampled request's draws, depends only on tokens. It does depend
+on the other requests in the engine (α is shared): with speculation on, a seed reproduces a request's
+samples for the same sequence of requests, no longer whatever the batch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engines.block_manager import BlockManager
+from engines.model_runner import ModelRunner, TokenSpan
+from engines.outputs import TokenLogprob
+from engines.sampler import filtered_probs, token_logprobs
+from engines.scheduler import ScheduledBatch
+from engines.sequence import Sequence
+
+_EMA_WEIGHT = 0.1  # weight of the newest round in the running average of α
+
+
+@dataclass
+class SpeculativeStats:
+    num_rounds: int = 0
+    num_draft_tokens: int = 0  # proposed by the drafter
+    num_tested_tokens: int = 0  # drafts the target judged (those after a rejection are never looked at)
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0  # accepted drafts plus one target token per sequence and round
+    draft_seconds: float = 0.0  # time in drafter forwards (and draft sampling)
+    verify_seconds: float = 0.0  # time in target forwards
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts over drafts judged: the per-token acceptance probability α."""
+        return self.num_accepted_tokens / self.num_tested_tokens if self.num_tested_tokens else 0.0
+
+
+@dataclass
+class Verified:
+    """One sequence's outcome of a round: the accepted drafts, then one token of the target's."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+    num_accepted: int
+
+
+def greedy_accept(target_argmax: list[int], draft_token_ids: list[int]) -> list[int]:
+    """Drafts up to the first that differs from the target's argmax, then the target's token there
+    (`target_argmax` has one entry more than the drafts: the bonus token after all of them)."""
+    emitted: list[int] = []
+    for draft, target in zip(draft_token_ids, target_argmax, strict=False):
+        emitted.append(target)
+        if draft != target:
+            return emitted
+    emitted.append(target_argmax[len(draft_token_ids)])
+    return emitted
+
+
+def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_token_ids: list[int],
+                     generator: torch.Generator | None) -> list[int]:
+    """Emit a prefix of the drafts and one more token so that the output is distributed as sampling from the target.
+
+    target_probs [k + 1, V], draft_probs [k, V]: the (filtered) distributions each draft position was
+    drawn from by the drafter and is judged by under the target. Draft x is kept with probability
+    min(1, p(x) / q(x)); the first one rejected is replaced by a draw from max(0, p - q) renormalised;
+    when all are kept, a bonus token is drawn from the target's next distribution.
+    """
+    emitted: list[int] = []
+    for i, token_id in enumerate(draft_token_ids):
+        p, q = float(target_probs[i, token_id]), float(draft_probs[i, token_id])
+        if float(torch.rand((), generator=generator)) * q < p:
+            emitted.append(token_id)
+            continue
+        residual = (target_probs[i] - draft_probs[i]).clamp_(min=0)
+        if float(residual.sum()) <= 0:  # p == q up to rounding: the rejection had probability ~0
+            residual = target_probs[i]
+        emitted.append(int(torch.multinomial(residual, 1, generator=generator)))
+        return emitted
+    emitted.append(int(torch.multinomial(target_probs[len(draft_token_ids)], 1, generator=generator)))
+    return emitted
+
+
+def best_num_drafts(alpha: float, cost_ratio: float, max_drafts: int) -> int:
+    """The k in [1, max_drafts] that maximises expected tokens per round over its cost in target steps."""
+    alpha = min(max(alpha, 0.0), 0.999)
+
+    def rate(k: int) -> float:
+        return (1 - alpha ** (k + 1)) / (1 - alpha) / (k * cost_ratio + 1)
+
+    return max(range(1, max_drafts + 1), key=rate)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's parameters and buffers (each tensor once, however often it is shared)."""
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+class Speculator:
+    """The drafter of one engine: its model runner (own KV cache, the target's block tables) and k's adaptation."""
+
+    def __init__(self, runner: ModelRunner, max_drafts: int, cost_ratio: float) -> None:
+        if max_drafts < 1:
+            raise ValueError("num_speculative_tokens must be >= 1")
+        self.runner = runner
+        self.max_drafts = max_drafts
+        self.cost_ratio = cost_ratio  # drafter forward / target forward, in weight bytes streamed
+        self.stats = SpeculativeStats()
+        self._alpha = 0.8  # optimistic start: k begins high and settles as rounds are judged
+
+    def sync(self, batch: ScheduledBatch) -> None:
+        """With a plain step (after the target ran it, before it is postprocessed): let the drafter
+        compute the K/V the target just did."""
+        spans = []
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            end = seq.num_computed_tokens + num_new
+            start = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
+            if start < end:
+                spans.append(TokenSpan(seq.token_ids[start:end], start, seq.block_table, "none"))
+            seq.num_draft_computed_tokens = end
+        if spans:
+            self.runner.forward(spans)
+
+    def num_drafts(self, seqs: list[Sequence], max_model_len: int) -> int:
+        """This round's k: the adapted one, capped so that no sequence runs past its length limits (0: no round)."""
+        k = best_num_drafts(self._alpha, self.cost_ratio, self.max_drafts)
+        for seq in seqs:
+            # The round computes positions up to num_tokens - 1 + k and emits up to k + 1 tokens.
+            k = min(k, max_model_len - seq.num_tokens, seq.params.max_tokens - seq.num_output_tokens - 1)
+        return max(k, 0)
+
+    def step(self, seqs: list[Sequence], k: int, target: ModelRunner, block_manager: BlockManager) -> list[Verified]:
+        """One round for decoding sequences whose blocks have room for k + 1 more tokens: draft, verify, roll back.
+
+        On return each sequence's computed counts and block table cover exactly the accepted tokens;
+        the caller appends `Verified.token_ids`.
+        """
+        started = time.perf_counter()
+        drafts, draft_probs = self._propose(seqs, k)
+        drafted = time.perf_counter()
+        spans = [TokenSpan([seq.token_ids[-1], *draft], seq.num_tokens - 1, seq.block_table, "all")
+                 for seq, draft in zip(seqs, drafts, strict=True)]
+        logits = target.forward(spans).view(len(seqs), k + 1, -1)
+        verified_at = time.perf_counter()
+        results = [self._accept(seq, draft, probs, rows)
+                   for seq, draft, probs, rows in zip(seqs, drafts, draft_probs, logits, strict=True)]
+        for seq, result in zip(seqs, results, strict=True):
+            self._roll_back(seq, len(result.token_ids), block_manager)
+        self._learn(results, k)
+        self.stats.draft_seconds += drafted - started
+        self.stats.verify_seconds += verified_at - drafted
+        return results
+
+    def _propose(self, seqs: list[Sequence], k: int) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """k drafts per sequence (k drafter forwards) and, for sampled requests, the distributions they came from."""
+        drafts: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        spans = [TokenSpan(seq.token_ids[seq.num_draft_computed_tokens:], seq.num_draft_computed_tokens,
+                           seq.block_table) for seq in seqs]
+        for j in range(k):
+            logits = self.runner.forward(spans)
+            for i, seq in enumerate(seqs):
+                if seq.params.greedy:
+                    token_id = int(logits[i].argmax())
+                else:
+                    row = filtered_probs(logits[i:i + 1], [seq.params])[0]
+                    token_id = int(torch.multinomial(row, 1, generator=seq.generator))
+                    probs[i].append(row)
+                drafts[i].append(token_id)
+            spans = [TokenSpan([draft[-1]], seq.num_tokens + j, seq.block_table) for seq, draft in zip(seqs, drafts,
+                                                                                                       strict=True)]
+        for seq in seqs:
+            seq.num_draft_computed_tokens = seq.num_tokens - 1 + k  # the last draft was never fed back
+        return drafts, [torch.stack(rows) if rows else None for rows in probs]
+
+    def _accept(self, seq: Sequence, draft: list[int], draft_probs: torch.Tensor | None,
+                logits: torch.Tensor) -> Verified:
+        if draft_probs is None:
+            token_ids = greedy_accept(logits.argmax(dim=-1).tolist(), draft)
+        else:
+            target_probs = filtered_probs(logits, [seq.params] * len(logits))
+            token_ids = rejection_sample(target_probs, draft_probs, draft, seq.generator)
+        num_accepted = len(token_ids) - 1
+        logprobs = token_logprobs(logits[:len(token_ids)], token_ids, [seq.params] * len(token_ids))
+        return Verified(token_ids, logprobs, num_accepted)
+
+    def _roll_back(self, seq: Sequence, num_emitted: int, block_manager: BlockManager) -> None:
+        """Keep the K/V of the last token and the accepted drafts; free blocks only rejected ones reached."""
+        seq.num_computed_tokens += num_emitted
+        seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
+        block_manager.truncate(seq, seq.num_computed_tokens)
+        # The emitted tokens are appended after this: blocks they fill are offered in the next round.
+        block_manager.cache_computed_blocks(seq, min(seq.num_draft_computed_tokens, seq.num_tokens))
+
+    def _learn(self, results: list[Verified], k: int) -> None:
+        stats = self.stats
+        accepted = sum(result.num_accepted for result in results)
+        tested = sum(min(result.num_accepted + 1, k) for result in results)
+        stats.num_rounds += 1
+        stats.num_draft_tokens += k * len(results)
+        stats.num_tested_tokens += tested
+        stats.num_accepted_tokens += accepted
+        stats.num_emitted_tokens += sum(len(result.token_ids) for result in results)
+        self._alpha += _EMA_WEIGHT * (accepted / tested - self._alpha)

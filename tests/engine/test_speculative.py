@@ -1,0 +1,205 @@
+"""Speculative decoding: greedy output is the target's own, sampling keeps the target's distribution,
+rejected tokens' KV slots go back to the block manager, and k follows the acceptance rate."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from engines.config import EngineConfig
+from engines.llm_engine import LLMEngine
+from engines.loader import Checkpoint
+from engines.sampling_params import GrammarSpec, SamplingParams
+from engines.speculative import best_num_drafts, greedy_accept, rejection_sample
+from engines.tiers import TierSpec
+from tests.engine.conftest import TinyModel, generated_ids, make_engine, run_to_completion
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11], list(range(30, 52)), [1, 2, 3]]
+
+
+def drafter_of(model: TinyModel, noise: float) -> Checkpoint:
+    """The target's weights plus Gaussian noise (std `noise`): same tokenizer, agrees with the target often."""
+    generator = torch.Generator().manual_seed(7)
+    tensors = {name: tensor + noise * torch.randn(tensor.shape, generator=generator)
+               for name, tensor in model.checkpoint.tensors.items()}
+    return Checkpoint(config=model.checkpoint.config, tensors=tensors, tokenizer=model.checkpoint.tokenizer)
+
+
+def speculative_engine(model: TinyModel, drafter: Checkpoint, **overrides: object) -> LLMEngine:
+    settings: dict[str, object] = dict(model="tiny", dtype="float32", num_kv_blocks=64, block_size=4,
+                                       max_num_seqs=8, max_num_batched_tokens=64, num_threads=1,
+                                       num_speculative_tokens=4)
+    settings.update(overrides)
+    return LLMEngine.from_checkpoint(model.checkpoint, EngineConfig(**settings), drafter=drafter)  # type: ignore[arg-type]
+
+
+def generate_all(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    outputs = run_to_completion(engine)
+    return [generated_ids(outputs[f"r{i}"]) for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_output_is_token_identical_to_plain_decoding(tiny_model: TinyModel, batch: int) -> None:
+    prompts = PROMPTS[:batch]
+    plain = generate_all(make_engine(tiny_model), prompts, GREEDY)
+    engine = speculative_engine(tiny_model, drafter_of(tiny_model, noise=0.01))
+    assert generate_all(engine, prompts, GREEDY) == plain
+    stats = engine.speculator.stats  # type: ignore[union-attr]
+    # Both outcomes were exercised: some drafts were kept, some were rejected.
+    assert 0 < stats.num_accepted_tokens < stats.num_tested_tokens
+
+
+def test_a_drafter_equal_to_the_target_has_every_draft_accepted(tiny_qwen2: TinyModel) -> None:
+    plain = generate_all(make_engine(tiny_qwen2), PROMPTS[:2], GREEDY)
+    engine = speculative_engine(tiny_qwen2, tiny_qwen2.checkpoint)
+    assert generate_all(engine, PROMPTS[:2], GREEDY) == plain
+    stats = engine.speculator.stats  # type: ignore[union-attr]
+    assert stats.num_accepted_tokens == stats.num_tested_tokens == stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=10, grammar=GrammarSpec("json_object")),
+    SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5),
+    SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logit_bias={7: 30.0}),
+    SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True, presence_penalty=1.0),
+], ids=["grammar", "penalties", "logit_bias", "sampled_penalties"])
+def test_constrained_and_penalised_requests_decode_plainly_beside_a_speculative_one(
+        tiny_qwen2: TinyModel, params: SamplingParams) -> None:
+    """Drafts are judged by the target's raw distribution, which grammars, penalties and biases change: those
+    requests must get plain decoding's output (a step holding one decodes plainly), and the engine speculates
+    again once they are done."""
+    def run(engine: LLMEngine) -> tuple[list[int], list[int]]:
+        engine.add_request("plain", PROMPTS[0], GREEDY)
+        engine.add_request("constrained", PROMPTS[1], params)
+        outputs = run_to_completion(engine)
+        return generated_ids(outputs["plain"]), generated_ids(outputs["constrained"])
+
+    engine = speculative_engine(tiny_qwen2, tiny_qwen2.checkpoint)
+    assert run(engine) == run(make_engine(tiny_qwen2))
+    # The unconstrained request (24 tokens), once alone, was decoded speculatively.
+    assert engine.speculator.stats.num_rounds > 0  # type: ignore[union-attr]
+
+
+def test_max_tokens_and_stop_tokens_end_a_round_early(tiny_llama: TinyModel) -> None:
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    plain = generate_all(make_engine(tiny_llama), PROMPTS[:1], SamplingParams(temperature=0, max_tokens=30,
+                                                                                ignore_eos=True))[0]
+    engine = speculative_engine(tiny_llama, tiny_llama.checkpoint)
+    assert generate_all(engine, PROMPTS[:1], params)[0] == plain[:7]
+    stop = plain[9]
+    stopped = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop])
+    engine = speculative_engine(tiny_llama, tiny_llama.checkpoint)
+    assert generate_all(engine, PROMPTS[:1], stopped)[0] == plain[:plain.index(stop) + 1]
+
+
+def test_rejected_tokens_kv_slots_are_returned_to_the_block_manager(tiny_qwen2: TinyModel) -> None:
+    engine = speculative_engine(tiny_qwen2, drafter_of(tiny_qwen2, noise=0.01), enable_prefix_caching=False)
+    manager = engine.block_manager
+    free_before = manager.num_free_blocks
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    rounds_seen = 0
+    while engine.has_unfinished_requests():
+        rounds_before = engine.speculator.stats.num_rounds  # type: ignore[union-attr]
+        engine.step()
+        if engine.speculator.stats.num_rounds > rounds_before:  # type: ignore[union-attr]
+            rounds_seen += 1
+            running = engine.scheduler.running
+            # Each sequence holds exactly the blocks its accepted tokens occupy; the rest are free.
+            for seq in running:
+                assert len(seq.block_table) == manager.num_blocks_for(seq.num_computed_tokens)
+            assert manager.num_free_blocks == manager.num_blocks - sum(len(seq.block_table) for seq in running)
+    assert rounds_seen > 0
+    assert manager.num_free_blocks == free_before == manager.num_blocks
+    assert all(block.ref_count == 0 for block in manager.blocks)
+
+
+def test_prefix_cache_hits_stay_exact_with_a_drafter(tiny_qwen2: TinyModel) -> None:
+    shared = list(range(100, 123))
+    prompt = [*shared, 7, 8, 9]
+    expected = generate_all(make_engine(tiny_qwen2, enable_prefix_caching=False), [prompt], GREEDY)[0]
+    engine = speculative_engine(tiny_qwen2, drafter_of(tiny_qwen2, noise=0.01))
+    generate_all(engine, [[*shared, 1]], GREEDY)
+    engine.add_request("ours", prompt, GREEDY)
+    outputs = run_to_completion(engine)["ours"]
+    assert outputs[0].num_cached_tokens == 20
+    assert generated_ids(outputs) == expected
+
+
+def test_seeded_sampling_through_the_drafter_is_reproducible(tiny_llama: TinyModel) -> None:
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=20, ignore_eos=True, seed=11, logprobs=True)
+    first = generate_all(speculative_engine(tiny_llama, drafter_of(tiny_llama, 0.01)), PROMPTS[:2], params)
+    second = generate_all(speculative_engine(tiny_llama, drafter_of(tiny_llama, 0.01)), PROMPTS[:2], params)
+    assert first == second
+    assert all(len(ids) == 20 for ids in first)
+
+
+# -- the acceptance rules --------------------------------------------------------------------------
+
+
+def test_greedy_acceptance_keeps_drafts_up_to_the_first_mismatch_then_takes_the_targets_token() -> None:
+    assert greedy_accept([4, 5, 6, 7], [4, 5, 6]) == [4, 5, 6, 7]  # all kept, plus the bonus token
+    assert greedy_accept([4, 9, 6, 7], [4, 5, 6]) == [4, 9]
+    assert greedy_accept([1, 5, 6, 7], [4, 5, 6]) == [1]
+
+
+@pytest.mark.parametrize("num_drafts", [1, 2])
+def test_rejection_sampling_preserves_the_target_distribution(num_drafts: int) -> None:
+    """Draw drafts from q, accept or resample: the first emitted token must follow p, not q."""
+    vocab, trials = 6, 20_000
+    generator = torch.Generator().manual_seed(0)
+    target = torch.softmax(torch.randn(num_drafts + 1, vocab, generator=generator) * 1.5, dim=-1)
+    draft = torch.softmax(torch.randn(num_drafts, vocab, generator=generator) * 1.5, dim=-1)
+    assert (target[0] - draft[0]).abs().sum() / 2 > 0.2  # q alone would fail the check below
+    counts = torch.zeros(vocab)
+    pair_counts = torch.zeros(vocab, vocab)
+    for _ in range(trials):
+        drafts = [int(torch.multinomial(draft[i], 1, generator=generator)) for i in range(num_drafts)]
+        emitted = rejection_sample(target, draft, drafts, generator)
+        counts[emitted[0]] += 1
+        if len(emitted) > 1:
+            pair_counts[emitted[0], emitted[1]] += 1
+    expected = target[0] * trials
+    sigma = (trials * target[0] * (1 - target[0])).sqrt()
+    assert ((counts - expected).abs() <= 4.5 * sigma + 1).all(), (counts / trials, target[0])
+    # The second token, given the first was an accepted draft, follows the target's next distribution.
+    # The target's p(·|prefix) is the same row whatever the first token here, so pooling over it is fair.
+    seconds = pair_counts.sum(0)
+    n = seconds.sum()
+    assert n > 1000
+    sigma2 = (n * target[1] * (1 - target[1])).sqrt()
+    assert ((seconds - target[1] * n).abs() <= 4.5 * sigma2 + 1).all(), (seconds / n, target[1])
+
+
+def test_k_follows_the_acceptance_rate_and_the_drafter_cost() -> None:
+    assert best_num_drafts(alpha=0.9, cost_ratio=0.05, max_drafts=8) == 8
+    assert best_num_drafts(alpha=0.9, cost_ratio=0.3, max_drafts=8) < 8
+    assert best_num_drafts(alpha=0.1, cost_ratio=0.3, max_drafts=8) == 1
+    assert best_num_drafts(alpha=0.6, cost_ratio=0.2, max_drafts=8) < best_num_drafts(0.85, 0.2, 8)
+
+
+# -- configuration ---------------------------------------------------------------------------------
+
+
+def test_a_tier_turns_speculation_on_by_naming_a_drafter(tmp_path: Path) -> None:
+    target, drafter = tmp_path / "large.gguf", tmp_path / "small.gguf"
+    target.touch()
+    drafter.touch()
+    spec = TierSpec(name="large", model=str(target), speculative_draft=str(drafter), num_speculative_tokens=6)
+    config = spec.engine_config()
+    assert config.speculative_model == str(drafter) and config.num_speculative_tokens == 6
+    assert TierSpec(name="large", model=str(target)).engine_config().speculative_model is None
+
+
+def test_a_drafter_with_another_vocabulary_is_refused(tiny_qwen2: TinyModel) -> None:
+    checkpoint = tiny_qwen2.checkpoint
+    other = Checkpoint(config=dataclasses.replace(checkpoint.config, vocab_size=checkpoint.config.vocab_size + 16),
+                       tensors=checkpoint.tensors, tokenizer=checkpoint.tokenizer)
+    with pytest.raises(ValueError, match="does not share the target's vocabulary"):
+        speculative_engine(tiny_qwen2, other)
