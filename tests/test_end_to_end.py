@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -104,9 +105,14 @@ def gateway(
         log.close()
 
 
+# A tenant of this run alone: the response cache lives in the shared Redis and is scoped by tenant, so an
+# earlier run's answers to the same temperature-0 questions would otherwise be served from it.
+TENANT = f"acme-{uuid.uuid4().hex[:8]}"
+
+
 @pytest.fixture(scope="module")
 def api_key(gateway_env: dict[str, str]) -> str:
-    created = json.loads(sluice(gateway_env, "keys", "create", "--tenant", "acme", "--feature", "e2e"))
+    created = json.loads(sluice(gateway_env, "keys", "create", "--tenant", TENANT, "--feature", "e2e"))
     assert created["secret"].startswith("sk-")
     return created["secret"]
 
@@ -147,8 +153,16 @@ def test_openai_sdk_gets_real_answers_and_every_request_is_accounted(
     answer = completion.choices[0].message.content
     assert answer and answer.strip()
     assert completion.usage.prompt_tokens > 0 and 0 < completion.usage.completion_tokens <= 24
-    assert raw.headers["x-sluice-tier"] == "small"
+    assert (raw.headers["x-sluice-tier"], raw.headers["x-sluice-cache"]) == ("small", "miss")
     plain_id = raw.headers["x-request-id"]
+    again = client.chat.completions.with_raw_response.create(
+        model="sluice-small",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=24,
+        temperature=0,
+    )
+    assert again.headers["x-sluice-cache"] == "exact"  # the same deterministic question, from the cache
+    assert again.parse().choices[0].message.content == answer
 
     with client.chat.completions.with_streaming_response.create(
         model="sluice-large",
@@ -172,7 +186,7 @@ def test_openai_sdk_gets_real_answers_and_every_request_is_accounted(
     by_id = {row.request_id: row for row in rows}
     assert set(by_id) == {plain_id, stream_id}, "accounting rows missing in Postgres"
     plain, streamed = by_id[plain_id], by_id[stream_id]
-    assert (plain.tenant, plain.feature, plain.tier, plain.stream, plain.status) == ("acme", "e2e", "small", False, 200)
+    assert (plain.tenant, plain.feature, plain.tier, plain.stream, plain.status) == (TENANT, "e2e", "small", False, 200)
     assert plain.prompt_tokens == completion.usage.prompt_tokens
     assert plain.completion_tokens == completion.usage.completion_tokens
     assert plain.cost_usd > 0 and plain.latency_ms > 0
