@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 from types import SimpleNamespace
 from typing import Any
 
 import msgspec
 import openai
 import pytest
-import uvicorn
 from litestar.testing import AsyncTestClient
 from redis.asyncio import Redis
 
@@ -26,7 +23,7 @@ from gateway.metrics import Metrics
 from gateway.pipeline import Gateway
 from gateway.routing import Router
 from router.artifact import OperatingPoint
-from tests.gateway.conftest import ADMIN_KEY, EXPENSIVE, chat, make_settings, start
+from tests.gateway.conftest import ADMIN_KEY, EXPENSIVE, chat, loopback_socket, make_settings, served_on, start
 from tests.gateway.scripted_tier import ScriptedTier
 
 QUESTION = "How do I learn Python quickly?"
@@ -176,25 +173,13 @@ async def test_embeddings_over_http_follow_the_openai_shape_and_are_accounted(sq
 
 
 def test_the_openai_sdk_creates_embeddings(sqlite_url, tiers):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
     app = create_app(make_settings(database_url=sqlite_url), tiers, record_sink=[].append)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            thread.join(0.01)
-            assert thread.is_alive(), "uvicorn failed to start"
-        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="local", max_retries=0)
+    with served_on(app, loopback_socket()) as url:
+        sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="local", max_retries=0)
         result = sdk.embeddings.create(model=EMBED_MODEL, input=["How do I learn Python?", "Learning Python fast"])
         a, b = (d.embedding for d in result.data)
         assert len(a) == 384 and sum(x * y for x, y in zip(a, b, strict=True)) > 0.6
         assert result.usage.prompt_tokens > 0
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
 
 
 class CountingEmbedder:

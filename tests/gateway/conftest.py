@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import msgspec
 import pytest
+import uvicorn
 
 from engines.api.protocol import ChatCompletionRequest, ChatMessage
 from gateway.accounting import RequestRecord
@@ -81,3 +85,27 @@ async def start(gateway: Gateway, endpoint: str = "chat") -> RequestState:
     state = RequestState(request_id=f"req-test-{id(gateway)}-{endpoint}", endpoint=endpoint)
     state.principal = await gateway.authenticate(None)
     return state
+
+
+def loopback_socket() -> socket.socket:
+    """A socket bound to a free loopback port, for `served_on` (its address is known before the app is built)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+@contextmanager
+def served_on(app: Any, sock: socket.socket, wait_s: float = 10.0) -> Iterator[str]:
+    """Serve `app` with uvicorn in a thread on `sock`; yields its base URL, stops the server and closes the socket."""
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            thread.join(0.01)
+            assert thread.is_alive(), "uvicorn failed to start"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(wait_s)
+        sock.close()

@@ -19,7 +19,6 @@ import msgspec
 import openai
 import pytest
 import sqlalchemy as sa
-import uvicorn
 from litestar.testing import AsyncTestClient
 
 from engines.api.protocol import ChatCompletion, ChatCompletionRequest
@@ -31,7 +30,7 @@ from gateway.db.migrate import upgrade_async
 from gateway.db.schema import batch_lines
 from gateway.keys import create_key
 from tests.conftest import _new_postgres_database
-from tests.gateway.conftest import EXPENSIVE, make_settings
+from tests.gateway.conftest import EXPENSIVE, loopback_socket, make_settings, served_on
 from tests.gateway.scripted_tier import ScriptedTier
 
 WAIT_S = 20.0  # upper bound for a batch to finish; never reached when things work
@@ -80,20 +79,8 @@ def served(database_url: str, tmp_path: Path) -> Iterator[tuple[str, list[Reques
     settings = with_batch(make_settings(database_url=database_url, tier_prices=EXPENSIVE), tmp_path)
     app = create_app(settings, {"small": ScriptedTier("small"), "large": ScriptedTier("large")},
                      record_sink=records.append)  # fmt: skip
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            thread.join(0.01)
-            assert thread.is_alive(), "uvicorn failed to start"
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1", records
-    finally:
-        server.should_exit = True
-        thread.join(WAIT_S)
-        sock.close()
+    with served_on(app, loopback_socket(), WAIT_S) as url:
+        yield f"{url}/v1", records
 
 
 def wait_done(sdk: openai.OpenAI, batch_id: str) -> Any:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -10,11 +9,10 @@ from dataclasses import dataclass, field
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from gateway.accounting import RequestRecord
 from gateway.app import create_app
-from tests.gateway.conftest import EXPENSIVE, make_settings
+from tests.gateway.conftest import EXPENSIVE, loopback_socket, make_settings, served_on
 from tests.gateway.scripted_tier import ScriptedTier
 
 MESSAGES = [{"role": "user", "content": "say something"}]
@@ -36,23 +34,12 @@ class LiveGateway:
 @pytest.fixture
 def live(sqlite_url: str) -> Iterator[LiveGateway]:
     tiers = {"small": ScriptedTier("small"), "large": ScriptedTier("large")}
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock = loopback_socket()
     live = LiveGateway(f"http://127.0.0.1:{sock.getsockname()[1]}", tiers)
     settings = make_settings(database_url=sqlite_url, tier_prices=EXPENSIVE, rpm=50)
     app = create_app(settings, tiers, record_sink=live.sink)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            thread.join(0.01)
-            assert thread.is_alive(), "uvicorn failed to start"
+    with served_on(app, sock, WAIT_S):
         yield live
-    finally:
-        server.should_exit = True
-        thread.join(WAIT_S)
-        sock.close()
 
 
 def client(live: LiveGateway) -> openai.OpenAI:
