@@ -12,7 +12,6 @@ queue and go together in the next one, so a burst costs a few forward passes ins
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import os
 import tempfile
@@ -23,6 +22,8 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 from tokenizers import Tokenizer
+
+from router.batching import MicroBatcher
 
 MODEL_NAME = "all-MiniLM-L6-v2"
 DIM = 384
@@ -96,8 +97,8 @@ class Embedder:
         self._session = session
         self._tokenizer = tokenizer
         self.version = version  # names the weights and the export: part of every cache scope
-        self._queue: list[tuple[list[str], asyncio.Future[np.ndarray]]] = []
-        self._worker: asyncio.Task[None] | None = None
+        # `self.embed` looked up at each batch, not bound here (tests count the calls by replacing it).
+        self._batcher: MicroBatcher[str] = MicroBatcher(lambda texts: self.embed(texts))
 
     @classmethod
     def load(cls, cache_dir: Path | None = None, *, threads: int = 1) -> Embedder:
@@ -152,25 +153,4 @@ class Embedder:
 
     async def embed_async(self, texts: Sequence[str]) -> np.ndarray:
         """`embed` off the event loop, batched with whatever other callers are waiting."""
-        future: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
-        self._queue.append((list(texts), future))
-        if self._worker is None or self._worker.done():
-            self._worker = asyncio.create_task(self._drain())
-        return await future
-
-    async def _drain(self) -> None:
-        while self._queue:
-            batch, self._queue = self._queue, []
-            texts = [text for item, _ in batch for text in item]
-            try:
-                vectors = await asyncio.to_thread(self.embed, texts)
-            except Exception as exc:
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(exc)
-                continue
-            start = 0
-            for item, future in batch:
-                if not future.done():  # a caller that was cancelled meanwhile
-                    future.set_result(vectors[start : start + len(item)])
-                start += len(item)
+        return await self._batcher.submit(list(texts))

@@ -7,7 +7,6 @@ reaches the threshold chosen on held-out data for a false-hit rate of at most 1%
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 from collections.abc import Sequence
@@ -15,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from router.batching import MicroBatcher
 
 MATCHER_FORMAT = 1
 # The shipped artifact; `sluice cache train-matcher` rebuilds it.
@@ -62,8 +63,10 @@ class Matcher:
     # The rule's score: a logistic regression over the cosine and the matcher's logit, fit on validation
     # (None: the matcher's probability alone).
     combine: dict[str, float] | None = None
-    _queue: list[tuple[list[str], list[str], asyncio.Future[np.ndarray]]] = field(default_factory=list)
-    _worker: asyncio.Task[None] | None = None
+    _batcher: MicroBatcher[tuple[str, str]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._batcher = MicroBatcher(lambda pairs: self.score([q for q, _ in pairs], [c for _, c in pairs]))
 
     @classmethod
     def load(cls, directory: Path = MATCHER_DIR, threshold: float | None = None, threads: int = 1) -> Matcher:
@@ -107,29 +110,7 @@ class Matcher:
 
     async def score_async(self, queries: Sequence[str], candidates: Sequence[str]) -> np.ndarray:
         """`score` off the event loop; concurrent callers share one batch (one forward pass for a burst)."""
-        future: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
-        self._queue.append((list(queries), list(candidates), future))
-        if self._worker is None or self._worker.done():
-            self._worker = asyncio.create_task(self._drain())
-        return await future
-
-    async def _drain(self) -> None:
-        while self._queue:
-            batch, self._queue = self._queue, []
-            queries = [q for qs, _, _ in batch for q in qs]
-            candidates = [c for _, cs, _ in batch for c in cs]
-            try:
-                scores = await asyncio.to_thread(self.score, queries, candidates)
-            except Exception as exc:
-                for _, _, future in batch:
-                    if not future.done():
-                        future.set_exception(exc)
-                continue
-            start = 0
-            for qs, _, future in batch:
-                if not future.done():
-                    future.set_result(scores[start : start + len(qs)])
-                start += len(qs)
+        return await self._batcher.submit(list(zip(queries, candidates, strict=True)))
 
     def score_many(self, queries: Sequence[str], candidates: Sequence[str], batch: int = 256) -> np.ndarray:
         parts = [self.score(queries[i : i + batch], candidates[i : i + batch]) for i in range(0, len(queries), batch)]
