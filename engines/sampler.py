@@ -9,7 +9,7 @@ import torch
 
 from engines.outputs import TokenLogprob
 from engines.sampling_params import SamplingParams
-from engines.structured import GrammarState, allocate_bitmask, allows, apply_bitmask
+from engines.structured import GrammarState, allocate_bitmask, apply_bitmask
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -78,23 +78,24 @@ def _constrain(logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[S
                generators: Sequence[torch.Generator | None], grammars: Sequence[GrammarState | None]) -> None:
     """Replace, in `token_ids`, each constrained row's choice by one its grammar allows.
 
-    Masking a row costs a pass over the vocabulary, so a row whose unconstrained choice the grammar
-    allows keeps it: exact for greedy rows (the masked argmax is that token) and for plain sampling
-    (a draw from p kept when allowed, else redrawn from p masked, is a draw from p masked). Rows with
-    top-k or top-p are masked before choosing, since those filters depend on the mask.
+    A vocabulary-wide mask costs a walk of the grammar over every token (~0.3 ms a row on a 152k
+    vocabulary) where asking the grammar about one token costs ~1 µs, so a row whose unconstrained
+    choice the grammar allows keeps it: for greedy rows that is the masked argmax, and for plain
+    sampling a draw from p kept when allowed, else redrawn from p masked, is a draw from p masked
+    (up to forced text, where the mask would keep only the canonical tokenization). Only the refused
+    rows, and rows with top-k or top-p (those filters depend on the mask), are masked and chosen again.
     """
-    rows = [i for i, g in enumerate(grammars) if g is not None]
-    bitmask = allocate_bitmask(len(logits), logits.shape[-1])
-    for row in rows:
-        grammars[row].fill(bitmask, row)  # type: ignore[union-attr]
     chosen = token_ids.tolist()
-    redo = [row for row in rows
-            if params[row].top_k or params[row].top_p < 1.0 or not allows(bitmask, row, chosen[row])]
+    redo = [row for row, grammar in enumerate(grammars) if grammar is not None and (
+        params[row].top_k or params[row].top_p < 1.0 or not grammar.allows(chosen[row]))]
     if not redo:
         return
+    bitmask = allocate_bitmask(len(redo), logits.shape[-1])
+    for i, row in enumerate(redo):
+        grammars[row].fill(bitmask, i)  # type: ignore[union-attr]
     index = torch.tensor(redo)
     masked = logits[index]
-    apply_bitmask(masked, bitmask[index])
+    apply_bitmask(masked, bitmask)
     token_ids[index] = _choose(masked, [params[i] for i in redo], [generators[i] for i in redo])
 
 

@@ -101,6 +101,11 @@ class GrammarState:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
 
+    def allows(self, token_id: int) -> bool:
+        """Whether the grammar allows `token_id` next. Every token of `fill`'s mask is allowed; where the
+        next text is forced the mask keeps only its canonical tokenization, this any tokenization of it."""
+        return self._matcher.validate_tokens([token_id]) == 1
+
     def accept(self, token_id: int) -> bool:
         """Advance by `token_id`; False when the grammar does not allow it."""
         return self._matcher.consume_token(token_id)

@@ -125,8 +125,13 @@ class AllowOnly:
 
     def __init__(self, *allowed: int) -> None:
         self.allowed = allowed
+        self.num_fills = 0
+
+    def allows(self, token_id: int) -> bool:
+        return token_id in self.allowed
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.num_fills += 1
         bitmask[row] = 0
         for token in self.allowed:
             bitmask[row, token >> 5] |= 1 << (token & 31)
@@ -137,6 +142,13 @@ def test_a_constrained_greedy_row_takes_the_best_allowed_token_and_others_are_un
     tokens, _ = sample(LOGITS, params, [None, None], grammars=[AllowOnly(0, 4), None])
     assert tokens == [0, 3]  # row 0: 1.0 beats -1.0; row 1 unconstrained
     assert sample(LOGITS, params, [None, None], grammars=[AllowOnly(1, 2), None])[0] == [1, 3]  # argmax allowed
+
+
+def test_only_rows_whose_free_choice_the_grammar_refuses_pay_for_a_mask() -> None:
+    kept, refused = AllowOnly(1, 4), AllowOnly(0, 4)  # the rows' free (greedy) choices: tokens 1 and 3
+    tokens, _ = sample(LOGITS, [SamplingParams(temperature=0)] * 2, [None, None], grammars=[kept, refused])
+    assert tokens == [1, 4]
+    assert (kept.num_fills, refused.num_fills) == (0, 1)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=3.0), SamplingParams(temperature=3.0, top_k=3),

@@ -10,6 +10,7 @@ keep every output shorter than the tiny model's context, so each generation reac
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 import jsonschema
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 
 from engines.llm_engine import LLMEngine
 from engines.sampling_params import GrammarSpec, SamplingParams
-from engines.structured import GrammarError
+from engines.structured import GrammarError, allocate_bitmask, allows
 from tests.engine.conftest import TinyModel, generated_ids, make_engine, run_to_completion
 
 PROMPT = [5, 17, 42, 99, 3]
@@ -81,6 +82,29 @@ def test_constrained_output_always_parses_and_validates(engine: LLMEngine, schem
     text, finish_reason = _generate(engine, params)
     assert finish_reason == "stop", text  # the grammar ended it, not the token limit
     jsonschema.validate(json.loads(text), schema)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schema=schemas, seed=st.integers(0, 2**31))
+def test_a_token_the_grammar_allows_keeps_the_output_valid(engine: LLMEngine, schema: dict, seed: int) -> None:
+    """The sampler keeps a row's free choice when `GrammarState.allows` says yes and masks only the other
+    rows. Every token the mask allows is allowed one by one (the mask may hold fewer: where the text is
+    forced it keeps only its canonical tokenization), and a walk through tokens allowed one by one, not
+    necessarily canonical ones, still ends in output that parses and validates."""
+    rng = random.Random(seed)
+    grammar = engine.grammars.matcher(GrammarSpec("json_schema", json.dumps(schema)))
+    vocab_size = engine.grammars.vocab_size
+    walked: list[int] = []
+    while not grammar.terminated:
+        bitmask = allocate_bitmask(1, vocab_size)
+        grammar.fill(bitmask, 0)
+        in_mask = [t for t in range(vocab_size) if allows(bitmask, 0, t)]
+        assert all(grammar.allows(t) for t in in_mask)
+        allowed = [t for t in range(vocab_size) if grammar.allows(t)]
+        walked.append(rng.choice(allowed))
+        assert grammar.accept(walked[-1])
+    eos = engine.scheduler.eos_token_ids
+    jsonschema.validate(json.loads(engine.tokenizer.decode([t for t in walked if t not in eos])), schema)
 
 
 def test_json_object_mode_yields_one_json_object(engine: LLMEngine) -> None:
