@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rps", type=float, default=0.5, help="interactive arrivals per second (Poisson)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of interactive arrivals")
     parser.add_argument("--batch", type=int, default=40, help="requests in the batch")
-    parser.add_argument("--batch-concurrency", type=int, default=8, help="batch lines in flight at once")
+    parser.add_argument("--batch-concurrency", type=int, default=BatchConfig().concurrency,
+                        help="batch lines in flight at once (default: the config's `batch.concurrency`)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--scenarios", default="alone,batch_api,no_priority")
     args = parser.parse_args(argv)

@@ -10,7 +10,10 @@ in the prefix cache), so memory pressure slows the engine down but never crashes
 Priority classes (`SamplingParams.priority`): waiting interactive sequences are admitted before
 any waiting batch sequence, and an interactive sequence that finds the slots or the KV blocks held
 by running batch sequences preempts them (latest admitted first) rather than wait; under memory
-pressure batch sequences are the first to go. Batch work fills what interactive work leaves.
+pressure batch sequences are the first to go. Batch work fills what interactive work leaves: while an
+interactive sequence waits or prefills, batch sequences sit the step out (keeping their blocks), so
+a new interactive prompt is prefilled at the speed it would be without the batch. On a CPU the cost
+of a step grows with every row in it, and time to first token is the latency users feel first.
 
 The scheduler is also the one place that decides, for each step, which sequences sample a token
 (those whose step completes their tokens: `ScheduledBatch.sampled`) and which finish
@@ -86,6 +89,7 @@ class Scheduler:
         scheduled: set[int] = set()  # ids of scheduled sequences
         made_room = self._preempt_batch_for_interactive()
         num_preempted_before = self.num_preempted_total
+        batch_sits_out = self._interactive_prefill_pending()
 
         # Interactive before batch within each (a stable sort): batch sequences not yet scheduled are the
         # ones `_make_room` can still preempt.
@@ -94,8 +98,8 @@ class Scheduler:
         for seq in sorted(decoding, key=is_batch) + sorted(prefilling, key=is_batch):
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
-                continue
+            if seq.status is not SequenceStatus.RUNNING or (batch_sits_out and is_batch(seq)):
+                continue  # preempted earlier in this loop, or yields the step to an interactive prefill
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self._make_room(seq, num_new, scheduled):
                 continue
@@ -110,7 +114,7 @@ class Scheduler:
         # batch sequences preempted for an interactive one wait at least a step).
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
-            if made_room and not is_interactive(seq):
+            if (made_room or batch_sits_out) and not is_interactive(seq):
                 break
             computed_blocks = self.block_manager.get_computed_blocks(seq)
             num_computed = len(computed_blocks) * self.block_manager.block_size
@@ -185,6 +189,11 @@ class Scheduler:
         self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def _interactive_prefill_pending(self) -> bool:
+        """Whether an interactive sequence waits for admission or has prompt tokens left to compute."""
+        return bool(self.waiting.count("interactive")) or any(
+            is_interactive(seq) and seq.num_tokens - seq.num_computed_tokens > 1 for seq in self.running)
 
     def _preempt_batch_for_interactive(self) -> bool:
         """Preempt running batch sequences, latest admitted first, until the interactive sequence at the

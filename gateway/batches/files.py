@@ -19,6 +19,9 @@ class FileStore:
         """Write a file whole or not at all (a temporary name, renamed when synced); its size."""
         return await asyncio.to_thread(self._write, file_id, chunks)
 
+    async def delete(self, file_id: str) -> None:
+        await asyncio.to_thread(self.path(file_id).unlink, missing_ok=True)
+
     async def read(self, file_id: str) -> bytes:
         return await asyncio.to_thread(self.path(file_id).read_bytes)
 

@@ -24,6 +24,8 @@ from gateway.batches.wire import (
     BatchErrors,
     BatchList,
     CreateBatch,
+    FileDeleted,
+    FileList,
     FileObject,
     RequestCounts,
     new_id,
@@ -33,6 +35,7 @@ from gateway.batches.worker import BatchWorker
 
 MAX_FILENAME_LEN = 256
 MAX_LIST_LIMIT = 100
+MAX_FILE_LIST_LIMIT = 10_000  # OpenAI's bound for GET /v1/files
 
 
 def _epoch(moment: datetime | None) -> int | None:
@@ -80,6 +83,25 @@ class BatchService:
 
     async def file(self, principal: Principal, file_id: str) -> FileObject:
         return file_object(await self._file_row(principal, file_id))
+
+    async def list_files(self, principal: Principal, purpose: str | None, after: str | None, limit: int,
+                         order: str) -> FileList:
+        if not 1 <= limit <= MAX_FILE_LIST_LIMIT:
+            raise invalid(f"`limit` must be between 1 and {MAX_FILE_LIST_LIMIT}.", "limit")
+        if order not in ("asc", "desc"):
+            raise invalid("`order` must be `asc` or `desc`.", "order", "unsupported_value")
+        rows = await store.list_files(self.db, principal.tenant, purpose, after, limit, newest_first=order == "desc")
+        data = [file_object(row) for row in rows[:limit]]
+        first, last = (data[0].id, data[-1].id) if data else (None, None)
+        return FileList(data=data, has_more=len(rows) > limit, first_id=first, last_id=last)
+
+    async def delete_file(self, principal: Principal, file_id: str) -> FileDeleted:
+        """The row first, then the bytes: a file is gone for the API as soon as its row is. A batch keeps
+        running after its input file is deleted (its lines were copied when it was created)."""
+        if not await store.delete_file(self.db, file_id, principal.tenant):
+            raise _not_found("file", file_id)
+        await self.files.delete(file_id)
+        return FileDeleted(id=file_id)
 
     async def content(self, principal: Principal, file_id: str) -> Path:
         await self._file_row(principal, file_id)

@@ -56,6 +56,27 @@ async def find_file(db: AsyncEngine, file_id: str, tenant: str) -> sa.Row[Any] |
         return (await connection.execute(query)).first()
 
 
+async def list_files(db: AsyncEngine, tenant: str, purpose: str | None, after: str | None, limit: int,
+                     newest_first: bool) -> list[sa.Row[Any]]:
+    """A tenant's files (of one purpose, or all) in id order (ids are time-ordered), after the id `after`;
+    `limit` + 1 read."""
+    order = files.c.id.desc() if newest_first else files.c.id.asc()
+    query = sa.select(files).where(files.c.tenant == tenant).order_by(order).limit(limit + 1)
+    if purpose:
+        query = query.where(files.c.purpose == purpose)
+    if after:
+        query = query.where(files.c.id < after if newest_first else files.c.id > after)
+    async with db.connect() as connection:
+        return list((await connection.execute(query)).all())
+
+
+async def delete_file(db: AsyncEngine, file_id: str, tenant: str) -> bool:
+    """Delete a tenant's file row; whether it existed."""
+    async with db.begin() as connection:
+        result = await connection.execute(files.delete().where(files.c.id == file_id, files.c.tenant == tenant))
+    return result.rowcount == 1
+
+
 async def insert_batch(db: AsyncEngine, row: dict[str, Any], lines: list[InputLine]) -> None:
     """The batch and all its lines (pending) in one transaction: a batch exists whole or not at all."""
     async with db.begin() as connection:

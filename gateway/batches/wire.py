@@ -31,6 +31,20 @@ class FileObject(msgspec.Struct, kw_only=True):
     status_details: str | None = None
 
 
+class FileList(msgspec.Struct, kw_only=True):
+    data: list[FileObject]
+    has_more: bool
+    first_id: str | None = None
+    last_id: str | None = None
+    object: Literal["list"] = "list"
+
+
+class FileDeleted(msgspec.Struct, kw_only=True):
+    id: str
+    deleted: bool = True
+    object: Literal["file"] = "file"
+
+
 class RequestCounts(msgspec.Struct, kw_only=True):
     total: int = 0
     completed: int = 0

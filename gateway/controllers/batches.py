@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import Controller, Request, get, post
+from litestar import Controller, Request, delete, get, post
 from litestar.datastructures import State, UploadFile
 from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, JSONBody
@@ -13,7 +13,7 @@ from litestar.response import File
 from engines.api.errors import invalid
 from gateway.auth import Principal
 from gateway.batches.service import BatchService
-from gateway.batches.wire import Batch, BatchList, CreateBatch, FileObject
+from gateway.batches.wire import Batch, BatchList, CreateBatch, FileDeleted, FileList, FileObject
 from gateway.controllers.openai import authenticated
 
 
@@ -46,6 +46,17 @@ class BatchController(Controller):
         if not isinstance(purpose, str):
             raise invalid("Send the multipart field `purpose` (batch).", "purpose", "missing_required_parameter")
         return await batches.upload(_principal(request), upload.filename, purpose, await upload.read())
+
+    @get("/files", summary="The caller's files, newest first")
+    async def list_files(self, request: Request[Any, Any, Any], batches: NamedDependency[BatchService],
+                         purpose: FromQuery[str | None] = None, after: FromQuery[str | None] = None,
+                         limit: FromQuery[int] = 10_000, order: FromQuery[str] = "desc") -> FileList:  # fmt: skip
+        return await batches.list_files(_principal(request), purpose, after, limit, order)
+
+    @delete("/files/{file_id:str}", status_code=200, summary="Delete a file")
+    async def delete_file(self, request: Request[Any, Any, Any], file_id: FromPath[str],
+                          batches: NamedDependency[BatchService]) -> FileDeleted:  # fmt: skip
+        return await batches.delete_file(_principal(request), file_id)
 
     @get("/files/{file_id:str}", summary="A file's description")
     async def file(self, request: Request[Any, Any, Any], file_id: FromPath[str],

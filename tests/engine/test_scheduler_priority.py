@@ -22,8 +22,9 @@ def test_waiting_interactive_sequences_are_admitted_before_batch_ones_that_came_
     add(scheduler, "b1", 4, "batch")
     add(scheduler, "b2", 4, "batch")
     add(scheduler, "i1", 4)
-    assert step(scheduler) == {"i1": 4, "b1": 4}
-    assert step(scheduler) == {"i1": 1, "b1": 1, "b2": 4}
+    assert step(scheduler) == {"i1": 4}  # batch work sits out an interactive prefill
+    assert step(scheduler) == {"i1": 1, "b1": 4, "b2": 3}
+    assert step(scheduler) == {"i1": 1, "b1": 1, "b2": 1}
 
 
 def test_an_interactive_sequence_takes_the_slot_of_the_latest_batch_sequence() -> None:
@@ -31,8 +32,8 @@ def test_an_interactive_sequence_takes_the_slot_of_the_latest_batch_sequence() -
     b1, b2 = add(scheduler, "b1", 4, "batch"), add(scheduler, "b2", 4, "batch")
     assert step(scheduler) == {"b1": 4, "b2": 4}
     i1 = add(scheduler, "i1", 4)
-    # No slot left: b2 (admitted last) is preempted and recomputed later; i1 runs at once.
-    assert step(scheduler) == {"b1": 1, "i1": 4}
+    # No slot left: b2 (admitted last) is preempted and recomputed later; i1 is prefilled at once, alone.
+    assert step(scheduler) == {"i1": 4}
     assert (b2.status, b2.num_computed_tokens, scheduler.num_preempted_total) == (SequenceStatus.WAITING, 0, 1)
     assert [s.request_id for s in scheduler.running] == ["b1", "i1"]
     assert step(scheduler) == {"b1": 1, "i1": 1}  # b2 waits for a free slot
@@ -47,7 +48,7 @@ def test_an_interactive_sequence_takes_the_kv_blocks_of_batch_sequences() -> Non
     add(scheduler, "b2", 7, "batch")
     assert step(scheduler) == {"b1": 7, "b2": 7}  # all four blocks held
     add(scheduler, "i1", 6)
-    assert step(scheduler) == {"b1": 1, "i1": 6}
+    assert step(scheduler) == {"i1": 6}
     assert [s.request_id for s in scheduler.waiting] == ["b2"] and scheduler.num_preempted_total == 1
 
 
@@ -66,8 +67,8 @@ def test_under_memory_pressure_a_batch_sequence_goes_before_an_interactive_one()
     assert step(scheduler) == {"b1": 4}
     add(scheduler, "i1", 4)
     add(scheduler, "i2", 4)
-    assert step(scheduler) == {"b1": 1, "i1": 4, "i2": 4}  # all four blocks held
-    # i1 and i2 each need a new block for their next token: the batch sequence gives its two up, although
+    assert step(scheduler) == {"i1": 4, "i2": 4}  # b1 sits the interactive prefills out, keeping its block
+    # i1 and i2 each need a new block for their next token: the batch sequence gives its up, although
     # it was admitted first (interactive decodes are scheduled first, so they are not its victims).
     assert step(scheduler) == {"i1": 1, "i2": 1}
     assert [s.request_id for s in scheduler.waiting] == ["b1"] and scheduler.num_preempted_total == 1
@@ -116,6 +117,9 @@ def test_engine_stats_count_batch_sequences_waiting_and_running(tiny_llama: Tiny
     for name in ("b0", "b1", "b2"):
         engine.add_request(name, [1, 2, 3], batch)
     engine.add_request("i0", [4, 5, 6], SamplingParams(max_tokens=4))
-    engine.step()  # i0 and b0 run; b1 and b2 wait
+    engine.step()  # i0 is prefilled alone; the batch waits
+    stats = engine.stats()
+    assert (stats.num_waiting, stats.num_waiting_batch, stats.num_running, stats.num_running_batch) == (3, 3, 1, 0)
+    engine.step()  # i0 decodes and b0 takes the other slot; b1 and b2 wait
     stats = engine.stats()
     assert (stats.num_waiting, stats.num_waiting_batch, stats.num_running, stats.num_running_batch) == (2, 2, 2, 1)

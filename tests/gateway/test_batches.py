@@ -125,6 +125,36 @@ def test_the_sdk_uploads_creates_polls_lists_and_downloads_a_batch(served: tuple
     assert {r.request_id.rsplit(".", 2)[0] for r in records} == {created.id}
 
 
+def test_the_sdk_lists_and_deletes_files(served: tuple[str, list[RequestRecord]]):
+    sdk = openai.OpenAI(base_url=served[0], api_key="local-dev", max_retries=0)
+    first = sdk.files.create(file=("one.jsonl", jsonl(chat_body("a", 1))), purpose="batch")
+    second = sdk.files.create(file=("two.jsonl", jsonl(chat_body("b", 1))), purpose="batch")
+    newest = [f.id for f in sdk.files.list(purpose="batch")]
+    assert newest.index(second.id) < newest.index(first.id)  # newest first
+    page = sdk.files.list(purpose="batch", limit=1)
+    assert [f.id for f in page.data] == [newest[0]] and page.has_more
+    assert [f.id for f in sdk.files.list(purpose="batch", limit=1)] == newest  # the SDK pages on with `after`
+    assert [f.id for f in sdk.files.list(purpose="batch", order="asc")] == newest[::-1]
+
+    batch = wait_done(sdk, sdk.batches.create(input_file_id=first.id, endpoint=CHAT_URL, completion_window="24h").id)
+    assert batch.output_file_id in [f.id for f in sdk.files.list(purpose="batch_output")]
+    assert batch.output_file_id not in newest
+
+    deleted = sdk.files.delete(first.id)
+    assert (deleted.id, deleted.deleted) == (first.id, True)
+    assert first.id not in [f.id for f in sdk.files.list()]
+    for gone in (lambda: sdk.files.retrieve(first.id), lambda: sdk.files.content(first.id),
+                 lambda: sdk.files.delete(first.id)):
+        with pytest.raises(openai.NotFoundError):
+            gone()
+    # The batch made from it still reads, and so does its output.
+    assert sdk.batches.retrieve(batch.id).status == "completed"
+    assert results(sdk.files.content(batch.output_file_id).content)
+    with pytest.raises(openai.BadRequestError) as bad_limit:
+        sdk.files.list(limit=0)
+    assert bad_limit.value.param == "limit"
+
+
 def test_the_sdk_gets_openai_errors_for_bad_batches(served: tuple[str, list[RequestRecord]]):
     sdk = openai.OpenAI(base_url=served[0], api_key="local-dev", max_retries=0)
     with pytest.raises(openai.NotFoundError):
