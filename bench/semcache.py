@@ -286,7 +286,9 @@ async def end_to_end(data: Path, n_pairs: int, repeats: int, token_interval_ms: 
             tiers=tiers,
             redis=RedisConfig(url=""),
             database=msgspec.structs.replace(base.database, url="sqlite+aiosqlite:///:memory:"),
-            server=msgspec.structs.replace(base.server, allow_anonymous=True),
+            # No anonymous rate or spend limits: the replay sends hundreds of requests in a minute.
+            server=msgspec.structs.replace(base.server, allow_anonymous=True, anonymous_rpm=0, anonymous_tpm=0,
+                                           anonymous_spend_per_day_usd=0.0),
             policies={"default": PolicyConfig(cache="semantic")},
         )
         app = create_app(settings, record_sink=records.append)
