@@ -17,12 +17,20 @@ from engines.sequence import Sequence
 @dataclass
 class TokenSpan:
     """Tokens at positions [start, start + len(token_ids)) of one sequence whose K/V live at `block_table`'s
-    slots (positions before `start` are cached). `logits`: which rows go through the LM head."""
+    slots (positions before `start` are cached). `logits`: which rows go through the LM head.
+    `as_decode_rows`: each token attends as a decode row of its own (speculative verification): the
+    same attention path as plain decoding. Verified as a causal prefill chunk, 3 of 4 greedy GSM8K
+    outputs of the demo models drifted from plain decoding; as decode rows none did (BENCHMARKS.md)."""
 
     token_ids: list[int]
     start: int
     block_table: list[int]
     logits: Literal["none", "last", "all"] = "last"
+    as_decode_rows: bool = False
+
+
+def _decodes(span: TokenSpan) -> bool:
+    return len(span.token_ids) == 1 or span.as_decode_rows
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -66,7 +74,7 @@ class ModelRunner:
     def forward(self, spans: list[TokenSpan]) -> torch.Tensor:
         """Compute every span's tokens (writing their K/V); return float32 logits of the rows the spans ask
         for, span by span in the order given: [sum of each span's 0, 1 or len(token_ids) rows, V]."""
-        order = sorted(range(len(spans)), key=lambda i: len(spans[i].token_ids) != 1)  # decode rows first
+        order = sorted(range(len(spans)), key=lambda i: not _decodes(spans[i]))  # decode rows first
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -85,6 +93,8 @@ class ModelRunner:
             slot_mapping.extend(table[p // size] * size + p % size for p in range(start, end))
             if num_new == 1:
                 decode_spans.append(span)
+            elif span.as_decode_rows:
+                decode_spans.extend(TokenSpan([token], start + j, table) for j, token in enumerate(span.token_ids))
             else:
                 prefills.append(self._prefill_chunk(span, row))
             if span.logits == "last":

@@ -162,7 +162,8 @@ class Speculator:
         started = time.perf_counter()
         drafts, draft_probs = self._propose(seqs, k)
         drafted = time.perf_counter()
-        spans = [TokenSpan([seq.token_ids[-1], *draft], seq.num_tokens - 1, seq.block_table, "all")
+        spans = [TokenSpan([seq.token_ids[-1], *draft], seq.num_tokens - 1, seq.block_table, "all",
+                           as_decode_rows=True)
                  for seq, draft in zip(seqs, drafts, strict=True)]
         logits = target.forward(spans).view(len(seqs), k + 1, -1)
         verified_at = time.perf_counter()
