@@ -12,7 +12,7 @@ from litestar.response import File
 
 from engines.api.errors import invalid
 from gateway.auth import Principal
-from gateway.batches.service import BatchService
+from gateway.batches.service import MAX_FILE_LIST_LIMIT, BatchService
 from gateway.batches.wire import Batch, BatchList, CreateBatch, FileDeleted, FileList, FileObject
 from gateway.controllers.openai import authenticated
 
@@ -50,7 +50,8 @@ class BatchController(Controller):
     @get("/files", summary="The caller's files, newest first")
     async def list_files(self, request: Request[Any, Any, Any], batches: NamedDependency[BatchService],
                          purpose: FromQuery[str | None] = None, after: FromQuery[str | None] = None,
-                         limit: FromQuery[int] = 10_000, order: FromQuery[str] = "desc") -> FileList:  # fmt: skip
+                         limit: FromQuery[int] = MAX_FILE_LIST_LIMIT,
+                         order: FromQuery[str] = "desc") -> FileList:  # fmt: skip
         return await batches.list_files(_principal(request), purpose, after, limit, order)
 
     @delete("/files/{file_id:str}", status_code=200, summary="Delete a file")

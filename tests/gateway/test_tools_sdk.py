@@ -6,19 +6,17 @@ shape; replies are kept to a few dozen tokens."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
 from collections.abc import Iterator
 
 import jsonschema
 import msgspec
 import openai
 import pytest
-import uvicorn
 
 from engines.registry import resolve_model
 from gateway.app import create_app
 from gateway.config import PolicyConfig, TierConfig, load_settings
+from tests.gateway.conftest import loopback_socket, served_on
 
 pytestmark = pytest.mark.slow
 
@@ -54,20 +52,8 @@ def sdk() -> Iterator[openai.OpenAI]:
         tiers={"small": TierConfig(model="small", kv_cache_mb=64, max_num_seqs=4, max_model_len=2048)},
         policies={"default": PolicyConfig(allowed_tiers=["small"], cache="off")},
     )
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        while not server.started:
-            thread.join(0.05)
-            assert thread.is_alive(), "uvicorn failed to start"
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="local", max_retries=0)
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
+    with served_on(create_app(settings), loopback_socket(), wait_s=30) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="local", max_retries=0)
 
 
 def test_a_named_tool_choice_returns_a_parsed_tool_call(sdk: openai.OpenAI) -> None:
