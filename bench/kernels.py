@@ -4,7 +4,13 @@ For the shapes of the small demo model (Qwen2.5-0.5B: gate/up 896→9728, down 4
 896→151936) at decode-sized and prefill-sized row counts: float32 `nn.Linear` (the baseline), w8a8
 (`W8A8Linear`: int8 weights and per-row int8 activations, `torch._int_mm`) and int8 weight-only
 (`Int8Linear`: `_weight_int8pack_mm`, bfloat16 activations), plus whether the CPU has the
-instructions `auto` looks for.
+instructions `auto` looks for. `W8A8Linear` runs decode-sized inputs (up to 8 rows) through the
+`w8a8_gemv` kernel where this CPU has it, so its 1- and 8-row figures are the kernel's.
+
+Decode GEMVs (second table): the w8a8 kernel against `torch._int_mm` (the same layer with
+`gemv = None`) at 1 to 8 rows, with the weights streamed from memory as in a decode step (enough
+copies of each layer, cycled, to exceed the last-level cache), in GB/s of weights read beside the
+memory bandwidth a large tensor read reaches in the same run.
 
     python -m bench.kernels [--threads N] [--repeat 10]
 """
@@ -14,17 +20,22 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
 from bench.common import print_table, write_results
+from bench.engine import memory_bandwidth
 from engines.cpu import has_int8_dot_product, has_native_bf16
 from engines.quantization import Int8Linear, W8A8Linear, resolve_quantization
+from engines.w8a8_gemv import w8a8_gemv
 
 SHAPES = {"gate_up 896→9728": (896, 9728), "down 4864→896": (4864, 896), "lm_head 896→151936": (896, 151936)}
 ROWS = (1, 8, 32, 128, 512)
+GEMV_ROWS = (1, 2, 4, 8)
+STREAMED_BYTES = 256 << 20  # weights cycled per timing: well past any last-level cache here
 
 
 def milliseconds(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, repeat: int) -> float:
@@ -64,6 +75,39 @@ def measure(repeat: int) -> list[dict[str, Any]]:
     return results
 
 
+def run_all(layers: list[W8A8Linear], x: torch.Tensor) -> None:
+    for layer in layers:
+        layer(x)
+
+
+@torch.inference_mode()
+def measure_gemv(repeat: int) -> list[dict[str, Any]]:
+    """The w8a8 kernel against `_int_mm` at decode row counts, weights streamed from memory."""
+    torch.manual_seed(0)
+    results = []
+    for name, (in_features, out_features) in SHAPES.items():
+        dense = nn.Linear(in_features, out_features, bias=False)
+        copies = [
+            W8A8Linear.from_linear(dense, torch.float32)
+            for _ in range(max(1, STREAMED_BYTES // (in_features * out_features)))
+        ]
+        for rows in GEMV_ROWS:
+            x = torch.randn(rows, in_features)
+            streamed = {}
+            for path in ("kernel", "int_mm"):
+                for layer in copies:
+                    layer.gemv = w8a8_gemv() if path == "kernel" else None
+                streamed[path] = min(milliseconds(partial(run_all, copies), x, 1) for _ in range(repeat)) / len(copies)
+            weight_gb = in_features * out_features / 1e9
+            results.append({
+                "layer": name, "rows": rows, "int_mm_ms": streamed["int_mm"], "kernel_ms": streamed["kernel"],
+                "int_mm_weight_gb_s": weight_gb / streamed["int_mm"] * 1000,
+                "kernel_weight_gb_s": weight_gb / streamed["kernel"] * 1000,
+                "int_mm_over_kernel_x": streamed["int_mm"] / streamed["kernel"],
+            })  # fmt: skip
+    return results
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -89,7 +133,22 @@ def main(argv: Sequence[str] | None = None) -> None:
             for r in results
         ],
     )  # fmt: skip
-    write_results("kernels", {"cpu": cpu, "baseline": "float32 nn.Linear", "results": results})
+    figures: dict[str, Any] = {"cpu": cpu, "baseline": "float32 nn.Linear", "results": results}
+    if w8a8_gemv() is not None:
+        bandwidth = memory_bandwidth()
+        gemv = measure_gemv(max(3, args.repeat // 2))
+        print_table(
+            f"w8a8 decode GEMVs, weights streamed from memory: the kernel against torch._int_mm "
+            f"(memory read {bandwidth['read_gb_s']:.1f} GB/s, copy {bandwidth['copy_gb_s']:.1f} GB/s)",
+            ["layer", "rows", "_int_mm ms", "kernel ms", "_int_mm GB/s", "kernel GB/s", "_int_mm/kernel x"],
+            [[r["layer"], r["rows"], r["int_mm_ms"], r["kernel_ms"], r["int_mm_weight_gb_s"],
+              r["kernel_weight_gb_s"], r["int_mm_over_kernel_x"]] for r in gemv],
+        )  # fmt: skip
+        figures |= {"decode_gemv_baseline": "torch._int_mm (W8A8Linear with gemv=None)", "decode_gemv": gemv,
+                    "memory_bandwidth": bandwidth}  # fmt: skip
+    else:
+        print("w8a8 decode kernel unavailable on this machine (needs AVX-512 VNNI and a C compiler): not timed")
+    write_results("kernels", figures)
 
 
 if __name__ == "__main__":
