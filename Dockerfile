@@ -12,6 +12,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     SLUICE_MODELS__CACHE_DIR=/models
 
+# A C compiler: the engine builds its CPU decode kernels (engines/cpu_kernels.c) on first use; without
+# one it runs on PyTorch ops alone, slower at batch 1.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 
 WORKDIR /app

@@ -29,8 +29,8 @@ from torch import nn
 from bench.common import print_table, write_results
 from bench.engine import memory_bandwidth
 from engines.cpu import has_int8_dot_product, has_native_bf16
+from engines.cpu_kernels import w8a8_gemv
 from engines.quantization import Int8Linear, W8A8Linear, resolve_quantization
-from engines.w8a8_gemv import w8a8_gemv
 
 SHAPES = {"gate_up 896→9728": (896, 9728), "down 4864→896": (4864, 896), "lm_head 896→151936": (896, 151936)}
 ROWS = (1, 8, 32, 128, 512)

@@ -5,7 +5,11 @@ head_dim]: token slot `block_table[p // block_size] * block_size + p % block_siz
 Each step writes the new tokens' K/V at `slot_mapping`, then attends:
   - decode rows (one query token each) as one padded batch over their gathered context;
   - prefill chunks one by one, causally over the cached prefix plus the chunk itself.
-Context is gathered a whole block at a time (one `index_select` row per block, not per token):
+Where this CPU runs `engines.cpu_kernels`, decode rows instead attend in one call that reads the cache
+in place through the block tables (`AttentionMetadata.decode_kernel`): no gathered copy, no mask, and
+none of the per-op costs that dominate a small decode step. Every decode row of every step takes the
+same path, whatever the batch, so a request's output does not depend on its batch mates.
+Otherwise context is gathered a whole block at a time (one `index_select` row per block, not per token):
 a block of K is one contiguous run of memory, and copying it whole is much faster than slot by
 slot, which matters because decode attention on CPU is bound by these copies. Slots past a
 sequence's length in its last block (and padding blocks) are masked out.
@@ -17,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from engines.cpu_kernels import PagedDecodeAttention
 
 
 @dataclass
@@ -42,8 +48,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long
     num_decode_tokens: int
     decode_block_tables: torch.Tensor | None  # [num_decode_tokens, max blocks] long, padded with block 0
-    decode_mask: torch.Tensor | None  # [num_decode_tokens, 1, 1, max blocks * block_size] bool
+    decode_mask: torch.Tensor | None  # [num_decode_tokens, 1, 1, max blocks * block_size] bool; None with the kernel
     prefills: list[PrefillChunk]
+    decode_context_lens: torch.Tensor | None = None  # [num_decode_tokens] long: positions each decode row sees
+    decode_kernel: PagedDecodeAttention | None = None  # attends decode rows in place; None: PyTorch ops
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -72,7 +80,10 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     store_kvcache(key, value, k_cache, v_cache, metadata.slot_mapping)
     output = torch.empty_like(query)
     num_decode = metadata.num_decode_tokens
-    if num_decode:
+    if num_decode and metadata.decode_kernel is not None:
+        output[:num_decode] = metadata.decode_kernel(query[:num_decode], k_cache, v_cache, metadata.decode_block_tables,
+                                                     metadata.decode_context_lens, metadata.block_size, scale)
+    elif num_decode:
         batch, num_heads, head_dim = query[:num_decode].shape
         num_kv_heads = k_cache.shape[1]
         # Query heads sharing a KV head become that head's query rows: no K/V copy per query head.

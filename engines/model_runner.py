@@ -10,6 +10,7 @@ import torch
 
 from engines.attention import AttentionMetadata, PrefillChunk
 from engines.config import ModelConfig
+from engines.cpu_kernels import paged_decode_attention
 from engines.scheduler import ScheduledBatch
 from engines.sequence import Sequence
 
@@ -58,6 +59,10 @@ class ModelRunner:
         shape = (num_kv_blocks * block_size, config.num_key_value_heads, config.head_dim)
         self.kv_caches = [(lazy_zeros(shape, kv_cache_dtype), lazy_zeros(shape, kv_cache_dtype))
                           for _ in range(config.num_hidden_layers)]
+        kernel = paged_decode_attention()
+        supported = kernel is not None and kernel.supports(
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim, kv_cache_dtype)
+        self.decode_attention = kernel if supported else None  # None: decode rows attend through PyTorch ops
 
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Compute the batch; return float32 logits [S, V] for the S sequences that sample this step
@@ -111,7 +116,7 @@ class ModelRunner:
             prefills=prefills,
         )
         if decode_spans:
-            metadata.decode_block_tables, metadata.decode_mask = self._decode_context(decode_spans)
+            self._decode_context(decode_spans, metadata)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
                             self.kv_caches, metadata)
         rows = [row for i in range(len(spans)) for row in logit_rows.get(i, ())]
@@ -119,13 +124,18 @@ class ModelRunner:
             return torch.empty(0, self.config.vocab_size)
         return self.model.compute_logits(hidden[torch.tensor(rows)]).float()
 
-    def _decode_context(self, spans: list[TokenSpan]) -> tuple[torch.Tensor, torch.Tensor]:
-        context_lens = torch.tensor([span.start + 1 for span in spans])
+    def _decode_context(self, spans: list[TokenSpan], metadata: AttentionMetadata) -> None:
+        """The decode rows' block tables, and their context lengths (for the kernel) or mask (for SDPA)."""
+        context_lens = torch.tensor([span.start + 1 for span in spans], dtype=torch.long)
         max_blocks = -(-int(context_lens.max()) // self.block_size)
-        tables = torch.tensor([span.block_table[:max_blocks] + [0] * (max_blocks - len(span.block_table[:max_blocks]))
-                               for span in spans], dtype=torch.long)
+        metadata.decode_block_tables = torch.tensor(
+            [span.block_table[:max_blocks] + [0] * (max_blocks - len(span.block_table[:max_blocks])) for span in spans],
+            dtype=torch.long)
+        if self.decode_attention is not None:
+            metadata.decode_context_lens, metadata.decode_kernel = context_lens, self.decode_attention
+            return
         mask = torch.arange(max_blocks * self.block_size).unsqueeze(0) < context_lens.unsqueeze(1)
-        return tables, mask[:, None, None, :]
+        metadata.decode_mask = mask[:, None, None, :]
 
     def _prefill_chunk(self, span: TokenSpan, start_row: int) -> PrefillChunk:
         num_computed, num_new = span.start, len(span.token_ids)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from engines.cpu import has_int8_dot_product
-from engines.w8a8_gemv import w8a8_gemv
+from engines.cpu_kernels import w8a8_gemv
 
 QUANTIZATION_MODES = ("int8", "int4", "w8a8")
 AUTO = "auto"  # w8a8 where the CPU has int8 dot products, else int8

@@ -1,0 +1,129 @@
+"""The CPU decode kernels compute what the PyTorch paths do (the w8a8 one bit for bit), and their absence
+costs nothing but speed."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from engines import cpu_kernels
+from engines.attention import AttentionMetadata, paged_attention
+from engines.cpu_kernels import paged_decode_attention, w8a8_gemv
+from engines.quantization import W8A8Linear
+
+needs_kernel = pytest.mark.skipif(
+    w8a8_gemv() is None, reason="the CPU decode kernels need AVX-512 VNNI and a C compiler; this machine lacks one"
+)
+
+
+def w8a8_pair(in_features: int, out_features: int, bias: bool) -> tuple[W8A8Linear, W8A8Linear]:
+    """The same quantised layer twice: through the kernel, and forced onto `torch._int_mm`."""
+    torch.manual_seed(in_features + out_features)
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    with_kernel = W8A8Linear.from_linear(linear, torch.float32)
+    reference = W8A8Linear.from_linear(linear, torch.float32)
+    reference.gemv = None
+    return with_kernel, reference
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize(("in_features", "bias"), [(256, False), (200, True), (4864 // 8, True)])
+def test_the_kernel_is_bit_identical_to_int_mm(rows: int, in_features: int, bias: bool) -> None:
+    with_kernel, reference = w8a8_pair(in_features, 96, bias)
+    x = torch.randn(rows, in_features) * torch.logspace(-3, 3, rows).unsqueeze(1)  # row scales far apart
+    x[0] = x[0].clamp(-100, 100)
+    x[0, :3] = torch.tensor([127.0, 2.5, -3.5])  # scale exactly 1: two values halfway, rounded half to even
+    assert torch.equal(with_kernel(x), reference(x))
+    assert torch.equal(with_kernel(torch.zeros(rows, in_features)), reference(torch.zeros(rows, in_features)))
+
+
+@needs_kernel
+def test_rows_beyond_the_kernel_go_to_int_mm_and_stay_exact() -> None:
+    with_kernel, reference = w8a8_pair(128, 64, True)
+    kernel = w8a8_gemv()
+    assert kernel is not None
+    x = torch.randn(kernel.max_rows + 1, 128)
+    assert torch.equal(with_kernel(x), reference(x))
+    with pytest.raises(ValueError, match="rows"):
+        kernel(x, with_kernel.weight, with_kernel.weight_sum, with_kernel.scales, with_kernel.bias)
+
+
+def test_a_cpu_without_vnni_keeps_the_pytorch_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert cpu_kernels._library.__wrapped__() is None
+
+
+def test_a_kernel_that_does_not_compile_is_logged_and_skipped(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCE", broken)
+    monkeypatch.setattr(cpu_kernels, "CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: cpu_kernels.REQUIRED_CPU_FLAGS)
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        assert cpu_kernels._library.__wrapped__() is None
+    assert "did not compile" in caplog.text or "no C compiler" in caplog.text
+    assert not list((tmp_path / "cache").glob("*.so"))  # no half-built library left to load later
+
+
+BLOCK_SIZE = 4
+
+
+def decode_metadata(block_tables: torch.Tensor, context_lens: torch.Tensor, kernel: bool) -> AttentionMetadata:
+    """Metadata of a step of decode rows only, as the model runner builds it with or without the kernel."""
+    slots = torch.stack([block_tables[t, (n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
+                         for t, n in enumerate(context_lens.tolist())])  # fmt: skip
+    positions = torch.arange(block_tables.shape[1] * BLOCK_SIZE)
+    return AttentionMetadata(
+        block_size=BLOCK_SIZE, slot_mapping=slots, num_decode_tokens=len(context_lens),
+        decode_block_tables=block_tables,
+        decode_mask=None if kernel else (positions.unsqueeze(0) < context_lens.unsqueeze(1))[:, None, None, :],
+        prefills=[], decode_context_lens=context_lens if kernel else None,
+        decode_kernel=paged_decode_attention() if kernel else None,
+    )  # fmt: skip
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 16), (14, 2, 64), (12, 2, 128)])
+def test_decode_attention_reads_the_paged_cache_as_the_pytorch_path_does(
+    kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    torch.manual_seed(head_dim)
+    num_blocks = 12
+    k_cache = torch.randn(num_blocks * BLOCK_SIZE, num_kv_heads, head_dim).to(kv_dtype)
+    v_cache = torch.randn(num_blocks * BLOCK_SIZE, num_kv_heads, head_dim).to(kv_dtype)
+    # Three rows: blocks out of order and shared, context lengths that end mid-block, one a single token.
+    block_tables = torch.tensor([[7, 2, 9, 4], [3, 0, 0, 0], [5, 11, 2, 0]])
+    context_lens = torch.tensor([15, 1, 10])
+    query = torch.randn(3, num_heads, head_dim)
+    key, value = torch.randn(3, num_kv_heads, head_dim), torch.randn(3, num_kv_heads, head_dim)
+    outputs = []
+    for kernel in (False, True):
+        caches = k_cache.clone(), v_cache.clone()
+        metadata = decode_metadata(block_tables, context_lens, kernel)
+        outputs.append(paged_attention(query, key, value, *caches, metadata, head_dim**-0.5))
+    # The PyTorch path rounds queries and outputs to the cache dtype; the kernel keeps float32.
+    tolerance = 1e-5 if kv_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outputs[1], outputs[0], atol=tolerance, rtol=tolerance)
+
+
+@needs_kernel
+def test_decode_attention_sees_only_its_context() -> None:
+    """Slots past a row's context length in its last block hold another sequence's K/V: they must not count."""
+    kernel = paged_decode_attention()
+    assert kernel is not None
+    head_dim = 16
+    k_cache, v_cache = torch.zeros(2 * BLOCK_SIZE, 1, head_dim), torch.zeros(2 * BLOCK_SIZE, 1, head_dim)
+    v_cache[:3] = 1.0  # the row's three positions
+    v_cache[3:] = 1000.0  # the rest of its block, and the next block: someone else's
+    k_cache[3:] = 50.0  # keys that would win every score if they were read
+    out = kernel(torch.ones(1, 1, head_dim), k_cache, v_cache, torch.tensor([[0, 1]]), torch.tensor([3]),
+                 BLOCK_SIZE, 1.0)  # fmt: skip
+    assert torch.equal(out, torch.ones(1, 1, head_dim))
