@@ -130,7 +130,7 @@ def main() -> None:
             "tokens_per_target_forward": stats.num_emitted_tokens / max(stats.num_rounds * batch, 1),
             "mean_drafts_per_round": stats.num_draft_tokens / max(stats.num_rounds * batch, 1),
             "greedy_outputs_identical": f"{identical}/{len(prompts)}",
-            "first_divergence": _first_divergences(plain["outputs"], speculative["outputs"]),
+            "first_divergence": first_divergences(plain["outputs"], speculative["outputs"]),
         }
         rows.append([batch, plain["decode_tokens_per_s"], speculative["decode_tokens_per_s"], f"{ratio:.2f}x",
                      f"{stats.acceptance_rate:.0%}", results[f"batch_{batch}"]["tokens_per_target_forward"],
@@ -147,7 +147,7 @@ def main() -> None:
     })
 
 
-def _first_divergences(plain: list[list[int]], speculative: list[list[int]]) -> list[int | None]:
+def first_divergences(plain: list[list[int]], speculative: list[list[int]]) -> list[int | None]:
     """Per prompt: the index of the first differing token (None when identical)."""
     found: list[int | None] = []
     for a, b in zip(plain, speculative, strict=True):
