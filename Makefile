@@ -9,7 +9,7 @@ TEST_DATABASE_URL ?= postgresql+asyncpg://postgres@127.0.0.1:5432/test
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/0
 PYTEST_ARGS ?=
 
-.PHONY: run test venv models models-test services browser lint bench-engine bench-gateway bench-kernels bench-dashboard bench-structured bench-router router-default bench-semcache cache-matcher clean
+.PHONY: run test venv models models-test services browser lint bench-engine bench-gateway bench-kernels bench-dashboard bench-structured bench-router router-default bench-semcache bench-quant-quality cache-matcher clean
 
 run: venv models
 	SLUICE_SERVER__ALLOW_ANONYMOUS=$${SLUICE_SERVER__ALLOW_ANONYMOUS:-true} $(BIN)/sluice serve
@@ -62,6 +62,11 @@ bench-structured: venv models
 
 bench-router: venv
 	$(BIN)/sluice bench router
+
+# Perplexity, GSM8K answers, memory and speed of float32 / bf16 / int8 / w8a8 / int4 on the small and large
+# models, GSM8K from ../shared/data (defaults: ~2.5 h on 2 cores; `--questions`, `--max-tokens` to shorten).
+bench-quant-quality: venv models
+	$(BIN)/sluice bench quant_quality --data ../shared/data/gsm8k
 
 # The shipped classifier (router/default) from RouteLLM's MMLU + GSM8K data in ../shared/data.
 router-default: venv

@@ -198,6 +198,7 @@ BENCHMARKS = {
     "router": "bench.router",
     "capacity_sim": "bench.capacity_sim",
     "semcache": "bench.semcache",
+    "quant_quality": "bench.quant_quality",
 }
 
 
