@@ -2,11 +2,13 @@
 
 A decode step at batch 1 multiplies one row by every weight of the model and attends over one
 sequence's cache, so it should be bound by how fast the weights stream from memory. Two things kept it
-far from that: oneDNN's `torch._int_mm` reaches about half of DRAM bandwidth at one row, and paged
-attention through PyTorch ops (gather the blocks, mask, SDPA) costs ~0.2 ms per layer in op overheads
-for a few kilobytes of K/V. `w8a8_gemv` (bit-identical to `_int_mm`) and `paged_decode_attention`
-(reads the cache in place through the block table) replace them for steps of a few rows;
-`python -m bench.kernels` and `python -m bench.engine --batch1-only` time both against the torch path.
+far from that: oneDNN's `torch._int_mm` streams a one-row product's weights well below DRAM bandwidth,
+and paged attention through PyTorch ops (gather the blocks, mask, SDPA) pays per-op costs far above the
+few kilobytes of K/V it reads. `w8a8_gemv` (bit-identical to `_int_mm`) replaces the first for inputs
+of up to `max_rows` rows; `paged_decode_attention` (reads the cache in place through the block tables)
+the second, for every decode row of every step, so a row's result never depends on the batch size.
+`python -m bench.kernels` times the GEMV against `_int_mm`, `python -m bench.engine --batch1-only` a
+decode step with both kernels against the PyTorch ops; BENCHMARKS.md has the figures.
 
 They need AVX-512 with VNNI (the CPUs where `quantization = "auto"` picks w8a8) and a C compiler (`cc`,
 or `$CC`). The shared library is built on first use into `~/.cache/sluice/native/` under a name that

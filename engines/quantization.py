@@ -36,8 +36,8 @@ from engines.cpu_kernels import w8a8_gemv
 QUANTIZATION_MODES = ("int8", "int4", "w8a8")
 AUTO = "auto"  # w8a8 where the CPU has int8 dot products, else int8
 INT4_GROUP_SIZES = (32, 64, 128)
-# 32, the width of the Q4_K sub-blocks the demo checkpoints come in: on the small model, perplexity +2.7 %
-# over float32 against +11.9 % with groups of 128, for 12 % more bytes (`python -m bench.quant_quality`).
+# 32, the width of the Q4_K sub-blocks the demo checkpoints come in: groups of 128 cost several times the
+# perplexity for about an eighth fewer bytes (`python -m bench.quant_quality`, BENCHMARKS.md).
 INT4_DEFAULT_GROUP_SIZE = 32
 INT4_OUT_FEATURES_MULTIPLE = 16  # the CPU packing kernel's requirement
 COMPUTE_DTYPE = torch.bfloat16
@@ -182,7 +182,8 @@ class W8A8Linear(Int8Linear):
     batch, so a request's output does not depend on its batch mates.
 
     Few rows (decode steps) go through `w8a8_gemv` where this machine can run it: the same integers and
-    floats, the weight streamed at nearly twice `_int_mm`'s rate. `gemv = None` forces `_int_mm`."""
+    floats, the weight streamed faster than `_int_mm` manages at few rows (BENCHMARKS.md). `gemv = None`
+    forces `_int_mm`."""
 
     def __init__(
         self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, activation_dtype: torch.dtype
