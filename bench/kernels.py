@@ -12,6 +12,10 @@ Decode GEMVs (second table): the w8a8 kernel against `torch._int_mm` (the same l
 copies of each layer, cycled, to exceed the last-level cache), in GB/s of weights read beside the
 memory bandwidth a large tensor read reaches in the same run.
 
+Decode attention (third table): `paged_attention` over a bfloat16 paged cache with the
+`paged_decode_attention` kernel against the PyTorch path it replaces (blocks gathered, masked, SDPA),
+for both demo models' head layouts, from one row of 300 tokens to 64 rows of 900; best of `--repeat`.
+
     python -m bench.kernels [--threads N] [--repeat 10]
 """
 
@@ -28,14 +32,18 @@ from torch import nn
 
 from bench.common import print_table, write_results
 from bench.engine import memory_bandwidth
+from engines.attention import AttentionMetadata, paged_attention
 from engines.cpu import has_int8_dot_product, has_native_bf16
-from engines.cpu_kernels import w8a8_gemv
+from engines.cpu_kernels import paged_decode_attention, w8a8_gemv
 from engines.quantization import Int8Linear, W8A8Linear, resolve_quantization
 
 SHAPES = {"gate_up 896→9728": (896, 9728), "down 4864→896": (4864, 896), "lm_head 896→151936": (896, 151936)}
 ROWS = (1, 8, 32, 128, 512)
 GEMV_ROWS = (1, 2, 4, 8)
 STREAMED_BYTES = 256 << 20  # weights cycled per timing: well past any last-level cache here
+HEAD_LAYOUTS = {"small 14/2 heads × 64": (14, 2, 64), "large 12/2 heads × 128": (12, 2, 128)}
+ATTENTION_BATCHES = ((1, 300), (4, 500), (16, 900), (64, 900))  # (decode rows, context tokens each)
+BLOCK_SIZE = 16
 
 
 def milliseconds(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, repeat: int) -> float:
@@ -108,6 +116,48 @@ def measure_gemv(repeat: int) -> list[dict[str, Any]]:
     return results
 
 
+def decode_step(
+    rows: int, context: int, heads: tuple[int, int, int], kernel: bool
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
+    """One layer's decode attention (a function of the queries, and queries) for `rows` sequences of
+    `context` tokens in a shuffled bfloat16 paged cache, with the kernel or through the PyTorch ops."""
+    num_heads, num_kv_heads, head_dim = heads
+    blocks_each = -(-context // BLOCK_SIZE)
+    caches = [torch.randn(rows * blocks_each * BLOCK_SIZE, num_kv_heads, head_dim).bfloat16() for _ in range(2)]
+    tables = torch.randperm(rows * blocks_each).view(rows, blocks_each)
+    lens = torch.full((rows,), context)
+    slots = tables[:, -1] * BLOCK_SIZE + (context - 1) % BLOCK_SIZE
+    mask = (torch.arange(blocks_each * BLOCK_SIZE).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+    metadata = AttentionMetadata(
+        block_size=BLOCK_SIZE, slot_mapping=slots, num_decode_tokens=rows, decode_block_tables=tables,
+        decode_mask=None if kernel else mask, prefills=[], decode_context_lens=lens if kernel else None,
+        decode_kernel=paged_decode_attention() if kernel else None,
+    )  # fmt: skip
+    key, value = torch.randn(2, rows, num_kv_heads, head_dim)
+
+    def attend(query: torch.Tensor) -> torch.Tensor:
+        return paged_attention(query, key, value, *caches, metadata, head_dim**-0.5)
+
+    return attend, torch.randn(rows, num_heads, head_dim)
+
+
+@torch.inference_mode()
+def measure_decode_attention(repeat: int) -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    results = []
+    for name, heads in HEAD_LAYOUTS.items():
+        for rows, context in ATTENTION_BATCHES:
+            timed = {}
+            for path in ("kernel", "pytorch"):
+                attend, query = decode_step(rows, context, heads, kernel=path == "kernel")
+                timed[path] = min(milliseconds(attend, query, 1) for _ in range(repeat))
+            results.append({
+                "heads": name, "rows": rows, "context_tokens": context, "pytorch_ms": timed["pytorch"],
+                "kernel_ms": timed["kernel"], "pytorch_over_kernel_x": timed["pytorch"] / timed["kernel"],
+            })  # fmt: skip
+    return results
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -146,6 +196,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         )  # fmt: skip
         figures |= {"decode_gemv_baseline": "torch._int_mm (W8A8Linear with gemv=None)", "decode_gemv": gemv,
                     "memory_bandwidth": bandwidth}  # fmt: skip
+    if paged_decode_attention() is not None:
+        attention = measure_decode_attention(max(3, args.repeat // 2))
+        print_table(
+            "Decode attention over a bfloat16 paged cache, ms per layer: the kernel against gather + mask + SDPA",
+            ["heads", "rows", "context tokens", "PyTorch ms", "kernel ms", "PyTorch/kernel x"],
+            [[r["heads"], r["rows"], r["context_tokens"], r["pytorch_ms"], r["kernel_ms"], r["pytorch_over_kernel_x"]]
+             for r in attention],
+        )  # fmt: skip
+        figures |= {"decode_attention_baseline": "gather + mask + SDPA (paged_attention without the kernel)",
+                    "decode_attention": attention}  # fmt: skip
     else:
         print("w8a8 decode kernel unavailable on this machine (needs AVX-512 VNNI and a C compiler): not timed")
     write_results("kernels", figures)
