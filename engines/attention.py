@@ -17,6 +17,7 @@ sequence's length in its last block (and padding blocks) are masked out.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,12 @@ class PrefillChunk:
     mask: torch.Tensor | None  # [end - start, blocks * block_size] bool, True = may attend; None when purely causal
 
 
+class StepYielded(Exception):
+    """A step given up between two layers because `AttentionMetadata.should_yield` said so. Nothing
+    of it is recorded: its sequences keep their blocks and compute the same tokens in a later step (the
+    K/V slots it wrote are theirs alone, unregistered, and are written again)."""
+
+
 @dataclass
 class AttentionMetadata:
     """Where this step's tokens go in the cache and what each query attends to; shared by all layers.
@@ -52,6 +59,7 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     decode_context_lens: torch.Tensor | None = None  # [num_decode_tokens] long: positions each decode row sees
     decode_kernel: PagedDecodeAttention | None = None  # attends decode rows in place; None: PyTorch ops
+    should_yield: Callable[[], bool] | None = None  # asked before each layer: True gives the step up (StepYielded)
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:

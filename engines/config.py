@@ -48,6 +48,9 @@ class EngineConfig:
     # Retry-After) instead of queueing without bound.
     max_num_waiting: int = 256
     max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
+    # Batch-priority tokens a step may carry beside interactive work (decode rows first, then prefill chunks):
+    # each row lengthens the step the interactive sequences wait for; batch work alone is not bounded.
+    max_batch_tokens_beside_interactive: int = 4
     max_model_len: int = 4096
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None: physical cores

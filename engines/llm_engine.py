@@ -1,8 +1,9 @@
 """The engine: requests in, incremental outputs out, one `step()` at a time.
 
 `LLMEngine` is synchronous and single-threaded (scheduler → model runner → sampler →
-detokenizer). `AsyncLLMEngine` runs it on one dedicated thread and streams per-request outputs
-to asyncio consumers; it is the API the engine HTTP server and in-process tiers build on.
+detokenizer). `AsyncLLMEngine` runs it on the process's step thread (`engines.step_thread`) and
+streams per-request outputs to asyncio consumers; it is the API the engine HTTP server and
+in-process tiers build on.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import functools
 import logging
 import os
 import random
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, MutableMapping
 from dataclasses import dataclass
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from engines.attention import StepYielded
 from engines.block_manager import BlockManager
 from engines.config import EngineConfig, ModelConfig
 from engines.cpu import has_native_bf16, release_free_memory
@@ -34,6 +35,7 @@ from engines.sampling_params import SamplingParams
 from engines.scheduler import ScheduledBatch, Scheduler
 from engines.sequence import Sequence
 from engines.speculative import Speculator, weight_bytes
+from engines.step_thread import STEP_THREAD
 from engines.structured import Grammars
 from engines.tokenizer import Tokenizer
 
@@ -56,6 +58,7 @@ class EngineStats:
     num_aborted_total: int = 0  # requests dropped before they finished (client gone, step failed)
     num_waiting_batch: int = 0  # of num_waiting: batch-priority sequences (the rest are interactive)
     num_running_batch: int = 0  # of num_running
+    num_yielded_steps_total: int = 0  # batch-only steps given up for an interactive request that arrived
 
 
 def physical_core_count() -> int:
@@ -127,7 +130,12 @@ class LLMEngine:
             raise ValueError(f"unsupported dtype {config.dtype!r}; expected one of {sorted(DTYPES)}")
         if config.device != "cpu":
             raise ValueError(f"unsupported device {config.device!r}; this engine runs on 'cpu'")
-        torch.set_num_threads(config.num_threads or physical_core_count())
+        # Set by whoever feeds the engine (AsyncLLMEngine): whether an interactive request waits to be added.
+        # A step of batch work alone is given up between layers once it does (`ScheduledBatch.yields_to_interactive`).
+        self.interactive_waiting: Callable[[], bool] | None = None
+        self._num_yielded_steps_total = 0
+        self.num_threads = config.num_threads or physical_core_count()
+        torch.set_num_threads(self.num_threads)
         self.config = config
         self.model_config = checkpoint.config
         self.tokenizer: Tokenizer = checkpoint.tokenizer
@@ -143,7 +151,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
         eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   eos_token_ids)
+                                   eos_token_ids, config.max_batch_tokens_beside_interactive)
         self.runner = ModelRunner(self.model, self.model_config, config.block_size, num_kv_blocks,
                                   self.kv_cache_dtype)
         self.speculator = None
@@ -270,7 +278,12 @@ class LLMEngine:
             outputs = self._speculative_step(batch, self.speculator)
             if outputs is not None:
                 return outputs
-        logits, seqs = self.runner.execute(batch)
+        should_yield = self.interactive_waiting if batch.yields_to_interactive else None
+        try:
+            logits, seqs = self.runner.execute(batch, should_yield)
+        except StepYielded:
+            self._num_yielded_steps_total += 1
+            return []
         if self.speculator is not None:
             self.speculator.sync(batch)  # before postprocess, which frees the blocks of finished sequences
         token_ids, logprobs = ([], []) if not seqs else sample(
@@ -331,6 +344,7 @@ class LLMEngine:
             prefix_cache_hit_tokens=self.scheduler.prefix_cache_hit_tokens,
             num_generated_tokens_total=self._num_generated_tokens_total,
             num_aborted_total=self._num_aborted_total,
+            num_yielded_steps_total=self._num_yielded_steps_total,
             num_waiting_batch=self.scheduler.waiting.count("batch"),
             num_running_batch=sum(seq.params.priority == "batch" for seq in self.scheduler.running),
         )
@@ -361,21 +375,23 @@ UNHEALTHY_AFTER_FAILURE_S = 5.0  # a failed step marks the engine unhealthy this
 
 
 class AsyncLLMEngine:
-    """Runs an LLMEngine's step loop on one dedicated thread and streams outputs to asyncio consumers.
+    """Runs an LLMEngine's step loop on the step thread and streams outputs to asyncio consumers.
 
     Usage:
-        engine = AsyncLLMEngine(LLMEngine(config))
+        engine = AsyncLLMEngine.build(config)  # loaded on the step thread, where it will run
         async for output in engine.generate("req-1", prompt_ids, SamplingParams(max_tokens=32)):
             ...  # output is a delta (RequestOutput); the last one has finished=True
         await engine.shutdown()
 
-    All engine state is touched only by the step thread; callers hand it commands. Consumers may
-    live on any event loop.
+    All engine state is touched only by the step thread once the engine is attached; callers hand
+    it commands. Consumers may live on any event loop.
     """
 
     def __init__(self, engine: LLMEngine) -> None:
+        """Serve an engine already built; `build` also loads it on the step thread, which is faster
+        to step (see `engines.step_thread`)."""
         self.engine = engine
-        self._condition = threading.Condition()
+        self._condition = STEP_THREAD.condition  # one lock with the step thread: it waits for our commands
         self._commands: list[Callable[[], None]] = []
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | BaseException]]] = {}
         self._stopped = False
@@ -383,8 +399,14 @@ class AsyncLLMEngine:
         self._failed_at = float("-inf")  # monotonic time of the latest failed step
         # Streams open at once: those running plus a bounded waiting queue.
         self.capacity = engine.config.max_num_seqs + engine.config.max_num_waiting
-        self._thread = threading.Thread(target=self._run, name="sluice-engine-step", daemon=True)
-        self._thread.start()
+        self._interactive_queued = 0  # interactive requests among the queued commands
+        engine.interactive_waiting = lambda: self._interactive_queued > 0  # read between layers, without the lock
+        STEP_THREAD.attach(self)
+
+    @classmethod
+    def build(cls, config: EngineConfig) -> AsyncLLMEngine:
+        """Load `config`'s model on the step thread and serve it (slow: run it in a thread from async code)."""
+        return cls(STEP_THREAD.call(lambda: LLMEngine(config)))
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -413,6 +435,8 @@ class AsyncLLMEngine:
                 raise EngineOverloaded(f"{len(self._streams)} requests running or queued (capacity {self.capacity})")
             self._streams[request_id] = (loop, queue)
             self._submit(lambda: self._add(request_id, list(prompt_token_ids), params))
+            if params.priority == "interactive":
+                self._interactive_queued += 1
         finished = False
         try:
             while True:
@@ -445,11 +469,10 @@ class AsyncLLMEngine:
         return time.monotonic() - self._failed_at >= UNHEALTHY_AFTER_FAILURE_S
 
     async def shutdown(self) -> None:
-        """Stop the step thread; streams still open end with an abort delta."""
+        """Stop stepping this engine; streams still open end with an abort delta."""
         with self._condition:
             self._stopped = True
-            self._condition.notify()
-        await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(STEP_THREAD.detach, self)
         for request_id in list(self._streams):
             self._abort(request_id)
 
@@ -487,25 +510,28 @@ class AsyncLLMEngine:
                 self._streams.pop(request_id, None)
             self.engine.abort_request(request_id)
 
-    def _run(self) -> None:
-        while True:
-            with self._condition:
-                while not (self._commands or self._stopped or self.engine.has_unfinished_requests()):
-                    self._condition.wait()
-                if self._stopped:
-                    return
-                commands, self._commands = self._commands, []
-            try:
-                for command in commands:
-                    command()
-                outputs = self.engine.step()
-            except Exception:  # the loop lives on: fail every in-flight request cleanly, free its blocks
-                logger.exception("engine step failed; failing the requests in flight")
-                self._failed_at = time.monotonic()
-                for request_id in self.engine.abort_all():
-                    self._deliver(request_id, EngineStepFailed("the engine step failed"))
-                outputs = []
-            # Before delivering: a consumer that has an output sees statistics that count it.
-            self._stats = self.engine.stats()
-            for output in outputs:
-                self._deliver(output.request_id, output)
+    def has_work(self) -> bool:
+        """Commands to run or requests to step (called with the condition held)."""
+        return not self._stopped and bool(self._commands or self.engine.has_unfinished_requests())
+
+    def run_once(self) -> None:
+        """The queued commands, then one step; its outputs delivered to their streams."""
+        with self._condition:
+            commands, self._commands = self._commands, []
+            self._interactive_queued = 0
+        if torch.get_num_threads() != self.engine.num_threads:  # engines sharing the step thread differ
+            torch.set_num_threads(self.engine.num_threads)
+        try:
+            for command in commands:
+                command()
+            outputs = self.engine.step()
+        except Exception:  # the loop lives on: fail every in-flight request cleanly, free its blocks
+            logger.exception("engine step failed; failing the requests in flight")
+            self._failed_at = time.monotonic()
+            for request_id in self.engine.abort_all():
+                self._deliver(request_id, EngineStepFailed("the engine step failed"))
+            outputs = []
+        # Before delivering: a consumer that has an output sees statistics that count it.
+        self._stats = self.engine.stats()
+        for output in outputs:
+            self._deliver(output.request_id, output)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -64,19 +65,21 @@ class ModelRunner:
             config.num_attention_heads, config.num_key_value_heads, config.head_dim, kv_cache_dtype)
         self.decode_attention = kernel if supported else None  # None: decode rows attend through PyTorch ops
 
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+    def execute(self, batch: ScheduledBatch, should_yield: Callable[[], bool] | None = None
+                ) -> tuple[torch.Tensor, list[Sequence]]:  # fmt: skip
         """Compute the batch; return float32 logits [S, V] for the S sequences that sample this step
-        (`batch.sampled`, in that order). Only their last row goes through the LM head.
+        (`batch.sampled`, in that order). Only their last row goes through the LM head. `should_yield` is
+        asked before each layer: True gives the step up (raises `StepYielded`; nothing is recorded).
         """
         spans = []
         for seq, num_new, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples, strict=True):
             start = seq.num_computed_tokens
             spans.append(TokenSpan(seq.token_ids[start:start + num_new], start, seq.block_table,
                                    "last" if samples else "none"))
-        return self.forward(spans), batch.sampled
+        return self.forward(spans, should_yield), batch.sampled
 
     @torch.inference_mode()
-    def forward(self, spans: list[TokenSpan]) -> torch.Tensor:
+    def forward(self, spans: list[TokenSpan], should_yield: Callable[[], bool] | None = None) -> torch.Tensor:
         """Compute every span's tokens (writing their K/V); return float32 logits of the rows the spans ask
         for, span by span in the order given: [sum of each span's 0, 1 or len(token_ids) rows, V]."""
         order = sorted(range(len(spans)), key=lambda i: not _decodes(spans[i]))  # decode rows first
@@ -114,6 +117,7 @@ class ModelRunner:
             decode_block_tables=None,
             decode_mask=None,
             prefills=prefills,
+            should_yield=should_yield,
         )
         if decode_spans:
             self._decode_context(decode_spans, metadata)

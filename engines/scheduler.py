@@ -12,8 +12,12 @@ any waiting batch sequence, and an interactive sequence that finds the slots or 
 by running batch sequences preempts them (latest admitted first) rather than wait; under memory
 pressure batch sequences are the first to go. Batch work fills what interactive work leaves: while an
 interactive sequence waits or prefills, batch sequences sit the step out (keeping their blocks), so
-a new interactive prompt is prefilled at the speed it would be without the batch. On a CPU the cost
-of a step grows with every row in it, and time to first token is the latency users feel first.
+a new interactive prompt is prefilled at the speed it would be without the batch; beside interactive
+decodes a step takes at most `max_batch_tokens_beside_interactive` batch tokens; and a step of batch
+work alone may be given up between layers when an interactive request arrives
+(`ScheduledBatch.yields_to_interactive`), so that request never waits for a long batch prefill. On a
+CPU the cost of a step grows with every row in it, and time to first token is the latency users feel
+first.
 
 The scheduler is also the one place that decides, for each step, which sequences sample a token
 (those whose step completes their tokens: `ScheduledBatch.sampled`) and which finish
@@ -55,6 +59,12 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
     @property
+    def yields_to_interactive(self) -> bool:
+        """Every sequence in the step is batch work: interactive work that arrives while it runs may cut it
+        short (`LLMEngine.step`), so that a new interactive prompt never waits for a batch step to end."""
+        return bool(self.seqs) and all(is_batch(seq) for seq in self.seqs)
+
+    @property
     def sampled(self) -> list[Sequence]:
         """The sequences that sample a token this step, in batch order."""
         return [seq for seq, samples in zip(self.seqs, self.samples, strict=True) if samples]
@@ -62,9 +72,11 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 eos_token_ids: Iterable[int] = ()) -> None:
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+                 eos_token_ids: Iterable[int] = (), max_batch_tokens_beside_interactive: int = 4) -> None:
+        if min(max_num_seqs, max_num_batched_tokens, max_batch_tokens_beside_interactive) < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and max_batch_tokens_beside_interactive must be "
+                             ">= 1")
+        self.max_batch_tokens_beside_interactive = max_batch_tokens_beside_interactive
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_num_seqs = max_num_seqs
@@ -90,6 +102,11 @@ class Scheduler:
         made_room = self._preempt_batch_for_interactive()
         num_preempted_before = self.num_preempted_total
         batch_sits_out = self._interactive_prefill_pending()
+        interactive_running = any(is_interactive(seq) for seq in self.running)
+        batch_budget = self.max_batch_tokens_beside_interactive if interactive_running else budget
+
+        def room(seq: Sequence) -> int:
+            return min(budget, batch_budget) if is_batch(seq) else budget
 
         # Interactive before batch within each (a stable sort): batch sequences not yet scheduled are the
         # ones `_make_room` can still preempt.
@@ -98,9 +115,9 @@ class Scheduler:
         for seq in sorted(decoding, key=is_batch) + sorted(prefilling, key=is_batch):
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING or (batch_sits_out and is_batch(seq)):
-                continue  # preempted earlier in this loop, or yields the step to an interactive prefill
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.status is not SequenceStatus.RUNNING or (is_batch(seq) and (batch_sits_out or batch_budget == 0)):
+                continue  # preempted earlier in this loop, or leaves the step to interactive work
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, room(seq))
             if not self._make_room(seq, num_new, scheduled):
                 continue
             self.block_manager.may_append(seq, num_new)
@@ -108,17 +125,18 @@ class Scheduler:
             num_new_tokens.append(num_new)
             scheduled.add(id(seq))
             budget -= num_new
+            batch_budget -= num_new if is_batch(seq) else 0
         preempted = self.num_preempted_total > num_preempted_before
 
         # New work only when nothing had to give way this step: otherwise admissions would thrash (and
         # batch sequences preempted for an interactive one wait at least a step).
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
-            if (made_room or batch_sits_out) and not is_interactive(seq):
+            if is_batch(seq) and (made_room or batch_sits_out or batch_budget == 0):
                 break
             computed_blocks = self.block_manager.get_computed_blocks(seq)
             num_computed = len(computed_blocks) * self.block_manager.block_size
-            num_new = min(seq.num_tokens - num_computed, budget)
+            num_new = min(seq.num_tokens - num_computed, room(seq))
             if not self.block_manager.can_allocate(seq, computed_blocks, num_new):
                 break
             self.waiting.popleft()
@@ -133,6 +151,7 @@ class Scheduler:
             seqs.append(seq)
             num_new_tokens.append(num_new)
             budget -= num_new
+            batch_budget -= num_new if is_batch(seq) else 0
         return ScheduledBatch(seqs, num_new_tokens)
 
     def advance(self, batch: ScheduledBatch) -> list[Sequence]:

@@ -200,13 +200,12 @@ def run_engine_server(
     cache_dir: str | None = None,
 ) -> None:
     """Load the tier's model (slow) and serve it until interrupted."""
-    from engines.llm_engine import AsyncLLMEngine, LLMEngine
+    from engines.llm_engine import AsyncLLMEngine
 
     logger.info("loading %s (%s)", spec.name, spec.model)
-    engine = LLMEngine(spec.engine_config(cache_dir))
+    async_engine = AsyncLLMEngine.build(spec.engine_config(cache_dir))
 
     async def serve() -> None:
-        async_engine = AsyncLLMEngine(engine)
         serving, metrics = build_serving(async_engine, spec)
         app = create_engine_app(serving, metrics, api_key=api_key)
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))

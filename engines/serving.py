@@ -632,10 +632,10 @@ def build_in_process_client(
     spec: TierSpec, cache_dir: str | None = None, deadline_s: float | None = None
 ) -> InProcessEngineClient:
     """Load the tier's model (slow: seconds to a minute; run it in a thread from async code) and wrap
-    it as a client. The engine steps on its own thread; any event loop may consume its streams."""
-    from engines.llm_engine import AsyncLLMEngine, LLMEngine
+    it as a client. The engine loads and steps on the step thread; any event loop may consume its streams."""
+    from engines.llm_engine import AsyncLLMEngine
     from engines.metrics import EngineMetrics
 
-    async_engine = AsyncLLMEngine(LLMEngine(spec.engine_config(cache_dir)))
+    async_engine = AsyncLLMEngine.build(spec.engine_config(cache_dir))
     metrics = EngineMetrics(spec.served_name, async_engine.stats, async_engine.engine.precision())
     return InProcessEngineClient(OpenAIServing(async_engine, spec.served_name, metrics=metrics), deadline_s)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.attention import AttentionMetadata, paged_attention
+from engines.attention import AttentionMetadata, StepYielded, paged_attention
 from engines.config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -117,6 +117,8 @@ class LlamaForCausalLM(nn.Module):
         cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)
         sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            if metadata.should_yield is not None and metadata.should_yield():
+                raise StepYielded
             x = layer(x, cos, sin, kv_cache, metadata)
         return self.norm(x)
 
