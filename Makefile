@@ -9,7 +9,7 @@ TEST_DATABASE_URL ?= postgresql+asyncpg://postgres@127.0.0.1:5432/test
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/0
 PYTEST_ARGS ?=
 
-.PHONY: run test venv models models-test services browser lint bench-engine bench-gateway bench-kernels bench-dashboard bench-structured bench-router router-default bench-semcache bench-quant-quality cache-matcher clean
+.PHONY: run test venv models models-test services browser lint bench-engine bench-gateway bench-kernels bench-step-thread bench-dashboard bench-structured bench-router router-default bench-semcache bench-quant-quality cache-matcher clean
 
 run: venv models
 	SLUICE_SERVER__ALLOW_ANONYMOUS=$${SLUICE_SERVER__ALLOW_ANONYMOUS:-true} $(BIN)/sluice serve
@@ -52,6 +52,9 @@ bench-gateway: venv services
 
 bench-kernels: venv
 	$(BIN)/sluice bench kernels
+
+bench-step-thread: venv models
+	$(BIN)/sluice bench step_thread
 
 # Seeds 10M request rows into a scratch Postgres database (tens of minutes on a small machine).
 bench-dashboard: venv services

@@ -30,7 +30,9 @@ Two ratios of output tokens/s, measured side by side in the same run:
                   blocks as the shipped run had, so only the precision differs) against (ii) in float32
                   at its fastest float32 cache and batch size (a second HF run only when bfloat16 won
                   the probe). `--no-same-precision` skips it.
-Both run with the same torch intra-op thread count (`--threads`).
+Both run with the same torch intra-op thread count (`--threads`), and all PyTorch work of both (loading,
+HF generate, every engine step) runs on the engine's step thread, as it does in the gateway
+(`engines.step_thread`: libgomp slows every thread's parallel regions once two threads hold worker pools).
 
 Batch-1 decode (`--batch1-only` runs just that): one greedy request alone after the workload, its
 decode tokens/s as bytes of weights read per second (`decode_weight_bytes`) over the memory bandwidth a
@@ -48,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -67,6 +70,7 @@ from engines.config import EngineConfig, ModelConfig
 from engines.loader import Checkpoint, load_checkpoint
 from engines.registry import resolve_model
 from engines.sampling_params import SamplingParams
+from engines.step_thread import STEP_THREAD
 from engines.tiers import DEMO_TIERS, TierSpec, tier_spec
 
 GSM8K_DIR = Path("/work/shared/data/gsm8k")
@@ -281,7 +285,7 @@ async def bench_engine(
     TTFT and batch-1 decode too."""
     from engines.llm_engine import AsyncLLMEngine, LLMEngine
 
-    llm_engine = LLMEngine.from_checkpoint(checkpoint, config)
+    llm_engine = STEP_THREAD.call(functools.partial(LLMEngine.from_checkpoint, checkpoint, config))
     precision = llm_engine.precision()
     async_engine = AsyncLLMEngine(llm_engine)
     prefix: dict[str, float] | None = None
@@ -302,7 +306,8 @@ async def bench_engine(
         await async_engine.shutdown()
     batch1 = None
     if batch1_tokens is not None:
-        batch1 = batch1_decode(llm_engine, workload.prompts[0][:BATCH1_PROMPT_TOKENS], batch1_tokens)
+        prompt = workload.prompts[0][:BATCH1_PROMPT_TOKENS]
+        batch1 = STEP_THREAD.call(functools.partial(batch1_decode, llm_engine, prompt, batch1_tokens))
     figures = summarise(timings, started)
     figures.update(
         kv_blocks_total=after.kv_blocks_total,
@@ -749,7 +754,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     model_path = resolve_model(args.model)
     print(f"loading {model_path}")
-    checkpoint = load_checkpoint(model_path)
+    checkpoint = STEP_THREAD.call(functools.partial(load_checkpoint, model_path))
     workload, source, fresh_tokens = build_workload(
         checkpoint.tokenizer, args.requests, args.output_tokens, args.rate, max_prompt, args.seed
     )
@@ -761,14 +766,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     from engines.llm_engine import physical_core_count
 
     args.threads = args.threads or physical_core_count()
-    torch.set_num_threads(args.threads)
+    STEP_THREAD.call(functools.partial(torch.set_num_threads, args.threads))
     spec = shipped_spec(args)
     config = engine_config(spec, args)
     overridden = {flag: getattr(args, flag) for flag in ENGINE_FLAGS if getattr(args, flag) is not None}
     source_of_spec = f"engines/{spec.name}/spec.py" if spec.name in DEMO_TIERS else "TierSpec defaults"
     print(f"our engine: the {spec.name!r} tier spec ({source_of_spec}), overridden: {overridden or 'nothing'}")
     if args.batch1_only:
-        run_batch1_only(checkpoint, args, model_path, workload)
+        STEP_THREAD.call(functools.partial(run_batch1_only, checkpoint, args, model_path, workload))
         return
 
     # HF: the probe, then its models built before the engine may cast or quantise tensors.
@@ -785,7 +790,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         batch_sizes = [args.hf_batch_size] if args.hf_batch_size else hf_batch_sizes(len(workload.prompts))
         print(f"probing HF generate: settings {settings} × batch sizes {batch_sizes} ...", flush=True)
         probe_started = time.perf_counter()
-        hf_probe = probe_hf(checkpoint, workload, pad_token_id, settings, batch_sizes)
+        probe = functools.partial(probe_hf, checkpoint, workload, pad_token_id, settings, batch_sizes)
+        hf_probe = STEP_THREAD.call(probe)
         print(f"  probe took {time.perf_counter() - probe_started:.0f} s")
         hf_best = fastest([r for r in hf_probe if args.hf_setting in ("auto", r["setting"])])
         args.hf_setting = hf_best[0]
@@ -793,7 +799,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             hf_float32 = fastest(hf_probe, torch.float32)
         for setting, _ in hf_runs_planned(hf_best, hf_float32):
             if setting not in hf_models:
-                hf_models[setting] = hf_model(checkpoint, HF_SETTINGS[setting][0])
+                hf_models[setting] = STEP_THREAD.call(functools.partial(hf_model, checkpoint, HF_SETTINGS[setting][0]))
     print_hf_probe(hf_probe, hf_best, hf_float32)
 
     print(f"running our engine ({args.model} tier spec) ...", flush=True)
@@ -821,7 +827,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print("measuring quality against float32 ...", flush=True)
     unused_texts = _corpus_texts()[1][-400:]  # the system prompts come from the start of these
     quality_tokens = token_stream(checkpoint.tokenizer, unused_texts, QUALITY_TOKENS)[:QUALITY_TOKENS]
-    quality = quality_vs_float32(checkpoint, config, quality_tokens)
+    quality = STEP_THREAD.call(functools.partial(quality_vs_float32, checkpoint, config, quality_tokens))
     del checkpoint
     gc.collect()
 
@@ -829,7 +835,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     for setting, batch_size in hf_runs_planned(hf_best, hf_float32):
         print(f"running HF transformers generate, {setting}, static batches of {batch_size} ...", flush=True)
         cache = HF_SETTINGS[setting][1]
-        hf_runs[(setting, batch_size)] = bench_hf(hf_models[setting], workload, pad_token_id, cache, batch_size)
+        run_hf = functools.partial(bench_hf, hf_models[setting], workload, pad_token_id, cache, batch_size)
+        hf_runs[(setting, batch_size)] = STEP_THREAD.call(run_hf)
     hf_models.clear()
     hf_figures = hf_runs[hf_best] if hf_best else None
     hf_float32_figures = hf_runs[hf_float32] if hf_float32 else None

@@ -199,6 +199,8 @@ BENCHMARKS = {
     "capacity_sim": "bench.capacity_sim",
     "semcache": "bench.semcache",
     "quant_quality": "bench.quant_quality",
+    "step_thread": "bench.step_thread",
+    "capacity": "bench.capacity",
 }
 
 
