@@ -42,6 +42,7 @@ def build_client(name: str, tier: TierConfig, settings: Settings) -> EngineClien
             read_timeout=tier.read_timeout_s,
             pool_timeout=tier.pool_timeout_s,
             request_timeout=tier.request_timeout_s,
+            priority_field=tier.upstream_priority,
         )
     return build_in_process_client(engine_spec(name, tier), cache_dir=cache_dir, deadline_s=tier.request_timeout_s)
 

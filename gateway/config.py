@@ -140,6 +140,10 @@ class TierConfig(_Section):
     slo_itl_p99_ms: float = 200.0
     # Does the tier return token logprobs? false (an upstream without them): classifier-only routing, no cascade.
     logprobs: bool = True
+    # How an upstream tier is told a request's scheduling class (interactive | batch): "none" leaves it out
+    # (most servers reject an unknown value), "sluice" sends our engine server's `priority` string, "vllm"
+    # vLLM's integer `priority` (interactive 0, batch 1; vLLM must run with `--scheduling-policy priority`).
+    upstream_priority: Literal["none", "sluice", "vllm"] = "none"
     # Timeouts of a call to the tier. An upstream tier: opening a connection, waiting for a free pooled
     # one, and silence between bytes. Every tier: the whole request, a stream to its last event (an
     # in-process tier's deadline too). Each ends the call with a clean error (fallback, or a 503 or an

@@ -11,7 +11,7 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import httpx
 import msgspec
@@ -104,6 +104,18 @@ def to_body(request: ChatCompletionRequest | CompletionRequest, **changes: Any) 
     return encode({**extras, **{k: v for k, v in fields.items() if v is not None}})
 
 
+UpstreamPriority = Literal["none", "sluice", "vllm"]
+VLLM_PRIORITY = {"interactive": 0, "batch": 1}  # vLLM schedules lower values first
+
+
+def upstream_priority(priority: str | None, field: UpstreamPriority) -> str | int | None:
+    """The request's scheduling class as the upstream takes it: our engine server's string, vLLM's integer
+    (honoured with `--scheduling-policy priority`), or None (left out: other servers reject the field)."""
+    if priority is None or field == "none":
+        return None
+    return VLLM_PRIORITY[priority] if field == "vllm" else priority
+
+
 def _estimate_tokens(text: str) -> int:
     return (len(text) + CHARS_PER_TOKEN - 1) // CHARS_PER_TOKEN
 
@@ -152,8 +164,10 @@ class HttpEngineClient:
         request_timeout: float = 600.0,
         max_connections: int = 256,
         transport: httpx.AsyncBaseTransport | None = None,
+        priority_field: UpstreamPriority = "none",
     ) -> None:
         root = base_url.rstrip("/")
+        self.priority_field = priority_field
         self.base_url = root if root.endswith("/v1") else f"{root}/v1"
         self.model_name = model
         self.tokenizer = tokenizer
@@ -260,21 +274,24 @@ class HttpEngineClient:
         finally:
             response.close()  # before the end: closes the connection, and the upstream aborts
 
+    def _body(self, request: ChatCompletionRequest | CompletionRequest, stream: bool) -> bytes:
+        return to_body(request, model=self.model_name, stream=stream,
+                       stream_options=StreamOptions(include_usage=True) if stream else None,
+                       priority=upstream_priority(request.priority, self.priority_field))  # fmt: skip
+
     async def chat(self, request: ChatCompletionRequest) -> ChatCompletion:
-        body = to_body(request, model=self.model_name, stream=False, stream_options=None)
+        body = self._body(request, stream=False)
         return msgspec.json.decode(await self._post("/chat/completions", body), type=ChatCompletion)
 
     def chat_stream(self, request: ChatCompletionRequest) -> AsyncGenerator[ChatCompletionChunk, None]:
-        body = to_body(request, model=self.model_name, stream=True, stream_options=StreamOptions(include_usage=True))
-        return self._stream("/chat/completions", body, ChatCompletionChunk)
+        return self._stream("/chat/completions", self._body(request, stream=True), ChatCompletionChunk)
 
     async def complete(self, request: CompletionRequest) -> Completion:
-        body = to_body(request, model=self.model_name, stream=False, stream_options=None)
+        body = self._body(request, stream=False)
         return msgspec.json.decode(await self._post("/completions", body), type=Completion)
 
     def complete_stream(self, request: CompletionRequest) -> AsyncGenerator[Completion, None]:
-        body = to_body(request, model=self.model_name, stream=True, stream_options=StreamOptions(include_usage=True))
-        return self._stream("/completions", body, Completion)
+        return self._stream("/completions", self._body(request, stream=True), Completion)
 
     async def ready(self) -> bool:
         """The upstream answers `GET /v1/models` (every OpenAI-compatible server has it)."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from collections.abc import AsyncIterator
 
@@ -185,3 +186,21 @@ async def test_the_in_process_client_serves_through_the_openai_layer(serving: Op
     assert chunks[-1].usage.completion_tokens == response.usage.completion_tokens
     with pytest.raises(APIError):  # requests arrive checked (by the gateway); the model's own rules hold here
         await client.complete(CompletionRequest(model="x", prompt=[1, 2, 10**6]))
+
+
+@pytest.mark.parametrize(("field", "sent"), [("none", None), ("sluice", "batch"), ("vllm", 1)])
+async def test_an_upstream_is_told_the_scheduling_class_only_in_the_form_configured_for_it(
+    field: str, sent: object
+) -> None:
+    bodies: list[dict] = []
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(500, json={"error": {"message": "x", "type": "y"}})
+
+    client = HttpEngineClient("http://upstream", MODEL_NAME, transport=httpx.MockTransport(upstream),
+                              priority_field=field)  # type: ignore[arg-type]  # fmt: skip
+    request = ChatCompletionRequest(model="sluice", messages=[ChatMessage(role="user", content="hi")], priority="batch")
+    with pytest.raises(EngineUnavailable):
+        await client.chat(request)
+    assert bodies[0].get("priority") == sent and ("priority" in bodies[0]) == (sent is not None)
