@@ -15,6 +15,7 @@ engine servers (`sluice engine --tier <name>`), each with its own step thread.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -95,3 +96,5 @@ class StepThread:
 
 
 STEP_THREAD = StepThread()
+# A forked child has no step thread (threads do not survive fork) and must not inherit the parent's engines.
+os.register_at_fork(after_in_child=STEP_THREAD.__init__)

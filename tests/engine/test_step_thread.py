@@ -81,3 +81,17 @@ async def test_an_interactive_request_queued_for_the_step_thread_is_seen_by_the_
         assert not waiting()  # the step thread took the commands
     finally:
         await engine.shutdown()
+
+
+def test_a_forked_child_gets_a_step_thread_of_its_own() -> None:
+    import multiprocessing
+
+    STEP_THREAD.call(lambda: None)  # the parent's step thread is running
+    context = multiprocessing.get_context("fork")
+    with context.Pool(1) as pool:
+        name = pool.apply_async(_step_thread_name).get(timeout=30)  # without a thread of its own: hangs
+    assert name == "sluice-engine-step"
+
+
+def _step_thread_name() -> str:
+    return STEP_THREAD.call(lambda: threading.current_thread().name)
