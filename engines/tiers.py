@@ -27,6 +27,7 @@ class TierSpec:
     kv_cache_mb: int = 512
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
+    max_batch_tokens_beside_interactive: int = 4  # batch-priority tokens a step takes beside interactive decodes
     max_model_len: int = 4096
     # Speculative decoding: a drafter sharing the tokenizer (demo model name or path) proposing up to
     # `num_speculative_tokens` tokens per decode step (engines.speculative); None: off.
@@ -53,6 +54,7 @@ class TierSpec:
             kv_cache_bytes=self.kv_cache_mb << 20,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            max_batch_tokens_beside_interactive=self.max_batch_tokens_beside_interactive,
             max_model_len=self.max_model_len,
             num_threads=self.num_threads,
             served_model_name=self.served_name,

@@ -15,6 +15,7 @@ ENGINE_FIELDS = (
     "kv_cache_mb",
     "max_num_seqs",
     "max_num_batched_tokens",
+    "max_batch_tokens_beside_interactive",
     "max_model_len",
     "num_threads",
     "speculative_draft",

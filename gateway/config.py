@@ -106,6 +106,11 @@ class ModelsConfig(_Section):
     cache_dir: str = "~/.cache/sluice/models"
 
 
+# Engine settings of a tier that are counts or sizes: unset (the spec's default) or at least 1.
+POSITIVE_ENGINE_SETTINGS = ("kv_cache_mb", "max_num_seqs", "max_num_batched_tokens",
+                            "max_batch_tokens_beside_interactive", "max_model_len", "num_threads")  # fmt: skip
+
+
 class TierConfig(_Section):
     # In-process engine: a demo model name (tiny|small|large) or a GGUF file / safetensors directory.
     model: str = ""
@@ -126,6 +131,7 @@ class TierConfig(_Section):
     kv_cache_mb: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    max_batch_tokens_beside_interactive: int | None = None
     max_model_len: int | None = None
     num_threads: int | None = None
     # Speculative decoding: a drafter model sharing this tier's tokenizer (demo name or path; "" = off)
@@ -261,6 +267,9 @@ class Settings(_Section):
         for name, tier in self.tiers.items():
             if not tier.model and not tier.url:
                 raise ConfigError(f"tiers.{name}: set either `model` (in-process) or `url` (upstream)")
+            for key in POSITIVE_ENGINE_SETTINGS:
+                if (value := getattr(tier, key)) is not None and value < 1:
+                    raise ConfigError(f"tiers.{name}.{key}: must be at least 1, got {value}")
         if self.server.default_tier not in self.tiers:
             raise ConfigError(
                 f"server.default_tier: {self.server.default_tier!r} is not a configured tier "
