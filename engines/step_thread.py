@@ -43,6 +43,9 @@ class StepThread:
         self._steppers: list[Stepper] = []
         self._calls: list[tuple[Callable[[], object], Future[object]]] = []
         self._thread: threading.Thread | None = None
+        # Interactive requests queued for any engine here and not yet taken: a step of batch work alone, of
+        # any engine, is given up for them (they would otherwise wait for it on this thread).
+        self.interactive_queued = 0
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the step thread, between steps, and return its result (or raise its exception)."""

@@ -65,9 +65,9 @@ async def test_two_engines_take_turns_on_the_one_thread_and_each_streams_what_it
 async def test_an_interactive_request_queued_for_the_step_thread_is_seen_by_the_engine_between_layers(
     tiny_llama: TinyModel,
 ) -> None:
-    engine = AsyncLLMEngine(make_engine(tiny_llama))
-    waiting = engine.engine.interactive_waiting
-    assert waiting is not None and not waiting()
+    engine, other = AsyncLLMEngine(make_engine(tiny_llama)), AsyncLLMEngine(make_engine(tiny_llama))
+    waiting, other_waiting = engine.engine.interactive_waiting, other.engine.interactive_waiting
+    assert waiting is not None and other_waiting is not None and not waiting()
     try:
         with STEP_THREAD.condition:  # the step thread cannot take the commands meanwhile
             batch_params = dataclasses.replace(GREEDY, priority="batch")
@@ -76,11 +76,12 @@ async def test_an_interactive_request_queued_for_the_step_thread_is_seen_by_the_
             assert not waiting()  # a batch request cuts nothing short
             interactive = asyncio.ensure_future(anext(engine.generate("i", PROMPT, GREEDY)))
             await asyncio.sleep(0)
-            assert waiting()
+            assert waiting() and other_waiting()  # the other engine's batch steps yield too: same thread
         await asyncio.gather(batch, interactive)
-        assert not waiting()  # the step thread took the commands
+        assert not waiting() and not other_waiting()  # the step thread took the commands
     finally:
         await engine.shutdown()
+        await other.shutdown()
 
 
 def test_a_forked_child_gets_a_step_thread_of_its_own() -> None:
