@@ -49,7 +49,8 @@ class Outcome:
     ttft_s: float | None
 
 
-def bench_settings(tier: str, directory: Path, batch_concurrency: int) -> Settings:
+def bench_settings(tier: str, directory: Path, batch_concurrency: int,
+                   max_batch_tokens_beside_interactive: int | None = None) -> Settings:  # fmt: skip
     base = load_settings(environ={})
     database_url = f"sqlite+aiosqlite:///{directory / 'sluice.db'}"
     upgrade(database_url)
@@ -58,7 +59,9 @@ def bench_settings(tier: str, directory: Path, batch_concurrency: int) -> Settin
                                      spool_dir=str(directory / "spool"))  # fmt: skip
     return msgspec.structs.replace(
         base, server=server, database=msgspec.structs.replace(base.database, url=database_url),
-        tiers={tier: base.tiers[tier]}, policies={"default": PolicyConfig(allowed_tiers=[tier])},
+        tiers={tier: msgspec.structs.replace(base.tiers[tier],
+                                             max_batch_tokens_beside_interactive=max_batch_tokens_beside_interactive)},
+        policies={"default": PolicyConfig(allowed_tiers=[tier])},
         batch=BatchConfig(dir=str(directory / "batches"), concurrency=batch_concurrency),
     )  # fmt: skip
 
@@ -174,10 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-concurrency", type=int, default=BatchConfig().concurrency,
                         help="batch lines in flight at once (default: the config's `batch.concurrency`)")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-batch-tokens-beside-interactive", type=int, default=None,
+                        help="the tier's engine setting (default: its spec's)")  # fmt: skip
     parser.add_argument("--scenarios", default="alone,batch_api,no_priority")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="sluice-capacity-") as directory:
-        settings = bench_settings(args.tier, Path(directory), args.batch_concurrency)
+        settings = bench_settings(args.tier, Path(directory), args.batch_concurrency,
+                                  args.max_batch_tokens_beside_interactive)  # fmt: skip
         slo_ttft_s = settings.tiers[args.tier].slo_ttft_p99_ms / 1000
         base_url, server, thread = serve(settings)
         try:

@@ -50,7 +50,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
     # Batch-priority tokens a step may carry beside interactive work (decode rows first, then prefill chunks):
     # each row lengthens the step the interactive sequences wait for; batch work alone is not bounded.
-    max_batch_tokens_beside_interactive: int = 4
+    max_batch_tokens_beside_interactive: int = 1
     max_model_len: int = 4096
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None: physical cores

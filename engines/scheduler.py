@@ -72,7 +72,7 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 eos_token_ids: Iterable[int] = (), max_batch_tokens_beside_interactive: int = 4) -> None:
+                 eos_token_ids: Iterable[int] = (), max_batch_tokens_beside_interactive: int = 1) -> None:
         if min(max_num_seqs, max_num_batched_tokens, max_batch_tokens_beside_interactive) < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_batch_tokens_beside_interactive must be "
                              ">= 1")

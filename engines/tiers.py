@@ -27,7 +27,7 @@ class TierSpec:
     kv_cache_mb: int = 512
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
-    max_batch_tokens_beside_interactive: int = 4  # batch-priority tokens a step takes beside interactive decodes
+    max_batch_tokens_beside_interactive: int = 1  # batch-priority tokens a step takes beside interactive decodes
     max_model_len: int = 4096
     # Speculative decoding: a drafter sharing the tokenizer (demo model name or path) proposing up to
     # `num_speculative_tokens` tokens per decode step (engines.speculative); None: off.

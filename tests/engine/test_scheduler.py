@@ -11,8 +11,9 @@ BLOCK_SIZE = 4
 
 
 def make_scheduler(num_blocks: int = 16, max_num_seqs: int = 8, max_num_batched_tokens: int = 16,
-                   prefix_caching: bool = False) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, BLOCK_SIZE, prefix_caching), max_num_seqs, max_num_batched_tokens)
+                   prefix_caching: bool = False, max_batch_tokens_beside_interactive: int = 1) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, BLOCK_SIZE, prefix_caching), max_num_seqs, max_num_batched_tokens,
+                     max_batch_tokens_beside_interactive=max_batch_tokens_beside_interactive)
 
 
 def add(scheduler: Scheduler, request_id: str, num_prompt_tokens: int, first_token: int = 0) -> Sequence:

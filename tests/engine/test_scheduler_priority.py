@@ -19,7 +19,7 @@ def add(scheduler: Scheduler, request_id: str, num_prompt_tokens: int, priority:
 
 
 def test_waiting_interactive_sequences_are_admitted_before_batch_ones_that_came_earlier() -> None:
-    scheduler = make_scheduler(max_num_batched_tokens=8)
+    scheduler = make_scheduler(max_num_batched_tokens=8, max_batch_tokens_beside_interactive=4)
     add(scheduler, "b1", 4, "batch")
     add(scheduler, "b2", 4, "batch")
     add(scheduler, "i1", 4)
@@ -30,7 +30,7 @@ def test_waiting_interactive_sequences_are_admitted_before_batch_ones_that_came_
 
 
 def test_an_interactive_sequence_takes_the_slot_of_the_latest_batch_sequence() -> None:
-    scheduler = make_scheduler(max_num_seqs=2, max_num_batched_tokens=16)
+    scheduler = make_scheduler(max_num_seqs=2, max_num_batched_tokens=16, max_batch_tokens_beside_interactive=4)
     b1, b2 = add(scheduler, "b1", 4, "batch"), add(scheduler, "b2", 4, "batch")
     assert step(scheduler) == {"b1": 4, "b2": 4}
     i1 = add(scheduler, "i1", 4)
