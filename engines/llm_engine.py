@@ -399,8 +399,8 @@ class AsyncLLMEngine:
         self._failed_at = float("-inf")  # monotonic time of the latest failed step
         # Streams open at once: those running plus a bounded waiting queue.
         self.capacity = engine.config.max_num_seqs + engine.config.max_num_waiting
-        self._interactive_queued = 0  # interactive requests among our queued commands
-        engine.interactive_waiting = lambda: STEP_THREAD.interactive_queued > 0  # read between layers, unlocked
+        self.interactive_queued = 0  # interactive requests among our queued commands
+        engine.interactive_waiting = STEP_THREAD.interactive_waiting
         STEP_THREAD.attach(self)
 
     @classmethod
@@ -436,8 +436,7 @@ class AsyncLLMEngine:
             self._streams[request_id] = (loop, queue)
             self._submit(lambda: self._add(request_id, list(prompt_token_ids), params))
             if params.priority == "interactive":
-                self._interactive_queued += 1
-                STEP_THREAD.interactive_queued += 1
+                self.interactive_queued += 1
         finished = False
         try:
             while True:
@@ -473,8 +472,6 @@ class AsyncLLMEngine:
         """Stop stepping this engine; streams still open end with an abort delta."""
         with self._condition:
             self._stopped = True
-            STEP_THREAD.interactive_queued -= self._interactive_queued  # never to be taken: cuts nothing short
-            self._interactive_queued = 0
         await asyncio.to_thread(STEP_THREAD.detach, self)
         for request_id in list(self._streams):
             self._abort(request_id)
@@ -521,8 +518,7 @@ class AsyncLLMEngine:
         """The queued commands, then one step; its outputs delivered to their streams."""
         with self._condition:
             commands, self._commands = self._commands, []
-            STEP_THREAD.interactive_queued -= self._interactive_queued
-            self._interactive_queued = 0
+            self.interactive_queued = 0
         if torch.get_num_threads() != self.engine.num_threads:  # engines sharing the step thread differ
             torch.set_num_threads(self.engine.num_threads)
         try:

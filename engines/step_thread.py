@@ -30,6 +30,8 @@ class Stepper(Protocol):
     """An engine loop the step thread drives. Both methods are called on the step thread;
     `has_work` with `STEP_THREAD.condition` held (it must be quick), `run_once` without."""
 
+    interactive_queued: int  # interactive requests queued for it and not yet taken
+
     def has_work(self) -> bool: ...
 
     def run_once(self) -> None: ...
@@ -43,9 +45,6 @@ class StepThread:
         self._steppers: list[Stepper] = []
         self._calls: list[tuple[Callable[[], object], Future[object]]] = []
         self._thread: threading.Thread | None = None
-        # Interactive requests queued for any engine here and not yet taken: a step of batch work alone, of
-        # any engine, is given up for them (they would otherwise wait for it on this thread).
-        self.interactive_queued = 0
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the step thread, between steps, and return its result (or raise its exception)."""
@@ -57,6 +56,12 @@ class StepThread:
             self._start()
             self.condition.notify()
         return future.result()  # type: ignore[return-value]
+
+    def interactive_waiting(self) -> bool:
+        """Whether an interactive request is queued for any engine here and not yet taken: a step of batch
+        work alone, of any engine, is given up for it (it would otherwise wait for that step on this thread).
+        Asked between layers, without the lock."""
+        return any(stepper.interactive_queued for stepper in self._steppers)
 
     def attach(self, stepper: Stepper) -> None:
         with self.condition:
