@@ -397,9 +397,10 @@ def batch1_decode(llm_engine: Any, prompt: list[int], tokens: int) -> dict[str, 
 @contextmanager
 def pytorch_paths(llm_engine: Any) -> Iterator[None]:
     """The engine without its CPU decode kernels (`engines.cpu_kernels`): the PyTorch ops they replace."""
-    from engines.quantization import W8A8Linear
+    from engines.quantization import Int8Linear
 
-    layers = [(layer, layer.gemv) for layer in llm_engine.model.modules() if isinstance(layer, W8A8Linear)]
+    # Int8Linear and its subclass W8A8Linear: each holds the GEMV kernel its mode runs (or None).
+    layers = [(layer, layer.gemv) for layer in llm_engine.model.modules() if isinstance(layer, Int8Linear)]
     attention = llm_engine.runner.decode_attention
     for layer, _ in layers:
         layer.gemv = None
@@ -415,7 +416,7 @@ def pytorch_paths(llm_engine: Any) -> Iterator[None]:
 def run_batch1_only(checkpoint: Checkpoint, args: argparse.Namespace, model_path: Path, workload: Workload) -> None:
     """Batch-1 decode as shipped and on the PyTorch paths, alternated `--batch1-repeats` times (this VM's
     memory bandwidth drifts by tens of percent within minutes); the median run of each is reported."""
-    from engines.cpu_kernels import w8a8_gemv
+    from engines.cpu_kernels import int8_gemv
     from engines.llm_engine import LLMEngine
 
     llm_engine = LLMEngine.from_checkpoint(checkpoint, engine_config(shipped_spec(args), args))
@@ -423,7 +424,7 @@ def run_batch1_only(checkpoint: Checkpoint, args: argparse.Namespace, model_path
     runs: dict[str, list[dict[str, float]]] = {"shipped": [], "pytorch_paths": []}
     for _ in range(args.batch1_repeats):
         runs["shipped"].append(batch1_decode(llm_engine, prompt, args.batch1_tokens))
-        if w8a8_gemv() is not None:
+        if int8_gemv() is not None:  # the kernels' library loaded on this machine
             with pytorch_paths(llm_engine):
                 runs["pytorch_paths"].append(batch1_decode(llm_engine, prompt, args.batch1_tokens))
     median = {name: sorted(found, key=lambda run: run["decode_tokens_per_s"])[len(found) // 2]

@@ -4,17 +4,19 @@ For the shapes of the small demo model (Qwen2.5-0.5B: gate/up 896→9728, down 4
 896→151936) at decode-sized and prefill-sized row counts: float32 `nn.Linear` (the baseline), w8a8
 (`W8A8Linear`: int8 weights and per-row int8 activations, `torch._int_mm`) and int8 weight-only
 (`Int8Linear`: `_weight_int8pack_mm`, bfloat16 activations), plus whether the CPU has the
-instructions `auto` looks for. `W8A8Linear` runs decode-sized inputs (up to 8 rows) through the
-`w8a8_gemv` kernel where this CPU has it, so its 1- and 8-row figures are the kernel's.
+instructions `auto` looks for. Both layers run decode-sized inputs (up to 8 rows) through their CPU
+kernel (`w8a8_gemv`, `int8_gemv`) where this CPU has it, so their 1- and 8-row figures are the kernels'.
 
-Decode GEMVs (second table): the w8a8 kernel against `torch._int_mm` (the same layer with
-`gemv = None`) at 1 to 8 rows, with the weights streamed from memory as in a decode step (enough
-copies of each layer, cycled, to exceed the last-level cache), in GB/s of weights read beside the
-memory bandwidth a large tensor read reaches in the same run.
+Decode GEMVs (second table): the kernel of the mode `auto` picks here (w8a8 with AVX-512 VNNI, else int8
+weight-only) against its PyTorch op (`torch._int_mm`, `_weight_int8pack_mm`: the same layer with
+`gemv = None`) at 1 to 8 rows, with the weights streamed from memory as in a decode step (enough copies
+of each layer, cycled, to exceed the last-level cache), in GB/s of weights read beside the memory
+bandwidth a large tensor read reaches in the same run.
 
-Decode attention (third table): `paged_attention` over a bfloat16 paged cache with the
-`paged_decode_attention` kernel against the PyTorch path it replaces (blocks gathered, masked, SDPA),
-for both demo models' head layouts, from one row of 300 tokens to 64 rows of 900; best of `--repeat`.
+Decode attention (third table): `paged_attention` over a paged cache (bfloat16 where the CPU has native
+bf16, else float32: what `kv_cache_dtype = "auto"` picks) with the `paged_decode_attention` kernel against
+the PyTorch path it replaces (blocks gathered, masked, SDPA), for both demo models' head layouts, from
+one row of 300 tokens to 64 rows of 900; best of `--repeat`.
 
     python -m bench.kernels [--threads N] [--repeat 10]
 """
@@ -34,7 +36,7 @@ from bench.common import print_table, write_results
 from bench.engine import memory_bandwidth
 from engines.attention import AttentionMetadata, paged_attention
 from engines.cpu import has_int8_dot_product, has_native_bf16
-from engines.cpu_kernels import paged_decode_attention, w8a8_gemv
+from engines.cpu_kernels import int8_gemv, paged_decode_attention, w8a8_gemv
 from engines.quantization import Int8Linear, W8A8Linear, resolve_quantization
 
 SHAPES = {"gate_up 896→9728": (896, 9728), "down 4864→896": (4864, 896), "lm_head 896→151936": (896, 151936)}
@@ -83,35 +85,42 @@ def measure(repeat: int) -> list[dict[str, Any]]:
     return results
 
 
-def run_all(layers: list[W8A8Linear], x: torch.Tensor) -> None:
+def run_all(layers: list[Int8Linear], x: torch.Tensor) -> None:
     for layer in layers:
         layer(x)
 
 
+# The layer `quantization = "auto"` builds on this CPU, and the PyTorch op its `gemv = None` runs.
+GEMV_LAYERS = {"w8a8": (W8A8Linear, "torch._int_mm"), "int8": (Int8Linear, "aten._weight_int8pack_mm (bfloat16)")}
+
+
 @torch.inference_mode()
 def measure_gemv(repeat: int) -> list[dict[str, Any]]:
-    """The w8a8 kernel against `_int_mm` at decode row counts, weights streamed from memory."""
+    """The decode kernel of `auto`'s mode against its PyTorch op at decode row counts, weights streamed
+    from memory."""
     torch.manual_seed(0)
+    layer_type, _ = GEMV_LAYERS[resolve_quantization("auto") or "int8"]
     results = []
     for name, (in_features, out_features) in SHAPES.items():
         dense = nn.Linear(in_features, out_features, bias=False)
         copies = [
-            W8A8Linear.from_linear(dense, torch.float32)
+            layer_type.from_linear(dense, torch.float32)
             for _ in range(max(1, STREAMED_BYTES // (in_features * out_features)))
         ]
+        kernel = copies[0].gemv
         for rows in GEMV_ROWS:
             x = torch.randn(rows, in_features)
             streamed = {}
-            for path in ("kernel", "int_mm"):
+            for path in ("kernel", "pytorch"):
                 for layer in copies:
-                    layer.gemv = w8a8_gemv() if path == "kernel" else None
+                    layer.gemv = kernel if path == "kernel" else None
                 streamed[path] = min(milliseconds(partial(run_all, copies), x, 1) for _ in range(repeat)) / len(copies)
             weight_gb = in_features * out_features / 1e9
             results.append({
-                "layer": name, "rows": rows, "int_mm_ms": streamed["int_mm"], "kernel_ms": streamed["kernel"],
-                "int_mm_weight_gb_s": weight_gb / streamed["int_mm"] * 1000,
+                "layer": name, "rows": rows, "pytorch_ms": streamed["pytorch"], "kernel_ms": streamed["kernel"],
+                "pytorch_weight_gb_s": weight_gb / streamed["pytorch"] * 1000,
                 "kernel_weight_gb_s": weight_gb / streamed["kernel"] * 1000,
-                "int_mm_over_kernel_x": streamed["int_mm"] / streamed["kernel"],
+                "pytorch_over_kernel_x": streamed["pytorch"] / streamed["kernel"],
             })  # fmt: skip
     return results
 
@@ -120,10 +129,12 @@ def decode_step(
     rows: int, context: int, heads: tuple[int, int, int], kernel: bool
 ) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
     """One layer's decode attention (a function of the queries, and queries) for `rows` sequences of
-    `context` tokens in a shuffled bfloat16 paged cache, with the kernel or through the PyTorch ops."""
+    `context` tokens in a shuffled paged cache of `auto`'s KV dtype, with the kernel or through the PyTorch
+    ops."""
     num_heads, num_kv_heads, head_dim = heads
     blocks_each = -(-context // BLOCK_SIZE)
-    caches = [torch.randn(rows * blocks_each * BLOCK_SIZE, num_kv_heads, head_dim).bfloat16() for _ in range(2)]
+    kv_dtype = torch.bfloat16 if has_native_bf16() else torch.float32
+    caches = [torch.randn(rows * blocks_each * BLOCK_SIZE, num_kv_heads, head_dim, dtype=kv_dtype) for _ in range(2)]
     tables = torch.randperm(rows * blocks_each).view(rows, blocks_each)
     lens = torch.full((rows,), context)
     slots = tables[:, -1] * BLOCK_SIZE + (context - 1) % BLOCK_SIZE
@@ -184,30 +195,34 @@ def main(argv: Sequence[str] | None = None) -> None:
         ],
     )  # fmt: skip
     figures: dict[str, Any] = {"cpu": cpu, "baseline": "float32 nn.Linear", "results": results}
-    if w8a8_gemv() is not None:
+    if int8_gemv() is not None:  # the kernels' library loaded on this machine
+        mode = resolve_quantization("auto") or "int8"
+        layer_type, baseline = GEMV_LAYERS[mode]
+        kernel_name = "w8a8_gemv" if w8a8_gemv() is not None and mode == "w8a8" else "int8_gemv"
         bandwidth = memory_bandwidth()
         gemv = measure_gemv(max(3, args.repeat // 2))
         print_table(
-            f"w8a8 decode GEMVs, weights streamed from memory: the kernel against torch._int_mm "
+            f"{mode} decode GEMVs, weights streamed from memory: {kernel_name} against {baseline} "
             f"(memory read {bandwidth['read_gb_s']:.1f} GB/s, copy {bandwidth['copy_gb_s']:.1f} GB/s)",
-            ["layer", "rows", "_int_mm ms", "kernel ms", "_int_mm GB/s", "kernel GB/s", "_int_mm/kernel x"],
-            [[r["layer"], r["rows"], r["int_mm_ms"], r["kernel_ms"], r["int_mm_weight_gb_s"],
-              r["kernel_weight_gb_s"], r["int_mm_over_kernel_x"]] for r in gemv],
+            ["layer", "rows", "PyTorch ms", "kernel ms", "PyTorch GB/s", "kernel GB/s", "PyTorch/kernel x"],
+            [[r["layer"], r["rows"], r["pytorch_ms"], r["kernel_ms"], r["pytorch_weight_gb_s"],
+              r["kernel_weight_gb_s"], r["pytorch_over_kernel_x"]] for r in gemv],
         )  # fmt: skip
-        figures |= {"decode_gemv_baseline": "torch._int_mm (W8A8Linear with gemv=None)", "decode_gemv": gemv,
+        figures |= {"decode_gemv_kernel": kernel_name,
+                    "decode_gemv_baseline": f"{baseline} ({layer_type.__name__} with gemv=None)", "decode_gemv": gemv,
                     "memory_bandwidth": bandwidth}  # fmt: skip
-    if paged_decode_attention() is not None:
         attention = measure_decode_attention(max(3, args.repeat // 2))
+        kv_dtype = "bfloat16" if has_native_bf16() else "float32"
         print_table(
-            "Decode attention over a bfloat16 paged cache, ms per layer: the kernel against gather + mask + SDPA",
+            f"Decode attention over a {kv_dtype} paged cache, ms per layer: the kernel against gather + mask + SDPA",
             ["heads", "rows", "context tokens", "PyTorch ms", "kernel ms", "PyTorch/kernel x"],
             [[r["heads"], r["rows"], r["context_tokens"], r["pytorch_ms"], r["kernel_ms"], r["pytorch_over_kernel_x"]]
              for r in attention],
         )  # fmt: skip
         figures |= {"decode_attention_baseline": "gather + mask + SDPA (paged_attention without the kernel)",
-                    "decode_attention": attention}  # fmt: skip
+                    "decode_attention_kv_dtype": kv_dtype, "decode_attention": attention}  # fmt: skip
     else:
-        print("w8a8 decode kernel unavailable on this machine (needs AVX-512 VNNI and a C compiler): not timed")
+        print("CPU decode kernels unavailable on this machine (need AVX2, FMA and a C compiler): not timed")
     write_results("kernels", figures)
 
 

@@ -1,5 +1,9 @@
-/* CPU kernels for decode steps of few rows, where PyTorch's per-op costs and oneDNN's one-row GEMM
- * leave most of the memory bandwidth unused. AVX-512 (F, BW, VNNI); loaded by engines/cpu_kernels.py.
+/* CPU kernels for decode steps of few rows, where PyTorch's per-op costs and the packed int8 GEMMs' one-row
+ * paths leave most of the memory bandwidth unused. Loaded by engines/cpu_kernels.py.
+ *
+ * The library is built for AVX2 + FMA; the AVX-512 (F, BW, VNNI) kernels sit in their own target region,
+ * so one build runs on every x86-64 CPU with AVX2 and the Python side calls each kernel only where the CPU
+ * has its instructions.
  *
  * Threads: OpenMP. Python has loaded torch's libgomp by the time this library is opened, so the two
  * share one runtime and one thread pool (same soname).
@@ -9,6 +13,183 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#define MAX_ROWS 8  /* rows of the GEMV kernels: decode steps of a few sequences */
+
+
+/* Output features [begin, end) of this OpenMP thread: a contiguous share of n, so each thread streams
+ * its own part of the weight. */
+static inline void thread_share(const int64_t n, int64_t *begin, int64_t *end) {
+    const int64_t count = omp_get_num_threads(), index = omp_get_thread_num();
+    const int64_t per_thread = (n + count - 1) / count;
+    *begin = index * per_thread < n ? index * per_thread : n;
+    *end = *begin + per_thread < n ? *begin + per_thread : n;
+}
+
+int gemv_max_rows(void) { return MAX_ROWS; }
+
+/* -- int8_gemv (AVX2, FMA) ----------------------------------------------------------------------------
+ * int8 weight-only matmul for few rows: out = (x · wᵀ) · w_scale (+ bias), float32 in and out.
+ * Int8Linear's product (per-output-channel scales), with the int8 weights widened to float32 in
+ * registers: no bfloat16 rounding of the activations or the result, and each weight read once for all
+ * the rows. Each thread takes a contiguous share of the output features and reads their weight rows one
+ * after another: a purely sequential stream, which the hardware prefetchers follow at close to DRAM
+ * bandwidth (interleaving a few rows, to share loads of x, was ~40 % slower on 896-wide rows).
+ * `UNROLL` independent accumulators per row of x keep the FMAs' latency hidden at one row.
+ * K must be a multiple of 8 (the Python side checks).
+ */
+
+static inline __attribute__((always_inline)) __m256 widen8(const int8_t *w) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
+}
+
+static inline float hsum8(const __m256 v) {
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
+/* rows × unroll ≤ 8 accumulators: unroll 4 for up to 2 rows, 2 for up to 4, else 1. */
+static inline __attribute__((always_inline)) void int8_rows(
+    const int64_t rows, const float *x, const int64_t K, const int8_t *w, const float *w_scale,
+    const float *bias, float *out, const int64_t N, const int64_t begin, const int64_t end) {
+    const int64_t unroll = rows <= 2 ? 4 : rows <= 4 ? 2 : 1, step = 8 * unroll, main = K - K % step;
+    for (int64_t n = begin; n < end; n++) {
+        const int8_t *w_row = w + n * K;
+        __m256 acc[MAX_ROWS][4];
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t u = 0; u < unroll; u++) acc[m][u] = _mm256_setzero_ps();
+        for (int64_t k = 0; k < main; k += step)
+            for (int64_t u = 0; u < unroll; u++) {
+                const __m256 w_part = widen8(w_row + k + 8 * u);
+                for (int64_t m = 0; m < rows; m++)
+                    acc[m][u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8 * u), w_part, acc[m][u]);
+            }
+        for (int64_t k = main; k < K; k += 8) {
+            const __m256 w_part = widen8(w_row + k);
+            for (int64_t m = 0; m < rows; m++)
+                acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), w_part, acc[m][0]);
+        }
+        for (int64_t m = 0; m < rows; m++) {
+            __m256 sum = acc[m][0];
+            for (int64_t u = 1; u < unroll; u++) sum = _mm256_add_ps(sum, acc[m][u]);
+            const float y = hsum8(sum) * w_scale[n];
+            out[m * N + n] = bias ? y + bias[n] : y;
+        }
+    }
+}
+
+/* x [rows, K] float32; w [N, K] int8; w_scale [N] float32; bias [N] float32 or NULL; out [rows, N]
+ * float32. Returns 0, or -1 if rows is not in [1, MAX_ROWS] or K is not a multiple of 8. */
+int int8_gemv(const float *x, const int64_t rows, const int64_t K, const int8_t *w, const float *w_scale,
+              const float *bias, float *out, const int64_t N, const int threads) {
+    if (rows < 1 || rows > MAX_ROWS || K % 8) return -1;
+    #pragma omp parallel num_threads(threads)
+    {
+        int64_t begin, end;
+        thread_share(N, &begin, &end);
+        switch (rows) {  /* a constant row count per case: the accumulators stay in registers */
+#define ROWS(r) case r: int8_rows(r, x, K, w, w_scale, bias, out, N, begin, end); break;
+            ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#undef ROWS
+        }
+    }
+    return 0;
+}
+
+/* -- paged_decode_attention ---------------------------------------------------------------------------
+ * One query token per row attending over its sequence's context in the paged KV cache, read in place
+ * through the block table (no gathered copy, no mask): row t sees positions [0, context_lens[t]).
+ * K/V are float32 or bfloat16 (widened exactly); scores, softmax and the weighted sum in float32.
+ * Query heads sharing a KV head are done together, so each K/V vector is read once per group.
+ * Threads split the (row, KV head) pairs. Two builds of the same algorithm: eight lanes (AVX2, here) and
+ * sixteen (AVX-512, below); `paged_decode_attention` on the Python side picks the CPU's.
+ */
+#define MAX_HEAD_DIM 256
+#define MAX_GROUP 16
+
+int paged_decode_attention_limits(int64_t *max_head_dim, int64_t *max_group) {
+    *max_head_dim = MAX_HEAD_DIM;
+    *max_group = MAX_GROUP;
+    return 0;
+}
+
+/* Where position p's K (or V) vector of KV head kvh lives in the paged cache. The block size is a power of
+ * two, 1 << block_shift: a shift and a mask instead of a 64-bit division per position read. */
+static inline const void *key_vector(const void *cache, const int64_t *table, const int block_shift,
+                                     const int64_t kv_heads, const int64_t kvh, const int64_t head_dim,
+                                     const int64_t p, const int bf16) {
+    const int64_t slot = (table[p >> block_shift] << block_shift) + (p & ((1 << block_shift) - 1));
+    const int64_t index = (slot * kv_heads + kvh) * head_dim;
+    return bf16 ? (const void *)((const uint16_t *)cache + index) : (const void *)((const float *)cache + index);
+}
+
+static inline __m256 load8(const void *base, const int64_t index, const int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)base + index);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + index));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+/* Four sums of eight lanes each, [a, b, c, d]. */
+static inline __m128 hsum4_ps8(const __m256 a, const __m256 b, const __m256 c, const __m256 d) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+/* e^x for x ≤ 0, as exp512 below (the same reduction and polynomial), eight lanes. */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+    /* · 2^n by adding n to the exponent field; at n = -126 that can give a denormal's bits (< 1e-37: as
+     * good as 0 beside the row's maximum, whose term is 1) */
+    const __m256i exponent = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(y), exponent));
+}
+
+#define VEC __m256
+#define LANES 8
+#define V_ZERO _mm256_setzero_ps
+#define V_LOAD _mm256_loadu_ps
+#define V_STORE _mm256_storeu_ps
+#define V_SET1 _mm256_set1_ps
+#define V_ADD _mm256_add_ps
+#define V_SUB _mm256_sub_ps
+#define V_MUL _mm256_mul_ps
+#define V_FMADD _mm256_fmadd_ps
+#define V_LOAD_KV load8
+#define V_HSUM hsum8
+#define V_HSUM4 hsum4_ps8
+#define V_EXP exp256
+#define PAGED_DECODE_ATTENTION paged_decode_attention_avx2
+#include "cpu_attention.inc"
+#undef VEC
+#undef LANES
+#undef V_ZERO
+#undef V_LOAD
+#undef V_STORE
+#undef V_SET1
+#undef V_ADD
+#undef V_SUB
+#undef V_MUL
+#undef V_FMADD
+#undef V_LOAD_KV
+#undef V_HSUM
+#undef V_HSUM4
+#undef V_EXP
+#undef PAGED_DECODE_ATTENTION
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vnni")
 
 /* -- w8a8_gemv ---------------------------------------------------------------------------------------
  * w8a8 matmul for few rows: out = (q(x) · wᵀ) · x_scale · w_scale (+ bias), float32 out.
@@ -20,8 +201,6 @@
  * the layer is built) is subtracted from each dot product — exact in int32.
  * Threads split the output rows.
  */
-
-#define MAX_ROWS 8
 
 static inline __attribute__((always_inline)) void dot_rows(
     const int64_t rows, const uint8_t *xq, const float *x_scale, const int64_t K, const int8_t *w,
@@ -63,8 +242,6 @@ static void quantize_rows(const float *x, const int64_t rows, const int64_t K, u
     }
 }
 
-int w8a8_gemv_max_rows(void) { return MAX_ROWS; }
-
 /* x [rows, K] float32; w [N, K] int8; w_sum [N] int32; w_scale [N] float32; bias [N] float32 or NULL;
  * out [rows, N] float32; xq [rows, K] and x_scale [rows] are scratch. Returns 0, or -1 if rows > MAX_ROWS. */
 int w8a8_gemv(const float *x, const int64_t rows, const int64_t K, const int8_t *w, const int32_t *w_sum,
@@ -74,10 +251,8 @@ int w8a8_gemv(const float *x, const int64_t rows, const int64_t K, const int8_t 
     quantize_rows(x, rows, K, xq, x_scale);
     #pragma omp parallel num_threads(threads)
     {
-        const int64_t count = omp_get_num_threads(), index = omp_get_thread_num();
-        const int64_t per_thread = (N + count - 1) / count;
-        const int64_t begin = index * per_thread < N ? index * per_thread : N;
-        const int64_t end = begin + per_thread < N ? begin + per_thread : N;
+        int64_t begin, end;
+        thread_share(N, &begin, &end);
         switch (rows) {  /* a constant row count per case: the accumulators stay in registers */
 #define ROWS(r) case r: dot_rows(r, xq, x_scale, K, w, w_sum, w_scale, bias, out, N, begin, end); break;
             ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
@@ -87,15 +262,7 @@ int w8a8_gemv(const float *x, const int64_t rows, const int64_t K, const int8_t 
     return 0;
 }
 
-/* -- paged_decode_attention --------------------------------------------------------------------------
- * One query token per row attending over its sequence's context in the paged KV cache, read in place
- * through the block table (no gathered copy, no mask): row t sees positions [0, context_lens[t]).
- * K/V are float32 or bfloat16 (widened exactly); scores, softmax and the weighted sum in float32.
- * Query heads sharing a KV head are done together, so each K/V vector is read once per group.
- * Threads split the (row, KV head) pairs.
- */
-#define MAX_HEAD_DIM 256
-#define MAX_GROUP 16
+/* -- paged_decode_attention (AVX-512): the same body as the AVX2 build, sixteen lanes ------------------ */
 
 static inline __m512 load16(const void *base, const int64_t index, const int bf16) {
     if (!bf16) return _mm512_loadu_ps((const float *)base + index);
@@ -134,106 +301,21 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(y, n);
 }
 
-/* Where position p's K (or V) vector of KV head kvh lives in the paged cache. */
-static inline const void *key_vector(const void *cache, const int64_t *table, const int64_t block_size,
-                                     const int64_t kv_heads, const int64_t kvh, const int64_t head_dim,
-                                     const int64_t p, const int bf16) {
-    const int64_t index = ((table[p / block_size] * block_size + p % block_size) * kv_heads + kvh) * head_dim;
-    return bf16 ? (const void *)((const uint16_t *)cache + index) : (const void *)((const float *)cache + index);
-}
+#define VEC __m512
+#define LANES 16
+#define V_ZERO _mm512_setzero_ps
+#define V_LOAD _mm512_loadu_ps
+#define V_STORE _mm512_storeu_ps
+#define V_SET1 _mm512_set1_ps
+#define V_ADD _mm512_add_ps
+#define V_SUB _mm512_sub_ps
+#define V_MUL _mm512_mul_ps
+#define V_FMADD _mm512_fmadd_ps
+#define V_LOAD_KV load16
+#define V_HSUM _mm512_reduce_add_ps
+#define V_HSUM4 hsum4_ps
+#define V_EXP exp512
+#define PAGED_DECODE_ATTENTION paged_decode_attention_avx512
+#include "cpu_attention.inc"
 
-int paged_decode_attention_limits(int64_t *max_head_dim, int64_t *max_group) {
-    *max_head_dim = MAX_HEAD_DIM;
-    *max_group = MAX_GROUP;
-    return 0;
-}
-
-/* q [T, H, D] float32; k_cache/v_cache [slots, KVH, D] (bf16 != 0: bfloat16, else float32);
- * block_tables [T, max_blocks] int64; context_lens [T] int64; out [T, H, D] float32.
- * D a multiple of 16 up to MAX_HEAD_DIM, H / KVH up to MAX_GROUP. Returns 0, or -1 on bad sizes. */
-int paged_decode_attention(const float *q, const void *k_cache, const void *v_cache, const int bf16,
-                           const int64_t *block_tables, const int64_t max_blocks, const int64_t *context_lens,
-                           const int64_t rows, const int64_t heads, const int64_t kv_heads, const int64_t head_dim,
-                           const int64_t block_size, const float scale, float *out, const int threads) {
-    const int64_t group = heads / kv_heads, vectors = head_dim / 16;
-    if (head_dim % 16 || head_dim > MAX_HEAD_DIM || heads % kv_heads || group > MAX_GROUP) return -1;
-    int64_t longest = 0;
-    for (int64_t t = 0; t < rows; t++) longest = context_lens[t] > longest ? context_lens[t] : longest;
-    int status = 0;
-    #pragma omp parallel num_threads(threads)
-    {
-        float *scores = malloc(sizeof(float) * (size_t)(group * (longest > 0 ? longest : 1)));
-        if (!scores) {
-            #pragma omp atomic write
-            status = -1;
-        }
-        #pragma omp for schedule(static)
-        for (int64_t task = 0; task < rows * kv_heads; task++) {
-            if (!scores) continue;
-            const int64_t t = task / kv_heads, kvh = task % kv_heads, length = context_lens[t];
-            const int64_t *table = block_tables + t * max_blocks;
-            const float *q_group = q + (t * heads + kvh * group) * head_dim;
-            __m512 acc[MAX_HEAD_DIM / 16];
-            float maximum[MAX_GROUP];
-            for (int64_t g = 0; g < group; g++) maximum[g] = -INFINITY;
-            int64_t p = 0;
-            for (; p + 4 <= length; p += 4) {  /* scores q·k, four positions at a time: one reduction for four */
-                const void *k_rows[4];
-                for (int j = 0; j < 4; j++)
-                    k_rows[j] = key_vector(k_cache, table, block_size, kv_heads, kvh, head_dim, p + j, bf16);
-                for (int64_t g = 0; g < group; g++) {
-                    __m512 dot[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-                    for (int64_t i = 0; i < vectors; i++) {
-                        const __m512 q_part = _mm512_loadu_ps(q_group + g * head_dim + 16 * i);
-                        for (int j = 0; j < 4; j++) dot[j] = _mm512_fmadd_ps(q_part, load16(k_rows[j], 16 * i, bf16), dot[j]);
-                    }
-                    const __m128 four = _mm_mul_ps(hsum4_ps(dot[0], dot[1], dot[2], dot[3]), _mm_set1_ps(scale));
-                    _mm_storeu_ps(scores + g * length + p, four);
-                    for (int j = 0; j < 4; j++) maximum[g] = fmaxf(maximum[g], scores[g * length + p + j]);
-                }
-            }
-            for (; p < length; p++) {
-                const void *k_row = key_vector(k_cache, table, block_size, kv_heads, kvh, head_dim, p, bf16);
-                for (int64_t g = 0; g < group; g++) {
-                    __m512 dot = _mm512_setzero_ps();
-                    for (int64_t i = 0; i < vectors; i++)
-                        dot = _mm512_fmadd_ps(_mm512_loadu_ps(q_group + g * head_dim + 16 * i), load16(k_row, 16 * i, bf16), dot);
-                    const float score = _mm512_reduce_add_ps(dot) * scale;
-                    scores[g * length + p] = score;
-                    maximum[g] = fmaxf(maximum[g], score);
-                }
-            }
-            float total[MAX_GROUP];
-            for (int64_t g = 0; g < group; g++) {  /* softmax numerators, in place, sixteen at a time */
-                float *row = scores + g * length;
-                const __m512 row_max = _mm512_set1_ps(maximum[g]);
-                __m512 sum = _mm512_setzero_ps();
-                for (int64_t p = 0; p < length; p += 16) {
-                    const __mmask16 mask = length - p >= 16 ? 0xFFFF : (__mmask16)((1u << (length - p)) - 1);
-                    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + p), row_max));
-                    _mm512_mask_storeu_ps(row + p, mask, e);
-                    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, e));
-                }
-                total[g] = _mm512_reduce_add_ps(sum);
-            }
-            __m512 sums[MAX_GROUP][MAX_HEAD_DIM / 16];
-            for (int64_t g = 0; g < group; g++)
-                for (int64_t i = 0; i < vectors; i++) sums[g][i] = _mm512_setzero_ps();
-            for (p = 0; p < length; p++) {  /* Σ weight · v, each V vector read once for the group */
-                const void *v_row = key_vector(v_cache, table, block_size, kv_heads, kvh, head_dim, p, bf16);
-                for (int64_t i = 0; i < vectors; i++) acc[i] = load16(v_row, 16 * i, bf16);
-                for (int64_t g = 0; g < group; g++) {
-                    const __m512 weight = _mm512_set1_ps(scores[g * length + p]);
-                    for (int64_t i = 0; i < vectors; i++) sums[g][i] = _mm512_fmadd_ps(weight, acc[i], sums[g][i]);
-                }
-            }
-            for (int64_t g = 0; g < group; g++) {
-                const __m512 inverse = _mm512_set1_ps(length > 0 ? 1.f / total[g] : 0.f);
-                float *o = out + (t * heads + kvh * group + g) * head_dim;
-                for (int64_t i = 0; i < vectors; i++) _mm512_storeu_ps(o + 16 * i, _mm512_mul_ps(sums[g][i], inverse));
-            }
-        }
-        free(scores);
-    }
-    return status;
-}
+#pragma GCC pop_options

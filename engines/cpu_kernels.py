@@ -1,20 +1,23 @@
 """The CPU decode kernels of `cpu_kernels.c`: compiled once per machine, loaded with ctypes.
 
 A decode step at batch 1 multiplies one row by every weight of the model and attends over one
-sequence's cache, so it should be bound by how fast the weights stream from memory. Two things kept it
-far from that: oneDNN's `torch._int_mm` streams a one-row product's weights well below DRAM bandwidth,
-and paged attention through PyTorch ops (gather the blocks, mask, SDPA) pays per-op costs far above the
-few kilobytes of K/V it reads. `w8a8_gemv` (bit-identical to `_int_mm`) replaces the first for inputs
-of up to `max_rows` rows; `paged_decode_attention` (reads the cache in place through the block tables)
-the second, for every decode row of every step, so a row's result never depends on the batch size.
-`python -m bench.kernels` times the GEMV against `_int_mm`, `python -m bench.engine --batch1-only` a
-decode step with both kernels against the PyTorch ops; BENCHMARKS.md has the figures.
+sequence's cache, so it should be bound by how fast the weights stream from memory. Three things kept it
+far from that: oneDNN's `torch._int_mm` and the packed `_weight_int8pack_mm` (bfloat16 activations,
+emulated on CPUs without native bf16) stream a one-row product's weights well below DRAM bandwidth, and
+paged attention through PyTorch ops (gather the blocks, mask, SDPA) pays per-op costs far above the few
+kilobytes of K/V it reads. For inputs of up to `max_rows` rows, `w8a8_gemv` (bit-identical to
+`_int_mm`; AVX-512 VNNI, the CPUs where `quantization = "auto"` picks w8a8) replaces the first and
+`int8_gemv` (AVX2 + FMA, int8 weights widened to float32 in registers; the CPUs where `auto` picks int8)
+the second; `paged_decode_attention` (AVX-512; reads the cache in place through the block tables) the
+third, for every decode row of every step, so a row's result never depends on the batch size.
+`python -m bench.kernels` times the GEMVs against the PyTorch ops, `python -m bench.engine --batch1-only`
+a decode step with the kernels against the PyTorch ops; BENCHMARKS.md has the figures.
 
-They need AVX-512 with VNNI (the CPUs where `quantization = "auto"` picks w8a8) and a C compiler (`cc`,
-or `$CC`). The shared library is built on first use into `~/.cache/sluice/native/` under a name that
-hashes the source and flags, so an edited kernel is rebuilt and concurrent builds cannot see each
-other's half-written file. Where either is missing, both accessors return None and the callers keep
-their PyTorch paths.
+One library, built for AVX2 + FMA with the AVX-512 kernels in their own target region, needs a C compiler
+(`cc`, or `$CC`). It is built on first use into `~/.cache/sluice/native/` under a name that hashes the
+source and flags, so an edited kernel is rebuilt and concurrent builds cannot see each other's
+half-written file. Where the compiler or a kernel's instructions are missing, its accessor returns None
+and the caller keeps its PyTorch path.
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ from engines.cpu import cpu_flags
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
+INCLUDES = (Path(__file__).with_name("cpu_attention.inc"),)  # what SOURCE includes: part of the build's hash
 CACHE_DIR = Path("~/.cache/sluice/native")
-REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})
-COMPILE_FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-fopenmp", "-shared", "-fPIC")
+REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma"})  # the library's baseline: `int8_gemv`
+AVX512_VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})  # `w8a8_gemv`, `paged_decode_attention`
+COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 _POINTER, _INT64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -63,7 +68,7 @@ class W8A8Gemv:
             _POINTER,
             ctypes.c_int,
         ]
-        self.max_rows: int = library.w8a8_gemv_max_rows()
+        self.max_rows: int = library.gemv_max_rows()
 
     def __call__(
         self,
@@ -97,13 +102,51 @@ class W8A8Gemv:
         return out
 
 
+class Int8Gemv:
+    """`(x [rows, K] float32, weight [N, K] int8, scales [N] float32, bias [N] float32 | None)` →
+    `[rows, N]` float32 = x · (weight · scales)ᵀ + bias, for 1 ≤ rows ≤ `max_rows` and K a multiple of 8."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._gemv = library.int8_gemv
+        self._gemv.restype = ctypes.c_int
+        self._gemv.argtypes = [_POINTER, _INT64, _INT64, _POINTER, _POINTER, _POINTER, _POINTER, _INT64, ctypes.c_int]
+        self.max_rows: int = library.gemv_max_rows()
+
+    @staticmethod
+    def supports(in_features: int) -> bool:
+        return in_features % 8 == 0
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        rows, in_features = x.shape
+        out_features = weight.shape[0]
+        x = x.contiguous()
+        out = torch.empty(rows, out_features)
+        status = self._gemv(
+            x.data_ptr(),
+            rows,
+            in_features,
+            weight.data_ptr(),
+            scales.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            out_features,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise ValueError(f"int8_gemv takes 1 to {self.max_rows} rows of a multiple of 8 features, got {x.shape}")
+        return out
+
+
 class PagedDecodeAttention:
     """`(query [T, H, D] float32, k_cache, v_cache [slots, KVH, D] float32 or bfloat16, block_tables [T, B]
     long, context_lens [T] long, block_size, scale)` → `[T, H, D]` float32: row t attends over positions
     [0, context_lens[t]) of its sequence, read in place through its block table."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
-        self._attention = library.paged_decode_attention
+    def __init__(self, library: ctypes.CDLL, isa: str) -> None:
+        self._attention = getattr(library, f"paged_decode_attention_{isa}")
+        self.lanes = {"avx2": 8, "avx512": 16}[isa]  # head_dim must be a multiple of it
         self._attention.restype = ctypes.c_int
         self._attention.argtypes = [_POINTER, _POINTER, _POINTER, ctypes.c_int, _POINTER, _INT64, _POINTER]
         self._attention.argtypes += [_INT64] * 5 + [ctypes.c_float, _POINTER, ctypes.c_int]
@@ -111,10 +154,14 @@ class PagedDecodeAttention:
         library.paged_decode_attention_limits(ctypes.byref(max_head_dim), ctypes.byref(max_group))
         self.max_head_dim, self.max_group = max_head_dim.value, max_group.value
 
-    def supports(self, num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype) -> bool:
+    def supports(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype, block_size: int
+    ) -> bool:
         return (
             kv_dtype in (torch.float32, torch.bfloat16)
-            and head_dim % 16 == 0
+            and block_size > 0
+            and block_size & (block_size - 1) == 0  # a power of two: positions map to slots by shift and mask
+            and head_dim % self.lanes == 0
             and head_dim <= self.max_head_dim
             and num_heads % num_kv_heads == 0
             and num_heads // num_kv_heads <= self.max_group
@@ -151,7 +198,10 @@ class PagedDecodeAttention:
             torch.get_num_threads(),
         )
         if status != 0:
-            raise ValueError(f"paged_decode_attention cannot take heads {num_heads}/{k_cache.shape[1]} × {head_dim}")
+            raise ValueError(
+                f"paged_decode_attention cannot take heads {num_heads}/{k_cache.shape[1]} × {head_dim} in blocks of "
+                f"{block_size}"
+            )
         return out
 
 
@@ -159,14 +209,30 @@ class PagedDecodeAttention:
 def w8a8_gemv() -> W8A8Gemv | None:
     """The w8a8 kernel, or None where this CPU or machine cannot run it."""
     library = _library()
-    return None if library is None else W8A8Gemv(library)
+    return None if library is None or not _has(AVX512_VNNI_FLAGS, "w8a8_gemv") else W8A8Gemv(library)
+
+
+@functools.cache
+def int8_gemv() -> Int8Gemv | None:
+    """The int8 weight-only kernel, or None where this CPU or machine cannot run it."""
+    library = _library()
+    return None if library is None else Int8Gemv(library)
 
 
 @functools.cache
 def paged_decode_attention() -> PagedDecodeAttention | None:
     """The decode attention kernel, or None where this CPU or machine cannot run it."""
     library = _library()
-    return None if library is None else PagedDecodeAttention(library)
+    if library is None:
+        return None
+    return PagedDecodeAttention(library, "avx512" if cpu_flags() >= AVX512_VNNI_FLAGS else "avx2")
+
+
+def _has(flags: frozenset[str], kernel: str) -> bool:
+    missing = flags - cpu_flags()
+    if missing:
+        logger.info("CPU kernel %s not used: the CPU lacks %s", kernel, ", ".join(sorted(missing)))
+    return not missing
 
 
 @functools.cache
@@ -192,9 +258,10 @@ def _build() -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler found (cc, gcc or $CC)")
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *COMPILE_FLAGS)).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in (SOURCE, *INCLUDES)))
+    digest.update(" ".join((compiler, *COMPILE_FLAGS)).encode())
     cache = CACHE_DIR.expanduser()
-    library = cache / f"cpu_kernels-{digest}.so"
+    library = cache / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
     if library.exists():
         return library
     cache.mkdir(parents=True, exist_ok=True)

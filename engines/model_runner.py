@@ -62,7 +62,7 @@ class ModelRunner:
                           for _ in range(config.num_hidden_layers)]
         kernel = paged_decode_attention()
         supported = kernel is not None and kernel.supports(
-            config.num_attention_heads, config.num_key_value_heads, config.head_dim, kv_cache_dtype)
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim, kv_cache_dtype, block_size)
         self.decode_attention = kernel if supported else None  # None: decode rows attend through PyTorch ops
 
     def execute(self, batch: ScheduledBatch, should_yield: Callable[[], bool] | None = None

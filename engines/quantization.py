@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from engines.cpu import has_int8_dot_product
-from engines.cpu_kernels import w8a8_gemv
+from engines.cpu_kernels import Int8Gemv, W8A8Gemv, int8_gemv, w8a8_gemv
 
 QUANTIZATION_MODES = ("int8", "int4", "w8a8")
 AUTO = "auto"  # w8a8 where the CPU has int8 dot products, else int8
@@ -96,7 +96,11 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
 
 
 class Int8Linear(nn.Module):
-    """y = x @ (weight_int8 * scales)ᵀ + bias; matmul in bfloat16, result in `activation_dtype`."""
+    """y = x @ (weight_int8 * scales)ᵀ + bias; matmul in bfloat16, result in `activation_dtype`.
+
+    Few rows (decode steps) go through `int8_gemv` where this machine can run it: the same quantised
+    weight (the stored bfloat16 scales) in float32 arithmetic, streamed several times faster than the
+    packed kernel manages at one row (BENCHMARKS.md). `gemv = None` forces the packed kernel."""
 
     def __init__(
         self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, activation_dtype: torch.dtype
@@ -107,6 +111,16 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", weight_int8)
         self.register_buffer("scales", scales.to(COMPUTE_DTYPE))
         self.register_buffer("bias", None if bias is None else bias.detach().to(activation_dtype))
+        self.gemv = self._attach_gemv()
+
+    def _attach_gemv(self) -> Int8Gemv | W8A8Gemv | None:
+        kernel = int8_gemv()
+        if kernel is None or not kernel.supports(self.in_features):
+            return None
+        # The kernel's float32 operands: 4 bytes per output feature each.
+        self.register_buffer("gemv_scales", self.scales.float(), persistent=False)
+        self.register_buffer("gemv_bias", None if self.bias is None else self.bias.float(), persistent=False)
+        return kernel
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, activation_dtype: torch.dtype = torch.bfloat16) -> Int8Linear:
@@ -118,7 +132,11 @@ class Int8Linear(nn.Module):
         return self.weight.to(dtype) * self.scales.to(dtype).unsqueeze(1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
+        rows = x.reshape(-1, self.in_features)
+        if self.gemv is not None and rows.shape[0] <= self.gemv.max_rows:
+            out = self.gemv(rows.float(), self.weight, self.gemv_scales, self.gemv_bias)
+            return out.to(self.activation_dtype).reshape(*x.shape[:-1], self.out_features)
+        rows = rows.to(COMPUTE_DTYPE)
         out = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales).to(self.activation_dtype)
         if self.bias is not None:
             out = out + self.bias
@@ -192,9 +210,11 @@ class W8A8Linear(Int8Linear):
         # The int32 product is rescaled (and the bias added) in float32.
         self.scales = scales.float()
         self.bias = None if bias is None else bias.detach().float()
-        self.gemv = w8a8_gemv()
         # Σₖ w[n, k], which the kernel's unsigned-activation product needs (4 bytes per output feature).
         self.register_buffer("weight_sum", weight_int8.sum(dim=1, dtype=torch.int32), persistent=False)
+
+    def _attach_gemv(self) -> Int8Gemv | W8A8Gemv | None:
+        return w8a8_gemv()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()

@@ -1,5 +1,5 @@
-"""The CPU decode kernels compute what the PyTorch paths do (the w8a8 one bit for bit), and their absence
-costs nothing but speed."""
+"""The CPU decode kernels compute what the PyTorch paths do (the w8a8 one bit for bit, the int8 one in
+float32 over the same quantised weight), and their absence costs nothing but speed."""
 
 from __future__ import annotations
 
@@ -12,20 +12,27 @@ from torch import nn
 
 from engines import cpu_kernels
 from engines.attention import AttentionMetadata, paged_attention
-from engines.cpu_kernels import paged_decode_attention, w8a8_gemv
-from engines.quantization import W8A8Linear
+from engines.cpu_kernels import PagedDecodeAttention, int8_gemv, w8a8_gemv
+from engines.quantization import Int8Linear, RowDispatchLinear, W8A8Linear
 
 needs_kernel = pytest.mark.skipif(
-    w8a8_gemv() is None, reason="the CPU decode kernels need AVX-512 VNNI and a C compiler; this machine lacks one"
+    w8a8_gemv() is None, reason="the w8a8 kernel needs AVX-512 VNNI and a C compiler; this machine lacks one"
 )
+needs_library = pytest.mark.skipif(
+    int8_gemv() is None, reason="the CPU decode kernels need AVX2, FMA and a C compiler; this machine lacks one"
+)
+# Both builds of the attention kernel where this CPU runs them (AVX-512 CPUs run the AVX2 one too).
+ATTENTION_ISAS = ["avx2", *(["avx512"] if w8a8_gemv() is not None else [])]
 
 
-def w8a8_pair(in_features: int, out_features: int, bias: bool) -> tuple[W8A8Linear, W8A8Linear]:
-    """The same quantised layer twice: through the kernel, and forced onto `torch._int_mm`."""
+def layer_pair(layer_type: type[Int8Linear], in_features: int, out_features: int, bias: bool
+               ) -> tuple[Int8Linear, Int8Linear]:  # fmt: skip
+    """The same quantised layer twice: through its kernel, and forced onto its PyTorch op (`torch._int_mm`
+    for w8a8, the packed bfloat16 `_weight_int8pack_mm` for int8)."""
     torch.manual_seed(in_features + out_features)
     linear = nn.Linear(in_features, out_features, bias=bias)
-    with_kernel = W8A8Linear.from_linear(linear, torch.float32)
-    reference = W8A8Linear.from_linear(linear, torch.float32)
+    with_kernel = layer_type.from_linear(linear, torch.float32)
+    reference = layer_type.from_linear(linear, torch.float32)
     reference.gemv = None
     return with_kernel, reference
 
@@ -34,7 +41,7 @@ def w8a8_pair(in_features: int, out_features: int, bias: bool) -> tuple[W8A8Line
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize(("in_features", "bias"), [(256, False), (200, True), (4864 // 8, True)])
 def test_the_kernel_is_bit_identical_to_int_mm(rows: int, in_features: int, bias: bool) -> None:
-    with_kernel, reference = w8a8_pair(in_features, 96, bias)
+    with_kernel, reference = layer_pair(W8A8Linear, in_features, 96, bias)
     x = torch.randn(rows, in_features) * torch.logspace(-3, 3, rows).unsqueeze(1)  # row scales far apart
     x[0] = x[0].clamp(-100, 100)
     x[0, :3] = torch.tensor([127.0, 2.5, -3.5])  # scale exactly 1: two values halfway, rounded half to even
@@ -44,7 +51,7 @@ def test_the_kernel_is_bit_identical_to_int_mm(rows: int, in_features: int, bias
 
 @needs_kernel
 def test_rows_beyond_the_kernel_go_to_int_mm_and_stay_exact() -> None:
-    with_kernel, reference = w8a8_pair(128, 64, True)
+    with_kernel, reference = layer_pair(W8A8Linear, 128, 64, True)
     kernel = w8a8_gemv()
     assert kernel is not None
     x = torch.randn(kernel.max_rows + 1, 128)
@@ -53,9 +60,48 @@ def test_rows_beyond_the_kernel_go_to_int_mm_and_stay_exact() -> None:
         kernel(x, with_kernel.weight, with_kernel.weight_sum, with_kernel.scales, with_kernel.bias)
 
 
-def test_a_cpu_without_vnni_keeps_the_pytorch_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+@needs_library
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize(("in_features", "bias"), [(256, False), (200, True), (4864 // 8, True)])
+def test_the_int8_kernel_is_the_quantised_layer_in_float32(rows: int, in_features: int, bias: bool) -> None:
+    with_kernel, packed = layer_pair(Int8Linear, in_features, 37, bias)  # 37 outputs: the threads' shares end mid-way
+    assert with_kernel.gemv is not None
+    x = torch.randn(rows, in_features) * torch.logspace(-2, 2, rows).unsqueeze(1)
+    exact = x.double() @ with_kernel.dequantize(torch.float64).t()
+    if bias:
+        exact += with_kernel.bias.double()
+    out = with_kernel(x)
+    torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+    # The packed kernel rounds activations and results to bfloat16: the same layer within that.
+    torch.testing.assert_close(packed(x), out, rtol=2e-2, atol=2e-2 * exact.abs().max().item())
+
+
+@needs_library
+def test_the_int8_kernel_takes_few_rows_of_a_multiple_of_eight_features() -> None:
+    kernel = int8_gemv()
+    assert kernel is not None
+    with_kernel, packed = layer_pair(Int8Linear, 64, 16, False)
+    many = torch.randn(kernel.max_rows + 1, 64)
+    assert torch.equal(with_kernel(many), packed(many))  # beyond the kernel's rows: the packed path
+    with pytest.raises(ValueError, match="rows"):
+        kernel(many, with_kernel.weight, with_kernel.gemv_scales, None)
+    odd = Int8Linear.from_linear(nn.Linear(60, 16), torch.float32)
+    assert odd.gemv is None  # 60 features: not a multiple of 8, the packed kernel takes every call
+    assert RowDispatchLinear(with_kernel).packed.gemv is kernel
+
+
+def test_a_cpu_without_avx2_keeps_the_pytorch_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"sse4_2"}))
     assert cpu_kernels._library.__wrapped__() is None
+
+
+@needs_library
+def test_a_cpu_without_vnni_gets_the_avx2_kernels_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert cpu_kernels.w8a8_gemv.__wrapped__() is None
+    assert cpu_kernels.int8_gemv.__wrapped__() is not None
+    attention = cpu_kernels.paged_decode_attention.__wrapped__()
+    assert attention is not None and attention.lanes == 8
 
 
 def test_a_kernel_that_does_not_compile_is_logged_and_skipped(
@@ -75,7 +121,9 @@ def test_a_kernel_that_does_not_compile_is_logged_and_skipped(
 BLOCK_SIZE = 4
 
 
-def decode_metadata(block_tables: torch.Tensor, context_lens: torch.Tensor, kernel: bool) -> AttentionMetadata:
+def decode_metadata(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, kernel: PagedDecodeAttention | None
+) -> AttentionMetadata:
     """Metadata of a step of decode rows only, as the model runner builds it with or without the kernel."""
     slots = torch.stack([block_tables[t, (n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
                          for t, n in enumerate(context_lens.tolist())])  # fmt: skip
@@ -84,16 +132,22 @@ def decode_metadata(block_tables: torch.Tensor, context_lens: torch.Tensor, kern
         block_size=BLOCK_SIZE, slot_mapping=slots, num_decode_tokens=len(context_lens),
         decode_block_tables=block_tables,
         decode_mask=None if kernel else (positions.unsqueeze(0) < context_lens.unsqueeze(1))[:, None, None, :],
-        prefills=[], decode_context_lens=context_lens if kernel else None,
-        decode_kernel=paged_decode_attention() if kernel else None,
+        prefills=[], decode_context_lens=context_lens if kernel else None, decode_kernel=kernel,
     )  # fmt: skip
 
 
-@needs_kernel
+def attention_kernel(isa: str) -> PagedDecodeAttention:
+    library = cpu_kernels._library()
+    assert library is not None
+    return PagedDecodeAttention(library, isa)
+
+
+@needs_library
+@pytest.mark.parametrize("isa", ATTENTION_ISAS)
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 16), (14, 2, 64), (12, 2, 128)])
 def test_decode_attention_reads_the_paged_cache_as_the_pytorch_path_does(
-    kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+    isa: str, kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> None:
     torch.manual_seed(head_dim)
     num_blocks = 12
@@ -105,7 +159,7 @@ def test_decode_attention_reads_the_paged_cache_as_the_pytorch_path_does(
     query = torch.randn(3, num_heads, head_dim)
     key, value = torch.randn(3, num_kv_heads, head_dim), torch.randn(3, num_kv_heads, head_dim)
     outputs = []
-    for kernel in (False, True):
+    for kernel in (None, attention_kernel(isa)):
         caches = k_cache.clone(), v_cache.clone()
         metadata = decode_metadata(block_tables, context_lens, kernel)
         outputs.append(paged_attention(query, key, value, *caches, metadata, head_dim**-0.5))
@@ -114,11 +168,11 @@ def test_decode_attention_reads_the_paged_cache_as_the_pytorch_path_does(
     torch.testing.assert_close(outputs[1], outputs[0], atol=tolerance, rtol=tolerance)
 
 
-@needs_kernel
-def test_decode_attention_sees_only_its_context() -> None:
+@needs_library
+@pytest.mark.parametrize("isa", ATTENTION_ISAS)
+def test_decode_attention_sees_only_its_context(isa: str) -> None:
     """Slots past a row's context length in its last block hold another sequence's K/V: they must not count."""
-    kernel = paged_decode_attention()
-    assert kernel is not None
+    kernel = attention_kernel(isa)
     head_dim = 16
     k_cache, v_cache = torch.zeros(2 * BLOCK_SIZE, 1, head_dim), torch.zeros(2 * BLOCK_SIZE, 1, head_dim)
     v_cache[:3] = 1.0  # the row's three positions
@@ -127,3 +181,14 @@ def test_decode_attention_sees_only_its_context() -> None:
     out = kernel(torch.ones(1, 1, head_dim), k_cache, v_cache, torch.tensor([[0, 1]]), torch.tensor([3]),
                  BLOCK_SIZE, 1.0)  # fmt: skip
     assert torch.equal(out, torch.ones(1, 1, head_dim))
+
+
+@needs_library
+@pytest.mark.parametrize("isa", ATTENTION_ISAS)
+def test_decode_attention_takes_blocks_of_a_power_of_two_tokens_only(isa: str) -> None:
+    kernel = attention_kernel(isa)
+    assert kernel.supports(14, 2, 64, torch.float32, block_size=16)
+    assert not kernel.supports(14, 2, 64, torch.float32, block_size=12)  # the engine then uses PyTorch ops
+    cache = torch.zeros(12, 1, 16)
+    with pytest.raises(ValueError, match="blocks of 12"):
+        kernel(torch.ones(1, 1, 16), cache, cache, torch.tensor([[0]]), torch.tensor([3]), 12, 1.0)
