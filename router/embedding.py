@@ -32,6 +32,7 @@ MAX_BATCH = 32  # texts per onnxruntime call in `embed`
 DEFAULT_CACHE_DIR = Path("~/.cache/sluice/models")
 EXPORT_FORMAT = 2  # bump when the exported graph changes, so stale exports are not reused
 NUM_HEADS = 12
+DEFAULT_THREADS = 2  # onnxruntime intra-op threads of a gateway's embedder (`Embedder.load`)
 
 
 def minilm_dir() -> Path:
@@ -112,7 +113,7 @@ class Embedder:
         self._batcher: MicroBatcher[str] = MicroBatcher(lambda texts: self.embed(texts))
 
     @classmethod
-    def load(cls, cache_dir: Path | None = None, *, threads: int = 2) -> Embedder:
+    def load(cls, cache_dir: Path | None = None, *, threads: int = DEFAULT_THREADS) -> Embedder:
         """Open (exporting on first use) the ONNX model. `threads`: onnxruntime intra-op threads. Two
         cut a request's embedding by about a third on the fused graph (one gains nothing from it); they
         do not spin between calls, so idle they leave the cores to the engines."""
