@@ -14,7 +14,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#define MAX_ROWS 8  /* rows of the GEMV kernels: decode steps of a few sequences */
 
 
 /* Output features [begin, end) of this OpenMP thread: a contiguous share of n, so each thread streams
@@ -26,18 +25,22 @@ static inline void thread_share(const int64_t n, int64_t *begin, int64_t *end) {
     *end = *begin + per_thread < n ? *begin + per_thread : n;
 }
 
-int gemv_max_rows(void) { return MAX_ROWS; }
-
 /* -- int8_gemv (AVX2, FMA) ----------------------------------------------------------------------------
- * int8 weight-only matmul for few rows: out = (x · wᵀ) · w_scale (+ bias), float32 in and out.
+ * int8 weight-only matmul for decode-sized inputs: out = (x · wᵀ) · w_scale (+ bias), float32 in and out.
  * Int8Linear's product (per-output-channel scales), with the int8 weights widened to float32 in
- * registers: no bfloat16 rounding of the activations or the result, and each weight read once for all
- * the rows. Each thread takes a contiguous share of the output features and reads their weight rows one
- * after another: a purely sequential stream, which the hardware prefetchers follow at close to DRAM
- * bandwidth (interleaving a few rows, to share loads of x, was ~40 % slower on 896-wide rows).
- * `UNROLL` independent accumulators per row of x keep the FMAs' latency hidden at one row.
- * K must be a multiple of 8 (the Python side checks).
+ * registers: no bfloat16 rounding of the activations or the result.
+ *
+ * Every row of x is computed the same way whatever else is in the call — four accumulators over k,
+ * summed in one order — so a row's result does not depend on its batch: a speculative verification
+ * step (k + 1 rows per sequence) gives bit for bit the logits plain decoding does. Rows go in pairs
+ * (2 × 4 accumulators in registers) over blocks of N_BLOCK weight rows, which stay in L1 while every
+ * pair passes over them: the weights stream from memory once per call. Each thread takes a contiguous
+ * share of the output features, so at one row it reads one sequential stream, which the hardware
+ * prefetchers follow at close to DRAM bandwidth (interleaving weight rows to share loads of x was ~40 %
+ * slower on 896-wide rows). K must be a multiple of 8 (the Python side checks).
  */
+#define INT8_MAX_ROWS 48  /* engines.quantization.PACKED_MAX_ROWS: beyond it, prefill-sized inputs take sgemm */
+#define N_BLOCK 16
 
 static inline __attribute__((always_inline)) __m256 widen8(const int8_t *w) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
@@ -49,53 +52,56 @@ static inline float hsum8(const __m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
 }
 
-/* rows × unroll ≤ 8 accumulators: unroll 4 for up to 2 rows, 2 for up to 4, else 1. */
-static inline __attribute__((always_inline)) void int8_rows(
-    const int64_t rows, const float *x, const int64_t K, const int8_t *w, const float *w_scale,
-    const float *bias, float *out, const int64_t N, const int64_t begin, const int64_t end) {
-    const int64_t unroll = rows <= 2 ? 4 : rows <= 4 ? 2 : 1, step = 8 * unroll, main = K - K % step;
-    for (int64_t n = begin; n < end; n++) {
-        const int8_t *w_row = w + n * K;
-        __m256 acc[MAX_ROWS][4];
-        for (int64_t m = 0; m < rows; m++)
-            for (int64_t u = 0; u < unroll; u++) acc[m][u] = _mm256_setzero_ps();
-        for (int64_t k = 0; k < main; k += step)
-            for (int64_t u = 0; u < unroll; u++) {
-                const __m256 w_part = widen8(w_row + k + 8 * u);
-                for (int64_t m = 0; m < rows; m++)
-                    acc[m][u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8 * u), w_part, acc[m][u]);
-            }
-        for (int64_t k = main; k < K; k += 8) {
-            const __m256 w_part = widen8(w_row + k);
-            for (int64_t m = 0; m < rows; m++)
-                acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), w_part, acc[m][0]);
+/* out[m][n] for the `count` (1 or 2) rows of x from `x`: the one order of operations every row gets. */
+static inline __attribute__((always_inline)) void int8_dot(
+    const int count, const float *x, const int64_t K, const int8_t *w_row, const float w_scale,
+    const float *bias, float *out, const int64_t N) {
+    __m256 acc[2][4];
+    for (int m = 0; m < count; m++)
+        for (int u = 0; u < 4; u++) acc[m][u] = _mm256_setzero_ps();
+    const int64_t main = K - K % 32;
+    for (int64_t k = 0; k < main; k += 32)
+        for (int u = 0; u < 4; u++) {
+            const __m256 w_part = widen8(w_row + k + 8 * u);
+            for (int m = 0; m < count; m++)
+                acc[m][u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8 * u), w_part, acc[m][u]);
         }
-        for (int64_t m = 0; m < rows; m++) {
-            __m256 sum = acc[m][0];
-            for (int64_t u = 1; u < unroll; u++) sum = _mm256_add_ps(sum, acc[m][u]);
-            const float y = hsum8(sum) * w_scale[n];
-            out[m * N + n] = bias ? y + bias[n] : y;
-        }
+    for (int64_t k = main; k < K; k += 8) {
+        const __m256 w_part = widen8(w_row + k);
+        for (int m = 0; m < count; m++) acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), w_part, acc[m][0]);
+    }
+    for (int m = 0; m < count; m++) {
+        const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3]));
+        const float y = hsum8(sum) * w_scale;
+        out[m * N] = bias ? y + *bias : y;
     }
 }
 
 /* x [rows, K] float32; w [N, K] int8; w_scale [N] float32; bias [N] float32 or NULL; out [rows, N]
- * float32. Returns 0, or -1 if rows is not in [1, MAX_ROWS] or K is not a multiple of 8. */
+ * float32. Returns 0, or -1 if rows is not in [1, INT8_MAX_ROWS] or K is not a multiple of 8. */
 int int8_gemv(const float *x, const int64_t rows, const int64_t K, const int8_t *w, const float *w_scale,
               const float *bias, float *out, const int64_t N, const int threads) {
-    if (rows < 1 || rows > MAX_ROWS || K % 8) return -1;
+    if (rows < 1 || rows > INT8_MAX_ROWS || K % 8) return -1;
     #pragma omp parallel num_threads(threads)
     {
         int64_t begin, end;
         thread_share(N, &begin, &end);
-        switch (rows) {  /* a constant row count per case: the accumulators stay in registers */
-#define ROWS(r) case r: int8_rows(r, x, K, w, w_scale, bias, out, N, begin, end); break;
-            ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
-#undef ROWS
+        for (int64_t block = begin; block < end; block += N_BLOCK) {
+            const int64_t block_end = block + N_BLOCK < end ? block + N_BLOCK : end;
+            for (int64_t m = 0; m < rows; m += 2)
+                for (int64_t n = block; n < block_end; n++) {
+                    const float *row_bias = bias ? bias + n : NULL;
+                    if (m + 1 < rows)
+                        int8_dot(2, x + m * K, K, w + n * K, w_scale[n], row_bias, out + m * N + n, N);
+                    else
+                        int8_dot(1, x + m * K, K, w + n * K, w_scale[n], row_bias, out + m * N + n, N);
+                }
         }
     }
     return 0;
 }
+
+int int8_gemv_max_rows(void) { return INT8_MAX_ROWS; }
 
 /* -- paged_decode_attention ---------------------------------------------------------------------------
  * One query token per row attending over its sequence's context in the paged KV cache, read in place
@@ -201,6 +207,9 @@ static inline __m256 exp256(__m256 x) {
  * the layer is built) is subtracted from each dot product — exact in int32.
  * Threads split the output rows.
  */
+#define W8A8_MAX_ROWS 8  /* decode steps of a few sequences; the accumulators of all rows stay in registers */
+
+int w8a8_gemv_max_rows(void) { return W8A8_MAX_ROWS; }
 
 static inline __attribute__((always_inline)) void dot_rows(
     const int64_t rows, const uint8_t *xq, const float *x_scale, const int64_t K, const int8_t *w,
@@ -210,7 +219,7 @@ static inline __attribute__((always_inline)) void dot_rows(
     const __mmask64 tail = (K % 64) ? (((__mmask64)1 << (K % 64)) - 1) : 0;
     for (int64_t n = n_begin; n < n_end; n++) {
         const int8_t *w_row = w + n * K;
-        __m512i acc[MAX_ROWS];
+        __m512i acc[W8A8_MAX_ROWS];
         for (int64_t m = 0; m < rows; m++) acc[m] = _mm512_setzero_si512();
         for (int64_t c = 0; c < chunks; c++) {
             const __m512i w_chunk = _mm512_loadu_si512((const void *)(w_row + c * 64));
@@ -243,11 +252,11 @@ static void quantize_rows(const float *x, const int64_t rows, const int64_t K, u
 }
 
 /* x [rows, K] float32; w [N, K] int8; w_sum [N] int32; w_scale [N] float32; bias [N] float32 or NULL;
- * out [rows, N] float32; xq [rows, K] and x_scale [rows] are scratch. Returns 0, or -1 if rows > MAX_ROWS. */
+ * out [rows, N] float32; xq [rows, K] and x_scale [rows] are scratch. Returns 0, or -1 if rows > W8A8_MAX_ROWS. */
 int w8a8_gemv(const float *x, const int64_t rows, const int64_t K, const int8_t *w, const int32_t *w_sum,
               const float *w_scale, const float *bias, float *out, const int64_t N, uint8_t *xq, float *x_scale,
               const int threads) {
-    if (rows < 1 || rows > MAX_ROWS) return -1;
+    if (rows < 1 || rows > W8A8_MAX_ROWS) return -1;
     quantize_rows(x, rows, K, xq, x_scale);
     #pragma omp parallel num_threads(threads)
     {

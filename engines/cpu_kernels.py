@@ -43,7 +43,9 @@ INCLUDES = (Path(__file__).with_name("cpu_attention.inc"),)  # what SOURCE inclu
 CACHE_DIR = Path("~/.cache/sluice/native")
 REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma"})  # the library's baseline: `int8_gemv`
 AVX512_VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})  # `w8a8_gemv`, `paged_decode_attention`
-COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+# -ffp-contract=off: no a * b + c fused where the source does not say so — GCC would fuse in some inlined
+# copies of a kernel and not others, and a row's result would then depend on the batch it came in.
+COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _POINTER, _INT64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -68,7 +70,7 @@ class W8A8Gemv:
             _POINTER,
             ctypes.c_int,
         ]
-        self.max_rows: int = library.gemv_max_rows()
+        self.max_rows: int = library.w8a8_gemv_max_rows()
 
     def __call__(
         self,
@@ -104,13 +106,14 @@ class W8A8Gemv:
 
 class Int8Gemv:
     """`(x [rows, K] float32, weight [N, K] int8, scales [N] float32, bias [N] float32 | None)` →
-    `[rows, N]` float32 = x · (weight · scales)ᵀ + bias, for 1 ≤ rows ≤ `max_rows` and K a multiple of 8."""
+    `[rows, N]` float32 = x · (weight · scales)ᵀ + bias, for 1 ≤ rows ≤ `max_rows` and K a multiple of 8.
+    Each row's result is the same bits whatever other rows share the call."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._gemv = library.int8_gemv
         self._gemv.restype = ctypes.c_int
         self._gemv.argtypes = [_POINTER, _INT64, _INT64, _POINTER, _POINTER, _POINTER, _POINTER, _INT64, ctypes.c_int]
-        self.max_rows: int = library.gemv_max_rows()
+        self.max_rows: int = library.int8_gemv_max_rows()
 
     @staticmethod
     def supports(in_features: int) -> bool:

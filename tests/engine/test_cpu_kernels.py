@@ -61,7 +61,7 @@ def test_rows_beyond_the_kernel_go_to_int_mm_and_stay_exact() -> None:
 
 
 @needs_library
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 21])
 @pytest.mark.parametrize(("in_features", "bias"), [(256, False), (200, True), (4864 // 8, True)])
 def test_the_int8_kernel_is_the_quantised_layer_in_float32(rows: int, in_features: int, bias: bool) -> None:
     with_kernel, packed = layer_pair(Int8Linear, in_features, 37, bias)  # 37 outputs: the threads' shares end mid-way
@@ -74,6 +74,16 @@ def test_the_int8_kernel_is_the_quantised_layer_in_float32(rows: int, in_feature
     torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
     # The packed kernel rounds activations and results to bfloat16: the same layer within that.
     torch.testing.assert_close(packed(x), out, rtol=2e-2, atol=2e-2 * exact.abs().max().item())
+
+
+@needs_library
+def test_a_row_through_the_int8_kernel_is_the_same_bits_in_any_batch() -> None:
+    """A speculative verification step (k + 1 rows a sequence) must give the logits plain decoding does."""
+    with_kernel, _ = layer_pair(Int8Linear, 200, 37, True)
+    x = torch.randn(21, 200)
+    alone = torch.cat([with_kernel(x[i : i + 1]) for i in range(len(x))])
+    assert torch.equal(with_kernel(x), alone)
+    assert torch.equal(with_kernel(x[4:9]), alone[4:9])
 
 
 @needs_library
