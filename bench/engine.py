@@ -42,7 +42,9 @@ Reported: output tokens/s, TTFT and ITL p50/p99, KV waste (token slots allocated
 but not holding a token, averaged over the run), prefix-cache hit rate, and separately the TTFT of
 a request whose 500-token system prompt is cached against the same request uncached, and what our
 precision settings cost in quality: perplexity of 2048 held-out tokens and top-1 agreement with
-float32 weights, activations and KV cache (same checkpoint, teacher-forced through our model code).
+float32 weights, activations and KV cache (same checkpoint, teacher-forced through our model code),
+and on the path that generates: greedy answers to 16 GSM8K test questions against the engine in float32
+(token agreement, final-answer agreement and accuracy; `bench.quant_quality` does this for every format).
 """
 
 from __future__ import annotations
@@ -529,6 +531,29 @@ def quality_vs_float32(checkpoint: Checkpoint, config: EngineConfig, token_ids: 
     }
 
 
+DECODE_QUALITY_QUESTIONS = 16  # GSM8K test questions answered greedily through the decode path
+DECODE_QUALITY_TOKENS = 256  # bench.quant_quality's --max-tokens default: the figures compare
+
+
+def decode_quality_vs_float32(checkpoint: Checkpoint, config: EngineConfig) -> dict[str, Any] | None:
+    """Quality on the path that generates: greedy answers to GSM8K test questions with our settings against
+    the same engine in float32 (token agreement, final-answer agreement, accuracy of both), as
+    `bench.quant_quality` measures every format. The teacher-forced check above runs prefill-shaped
+    inputs, which take other kernels than decode steps on some CPUs. None without the GSM8K data."""
+    from bench.quant_quality import generation_agreement
+    from bench.speculative import gsm8k_prompts
+    from router.label import load_gsm8k
+
+    if not (GSM8K_DIR / "test.jsonl").is_file():
+        print(f"decode-path quality skipped: {GSM8K_DIR}/test.jsonl not found (see ../shared/data/README.md)")
+        return None
+    questions = load_gsm8k(GSM8K_DIR, "test", DECODE_QUALITY_QUESTIONS)
+    prompts = gsm8k_prompts(checkpoint, GSM8K_DIR / "test.jsonl", DECODE_QUALITY_QUESTIONS)  # needs `.tokenizer`
+    small_cache = dataclasses.replace(config, kv_cache_bytes=256 << 20, num_kv_blocks=None)
+    gold = [question.answer for question in questions]
+    return generation_agreement(checkpoint, small_cache, prompts, DECODE_QUALITY_TOKENS, gold)
+
+
 # -- (ii) HF transformers ------------------------------------------------------------------------
 
 
@@ -829,6 +854,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     unused_texts = _corpus_texts()[1][-400:]  # the system prompts come from the start of these
     quality_tokens = token_stream(checkpoint.tokenizer, unused_texts, QUALITY_TOKENS)[:QUALITY_TOKENS]
     quality = STEP_THREAD.call(functools.partial(quality_vs_float32, checkpoint, config, quality_tokens))
+    print("measuring decode-path quality against float32 ...", flush=True)
+    decode_quality = STEP_THREAD.call(functools.partial(decode_quality_vs_float32, checkpoint, config))
     del checkpoint
     gc.collect()
 
@@ -875,6 +902,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         [[quality["perplexity_float32"], quality["perplexity_ours"], quality["perplexity_increase_pct"],
           quality["top1_agreement_with_float32_pct"]]],
     )  # fmt: skip
+    if decode_quality is not None:
+        print_decode_quality(decode_quality)
 
     comparison: dict[str, Any] = {}
     if hf_figures:
@@ -973,6 +1002,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "cached_prefix_ttft": {**prefix, "speedup_x": speedup},
             "batch1_decode": batch1,
             "quality_vs_float32": quality,
+            "decode_quality_vs_float32": decode_quality,
             "targets": targets,
             "hf_probe": hf_probe,
             "hf_best_batch_size": hf_best[1] if hf_best else None,
@@ -980,6 +1010,17 @@ def main(argv: Sequence[str] | None = None) -> None:
             "same_precision_throughput_ratio": same_precision_ratio,
         },
     )
+
+
+def print_decode_quality(quality: dict[str, Any]) -> None:
+    print_table(
+        f"Quality against float32 on the decode path ({quality['answers']} GSM8K test questions, greedy, "
+        f"up to {DECODE_QUALITY_TOKENS} tokens)",
+        ["token agreement %", "token-identical answers", "final-answer agreement %", "accuracy ours %",
+         "accuracy float32 %"],
+        [[quality["token_agreement_pct"], quality["token_identical_answers"], quality["final_answer_agreement_pct"],
+          quality["accuracy_pct"], quality["reference_accuracy_pct"]]],
+    )  # fmt: skip
 
 
 def hf_runs_planned(best: tuple[str, int] | None, best_float32: tuple[str, int] | None) -> list[tuple[str, int]]:
