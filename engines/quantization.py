@@ -98,9 +98,10 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
 class Int8Linear(nn.Module):
     """y = x @ (weight_int8 * scales)ᵀ + bias; matmul in bfloat16, result in `activation_dtype`.
 
-    Few rows (decode steps) go through `int8_gemv` where this machine can run it: the same quantised
-    weight (the stored bfloat16 scales) in float32 arithmetic, streamed several times faster than the
-    packed kernel manages at one row (BENCHMARKS.md). `gemv = None` forces the packed kernel."""
+    Decode-sized inputs (up to `gemv.max_rows` rows) go through `int8_gemv` where this machine can run it:
+    the same quantised weight (the stored bfloat16 scales) in float32 arithmetic, streamed faster than the
+    packed kernel manages at few rows (BENCHMARKS.md), and each row's result the same bits in any batch
+    (speculative verification rows match plain decoding). `gemv = None` forces the packed kernel."""
 
     def __init__(
         self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, activation_dtype: torch.dtype
