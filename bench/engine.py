@@ -549,9 +549,15 @@ def decode_quality_vs_float32(checkpoint: Checkpoint, config: EngineConfig) -> d
         return None
     questions = load_gsm8k(GSM8K_DIR, "test", DECODE_QUALITY_QUESTIONS)
     prompts = gsm8k_prompts(checkpoint, GSM8K_DIR / "test.jsonl", DECODE_QUALITY_QUESTIONS)  # needs `.tokenizer`
+    # Answers as long as the model's context allows beside the longest prompt (a small test model's is short).
+    context = min(config.max_model_len, checkpoint.config.max_position_embeddings)
+    max_tokens = min(DECODE_QUALITY_TOKENS, context - max(map(len, prompts)))
+    if max_tokens < 1:
+        print(f"decode-path quality skipped: the GSM8K prompts do not fit this model's {context}-token context")
+        return None
     small_cache = dataclasses.replace(config, kv_cache_bytes=256 << 20, num_kv_blocks=None)
     gold = [question.answer for question in questions]
-    return generation_agreement(checkpoint, small_cache, prompts, DECODE_QUALITY_TOKENS, gold)
+    return generation_agreement(checkpoint, small_cache, prompts, max_tokens, gold) | {"max_tokens": max_tokens}
 
 
 # -- (ii) HF transformers ------------------------------------------------------------------------
@@ -1015,7 +1021,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 def print_decode_quality(quality: dict[str, Any]) -> None:
     print_table(
         f"Quality against float32 on the decode path ({quality['answers']} GSM8K test questions, greedy, "
-        f"up to {DECODE_QUALITY_TOKENS} tokens)",
+        f"up to {quality['max_tokens']} tokens)",
         ["token agreement %", "token-identical answers", "final-answer agreement %", "accuracy ours %",
          "accuracy float32 %"],
         [[quality["token_agreement_pct"], quality["token_identical_answers"], quality["final_answer_agreement_pct"],

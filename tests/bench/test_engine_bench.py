@@ -119,6 +119,14 @@ def test_a_run_reports_the_probe_and_both_ratios_beside_every_existing_key(
     assert results["ours_vs_hf"]["throughput_ours_over_hf_x"] == pytest.approx(
         results["sluice_engine"]["output_tokens_per_s"] / results["hf_transformers_generate"]["output_tokens_per_s"]
     )
+    # Quality on the decode path: greedy GSM8K answers against float32, when the data is there (else None).
+    decode_quality = results["decode_quality_vs_float32"]
+    if (engine_bench.GSM8K_DIR / "test.jsonl").is_file():
+        assert decode_quality["answers"] == engine_bench.DECODE_QUALITY_QUESTIONS
+        assert 0 <= decode_quality["token_agreement_pct"] <= 100
+        assert 1 <= decode_quality["max_tokens"] <= engine_bench.DECODE_QUALITY_TOKENS
+    else:
+        assert decode_quality is None
 
 
 def test_without_hf_our_engine_still_runs_in_both_precisions_and_no_ratio_is_claimed(
