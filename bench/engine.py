@@ -542,6 +542,7 @@ def decode_quality_vs_float32(checkpoint: Checkpoint, config: EngineConfig) -> d
     inputs, which take other kernels than decode steps on some CPUs. None without the GSM8K data."""
     from bench.quant_quality import generation_agreement
     from bench.speculative import gsm8k_prompts
+    from engines.llm_engine import context_length
     from router.label import load_gsm8k
 
     if not (GSM8K_DIR / "test.jsonl").is_file():
@@ -550,7 +551,7 @@ def decode_quality_vs_float32(checkpoint: Checkpoint, config: EngineConfig) -> d
     questions = load_gsm8k(GSM8K_DIR, "test", DECODE_QUALITY_QUESTIONS)
     prompts = gsm8k_prompts(checkpoint, GSM8K_DIR / "test.jsonl", DECODE_QUALITY_QUESTIONS)  # needs `.tokenizer`
     # Answers as long as the model's context allows beside the longest prompt (a small test model's is short).
-    context = min(config.max_model_len, checkpoint.config.max_position_embeddings)
+    context = context_length(config, checkpoint.config)
     max_tokens = min(DECODE_QUALITY_TOKENS, context - max(map(len, prompts)))
     if max_tokens < 1:
         print(f"decode-path quality skipped: the GSM8K prompts do not fit this model's {context}-token context")

@@ -4,8 +4,9 @@ For the shapes of the small demo model (Qwen2.5-0.5B: gate/up 896→9728, down 4
 896→151936) at decode-sized and prefill-sized row counts: float32 `nn.Linear` (the baseline), w8a8
 (`W8A8Linear`: int8 weights and per-row int8 activations, `torch._int_mm`) and int8 weight-only
 (`Int8Linear`: `_weight_int8pack_mm`, bfloat16 activations), plus whether the CPU has the
-instructions `auto` looks for. Both layers run decode-sized inputs (up to 8 rows) through their CPU
-kernel (`w8a8_gemv`, `int8_gemv`) where this CPU has it, so their 1- and 8-row figures are the kernels'.
+instructions `auto` looks for. Both layers run decode-sized inputs (up to 8 rows for w8a8, 48 for int8)
+through their CPU kernel (`w8a8_gemv`, `int8_gemv`) where this CPU has it, so their 1- and 8-row figures
+(and int8's 32-row one) are the kernels'.
 
 Decode GEMVs (second table): the kernel of the mode `auto` picks here (w8a8 with AVX-512 VNNI, else int8
 weight-only) against its PyTorch op (`torch._int_mm`, `_weight_int8pack_mm`: the same layer with
@@ -90,16 +91,18 @@ def run_all(layers: list[Int8Linear], x: torch.Tensor) -> None:
         layer(x)
 
 
-# The layer `quantization = "auto"` builds on this CPU, and the PyTorch op its `gemv = None` runs.
-GEMV_LAYERS = {"w8a8": (W8A8Linear, "torch._int_mm"), "int8": (Int8Linear, "aten._weight_int8pack_mm (bfloat16)")}
+# Per mode `quantization = "auto"` can pick: its layer, that layer's decode kernel, and the PyTorch op its
+# `gemv = None` runs instead.
+GEMV_KERNELS = {
+    "w8a8": (W8A8Linear, "w8a8_gemv", "torch._int_mm"),
+    "int8": (Int8Linear, "int8_gemv", "aten._weight_int8pack_mm (bfloat16)"),
+}
 
 
 @torch.inference_mode()
-def measure_gemv(repeat: int) -> list[dict[str, Any]]:
-    """The decode kernel of `auto`'s mode against its PyTorch op at decode row counts, weights streamed
-    from memory."""
+def measure_gemv(layer_type: type[Int8Linear], repeat: int) -> list[dict[str, Any]]:
+    """`layer_type`'s decode kernel against its PyTorch op at decode row counts, weights streamed from memory."""
     torch.manual_seed(0)
-    layer_type, _ = GEMV_LAYERS[resolve_quantization("auto") or "int8"]
     results = []
     for name, (in_features, out_features) in SHAPES.items():
         dense = nn.Linear(in_features, out_features, bias=False)
@@ -195,12 +198,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         ],
     )  # fmt: skip
     figures: dict[str, Any] = {"cpu": cpu, "baseline": "float32 nn.Linear", "results": results}
-    if int8_gemv() is not None:  # the kernels' library loaded on this machine
-        mode = resolve_quantization("auto") or "int8"
-        layer_type, baseline = GEMV_LAYERS[mode]
-        kernel_name = "w8a8_gemv" if w8a8_gemv() is not None and mode == "w8a8" else "int8_gemv"
+    mode = resolve_quantization("auto") or "int8"
+    layer_type, kernel_name, baseline = GEMV_KERNELS[mode]
+    if (w8a8_gemv() if mode == "w8a8" else int8_gemv()) is not None:
         bandwidth = memory_bandwidth()
-        gemv = measure_gemv(max(3, args.repeat // 2))
+        gemv = measure_gemv(layer_type, max(3, args.repeat // 2))
         print_table(
             f"{mode} decode GEMVs, weights streamed from memory: {kernel_name} against {baseline} "
             f"(memory read {bandwidth['read_gb_s']:.1f} GB/s, copy {bandwidth['copy_gb_s']:.1f} GB/s)",
@@ -211,6 +213,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         figures |= {"decode_gemv_kernel": kernel_name,
                     "decode_gemv_baseline": f"{baseline} ({layer_type.__name__} with gemv=None)", "decode_gemv": gemv,
                     "memory_bandwidth": bandwidth}  # fmt: skip
+    else:
+        print(f"{kernel_name} unavailable on this machine (its instructions or a C compiler missing): not timed")
+    if paged_decode_attention() is not None:
         attention = measure_decode_attention(max(3, args.repeat // 2))
         kv_dtype = "bfloat16" if has_native_bf16() else "float32"
         print_table(
@@ -222,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         figures |= {"decode_attention_baseline": "gather + mask + SDPA (paged_attention without the kernel)",
                     "decode_attention_kv_dtype": kv_dtype, "decode_attention": attention}  # fmt: skip
     else:
-        print("CPU decode kernels unavailable on this machine (need AVX2, FMA and a C compiler): not timed")
+        print("decode attention kernel unavailable on this machine (needs AVX2, FMA and a C compiler): not timed")
     write_results("kernels", figures)
 
 

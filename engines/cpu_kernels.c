@@ -147,22 +147,9 @@ static inline __m128 hsum4_ps8(const __m256 a, const __m256 b, const __m256 c, c
     return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-/* e^x for x ≤ 0, as exp512 below (the same reduction and polynomial), eight lanes. */
-static inline __m256 exp256(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
-    /* · 2^n by adding n to the exponent field; at n = -126 that can give a denormal's bits (< 1e-37: as
-     * good as 0 beside the row's maximum, whose term is 1) */
+/* y · 2^n (n integral) by adding n to the exponent field; at n = -126, exp's lowest, that can give a
+ * denormal's bits (< 1e-37: as good as 0 beside the row's maximum, whose term is 1). */
+static inline __m256 scale_pow2_256(const __m256 y, const __m256 n) {
     const __m256i exponent = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
     return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(y), exponent));
 }
@@ -177,6 +164,10 @@ static inline __m256 exp256(__m256 x) {
 #define V_SUB _mm256_sub_ps
 #define V_MUL _mm256_mul_ps
 #define V_FMADD _mm256_fmadd_ps
+#define V_FNMADD _mm256_fnmadd_ps
+#define V_MAX _mm256_max_ps
+#define V_ROUND(v) _mm256_round_ps((v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define V_SCALE_POW2 scale_pow2_256
 #define V_LOAD_KV load8
 #define V_HSUM hsum8
 #define V_HSUM4 hsum4_ps8
@@ -193,6 +184,10 @@ static inline __m256 exp256(__m256 x) {
 #undef V_SUB
 #undef V_MUL
 #undef V_FMADD
+#undef V_FNMADD
+#undef V_MAX
+#undef V_ROUND
+#undef V_SCALE_POW2
 #undef V_LOAD_KV
 #undef V_HSUM
 #undef V_HSUM4
@@ -296,25 +291,6 @@ static inline __m128 hsum4_ps(const __m512 a, const __m512 b, const __m512 c, co
     return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
 
-/* e^x for x ≤ 0 (softmax numerators), to about 2 ulp: e^x = 2^n · e^r with n = round(x / ln 2),
- * |r| ≤ ln 2 / 2, e^r by Cephes' expf polynomial; below -87 it is 0, as the scalar expf's denormals
- * would make no difference to the softmax either. */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(y, n);
-}
-
 #define VEC __m512
 #define LANES 16
 #define V_ZERO _mm512_setzero_ps
@@ -325,6 +301,10 @@ static inline __m512 exp512(__m512 x) {
 #define V_SUB _mm512_sub_ps
 #define V_MUL _mm512_mul_ps
 #define V_FMADD _mm512_fmadd_ps
+#define V_FNMADD _mm512_fnmadd_ps
+#define V_MAX _mm512_max_ps
+#define V_ROUND(v) _mm512_roundscale_ps((v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define V_SCALE_POW2 _mm512_scalef_ps
 #define V_LOAD_KV load16
 #define V_HSUM _mm512_reduce_add_ps
 #define V_HSUM4 hsum4_ps

@@ -8,8 +8,8 @@ paged attention through PyTorch ops (gather the blocks, mask, SDPA) pays per-op 
 kilobytes of K/V it reads. For inputs of up to `max_rows` rows, `w8a8_gemv` (bit-identical to
 `_int_mm`; AVX-512 VNNI, the CPUs where `quantization = "auto"` picks w8a8) replaces the first and
 `int8_gemv` (AVX2 + FMA, int8 weights widened to float32 in registers; the CPUs where `auto` picks int8)
-the second; `paged_decode_attention` (AVX-512; reads the cache in place through the block tables) the
-third, for every decode row of every step, so a row's result never depends on the batch size.
+the second; `paged_decode_attention` (an AVX2 and an AVX-512 build; reads the cache in place through the
+block tables) the third, for every decode row of every step, so a row's result never depends on the batch size.
 `python -m bench.kernels` times the GEMVs against the PyTorch ops, `python -m bench.engine --batch1-only`
 a decode step with the kernels against the PyTorch ops; BENCHMARKS.md has the figures.
 

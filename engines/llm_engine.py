@@ -71,6 +71,12 @@ def physical_core_count() -> int:
     return max(1, len(cores))
 
 
+def context_length(config: EngineConfig, model_config: ModelConfig) -> int:
+    """Tokens one sequence may hold, prompt and output together: the configured limit within the model's
+    positions."""
+    return min(config.max_model_len, model_config.max_position_embeddings)
+
+
 def resolve_kv_cache_dtype(name: str | None, dtype: torch.dtype) -> torch.dtype:
     """The KV cache's dtype: `name` ("auto": bfloat16 where the CPU has it natively), by default `dtype`."""
     if name is None:
@@ -140,7 +146,7 @@ class LLMEngine:
         self.model_config = checkpoint.config
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.dtype = DTYPES[config.dtype]
-        self.max_model_len = min(config.max_model_len, self.model_config.max_position_embeddings)
+        self.max_model_len = context_length(config, self.model_config)
         self.quantization = resolve_quantization(config.quantization)
         self.model = self._load_model(checkpoint, consume_checkpoint)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
