@@ -129,6 +129,10 @@ def main() -> None:
             "acceptance_rate": stats.acceptance_rate,
             "tokens_per_target_forward": stats.num_emitted_tokens / max(stats.num_rounds * batch, 1),
             "mean_drafts_per_round": stats.num_draft_tokens / max(stats.num_rounds * batch, 1),
+            # Where a round's time goes: k drafter forwards, then one target forward over k + 1 rows a sequence.
+            "draft_ms_per_round": 1000 * stats.draft_seconds / max(stats.num_rounds, 1),
+            "verify_ms_per_round": 1000 * stats.verify_seconds / max(stats.num_rounds, 1),
+            "plain_ms_per_step": 1000 * batch / plain["decode_tokens_per_s"],
             "greedy_outputs_identical": f"{identical}/{len(prompts)}",
             "first_divergence": first_divergences(plain["outputs"], speculative["outputs"]),
         }

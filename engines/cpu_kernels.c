@@ -25,88 +25,122 @@ static inline void thread_share(const int64_t n, int64_t *begin, int64_t *end) {
     *end = *begin + per_thread < n ? *begin + per_thread : n;
 }
 
-/* -- int8_gemv (AVX2, FMA) ----------------------------------------------------------------------------
+/* -- int8_gemv (AVX2) ----------------------------------------------------------------------------------
  * int8 weight-only matmul for decode-sized inputs: out = (x · wᵀ) · w_scale (+ bias), float32 in and out.
- * Int8Linear's product (per-output-channel scales), with the int8 weights widened to float32 in
- * registers: no bfloat16 rounding of the activations or the result.
+ * Int8Linear's product (per-output-channel scales) with each row of x quantised to int16 on the fly (its
+ * own scale max|x| / X_LEVELS, rounded half to even: 13 bits, where bfloat16 keeps 8) and the int8 weights
+ * widened to int16 in registers: `vpmaddwd` multiplies and pairs them into int32, exactly. Against widening
+ * the weights to float32 (the first version of this kernel) that is half the instructions per weight,
+ * which is what bounds a product of more than one row (speculative verification, batched decode).
  *
- * Every row of x is computed the same way whatever else is in the call — four accumulators over k,
- * summed in one order — so a row's result does not depend on its batch: a speculative verification
- * step (k + 1 rows per sequence) gives bit for bit the logits plain decoding does. Rows go in threes
- * (3 × 4 accumulators in registers) over blocks of N_BLOCK weight rows, which stay in L1 while every
- * three pass over them: the weights stream from memory once per call. Each thread takes a contiguous
- * share of the output features, so at one row it reads one sequential stream, which the hardware
- * prefetchers follow at close to DRAM bandwidth (interleaving weight rows to share loads of x was ~40 %
- * slower on 896-wide rows). K must be a multiple of 8 (the Python side checks).
+ * The sums are integers, so a row's result is the same bits whatever else shares the call: a speculative
+ * verification step (k + 1 rows per sequence) gives the logits plain decoding does. Rows go in groups of
+ * ROWS_TOGETHER over blocks of weight rows small enough to stay in L1 while every group passes over them:
+ * the weights stream from memory once per call. Each thread takes a contiguous share of the output
+ * features, so at one row it reads one sequential stream, which the hardware prefetchers follow (reading
+ * several weight rows interleaved was ~40 % slower on 896-wide rows).
+ *
+ * Exactness bound: an int32 lane sums K / 8 products of |w| ≤ 128 and |q(x)| ≤ X_LEVELS, so K ≤ INT8_MAX_K
+ * keeps every lane below 2³¹; the eight lanes are added in int64. K must be a multiple of 8.
  */
 #define INT8_MAX_ROWS 48  /* engines.quantization.PACKED_MAX_ROWS: beyond it, prefill-sized inputs take sgemm */
-#define N_BLOCK 16
+#define INT8_MAX_K 16000
+#define X_LEVELS 8191
+#define ROWS_TOGETHER 8  /* 8 accumulators + 2 weight vectors in the 16 registers */
+#define BLOCK_BYTES 16384  /* weight rows per block: as many as fit in these bytes (half of L1d), at least one */
 
-static inline __attribute__((always_inline)) __m256 widen8(const int8_t *w) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
+static inline int64_t hsum_epi32_exact(const __m256i v) {
+    const __m256i wide = _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(v)),
+                                          _mm256_cvtepi32_epi64(_mm256_extracti128_si256(v, 1)));
+    const __m128i two = _mm_add_epi64(_mm256_castsi256_si128(wide), _mm256_extracti128_si256(wide, 1));
+    return _mm_cvtsi128_si64(two) + _mm_extract_epi64(two, 1);
 }
 
-static inline float hsum8(const __m256 v) {
-    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+/* Row m of x as int16 in xq and its scale, as torch computes round(x / (max(max|x|, 1e-12) / X_LEVELS)). */
+static void quantize_row_int16(const float *x, const int64_t K, int16_t *xq, float *x_scale) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 amax8 = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) amax8 = _mm256_max_ps(amax8, _mm256_and_ps(_mm256_loadu_ps(x + k), magnitude));
+    float lanes[8], amax = 1e-12f;
+    _mm256_storeu_ps(lanes, amax8);
+    for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+    const float scale = amax / (float)X_LEVELS;
+    const __m256 scale8 = _mm256_set1_ps(scale);
+    for (int64_t k = 0; k < K; k += 8) {  /* cvtps rounds half to even (the default rounding mode) */
+        const __m256i q = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(x + k), scale8));
+        _mm_storeu_si128((__m128i *)(xq + k), _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)));
+    }
+    *x_scale = scale;
 }
 
-#define ROWS_TOGETHER 3
-
-/* out[m][n] for the `count` (1 to ROWS_TOGETHER) rows of x from `x`: the one order of operations every
- * row gets. */
+/* out[m][n] for the `count` (1 to ROWS_TOGETHER) rows of xq from `xq`. */
 static inline __attribute__((always_inline)) void int8_dot(
-    const int count, const float *x, const int64_t K, const int8_t *w_row, const float w_scale,
-    const float *bias, float *out, const int64_t N) {
-    __m256 acc[ROWS_TOGETHER][4];
-    for (int m = 0; m < count; m++)
-        for (int u = 0; u < 4; u++) acc[m][u] = _mm256_setzero_ps();
-    const int64_t main = K - K % 32;
-    for (int64_t k = 0; k < main; k += 32)
-        for (int u = 0; u < 4; u++) {
-            const __m256 w_part = widen8(w_row + k + 8 * u);
-            for (int m = 0; m < count; m++)
-                acc[m][u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8 * u), w_part, acc[m][u]);
+    const int count, const int16_t *xq, const float *x_scale, const int64_t K, const int8_t *w_row,
+    const float w_scale, const float *bias, float *out, const int64_t N) {
+    __m256i acc[ROWS_TOGETHER];
+    for (int m = 0; m < count; m++) acc[m] = _mm256_setzero_si256();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w_row + k)));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w_row + k + 16)));
+        for (int m = 0; m < count; m++) {
+            const int16_t *x_row = xq + m * K + k;
+            const __m256i p0 = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x_row));
+            const __m256i p1 = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x_row + 16)));
+            acc[m] = _mm256_add_epi32(acc[m], _mm256_add_epi32(p0, p1));
         }
-    for (int64_t k = main; k < K; k += 8) {
-        const __m256 w_part = widen8(w_row + k);
-        for (int m = 0; m < count; m++) acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), w_part, acc[m][0]);
+    }
+    for (; k < K; k += 8) {
+        const __m128i w_part = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(w_row + k)));
+        for (int m = 0; m < count; m++) {
+            const __m128i p = _mm_madd_epi16(w_part, _mm_loadu_si128((const __m128i *)(xq + m * K + k)));
+            acc[m] = _mm256_add_epi32(acc[m], _mm256_zextsi128_si256(p));
+        }
     }
     for (int m = 0; m < count; m++) {
-        const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3]));
-        const float y = hsum8(sum) * w_scale;
+        const float y = ((float)hsum_epi32_exact(acc[m]) * x_scale[m]) * w_scale;
         out[m * N] = bias ? y + *bias : y;
     }
 }
 
 /* x [rows, K] float32; w [N, K] int8; w_scale [N] float32; bias [N] float32 or NULL; out [rows, N]
- * float32. Returns 0, or -1 if rows is not in [1, INT8_MAX_ROWS] or K is not a multiple of 8. */
+ * float32. Returns 0; -1 if rows is not in [1, INT8_MAX_ROWS] or K is not a multiple of 8 in
+ * [8, INT8_MAX_K]; -2 if scratch memory is not available. */
 int int8_gemv(const float *x, const int64_t rows, const int64_t K, const int8_t *w, const float *w_scale,
               const float *bias, float *out, const int64_t N, const int threads) {
-    if (rows < 1 || rows > INT8_MAX_ROWS || K % 8) return -1;
+    if (rows < 1 || rows > INT8_MAX_ROWS || K < 8 || K > INT8_MAX_K || K % 8) return -1;
+    int16_t *xq = malloc(rows * K * sizeof(int16_t));
+    if (!xq) return -2;
+    float x_scale[INT8_MAX_ROWS];
+    const int64_t n_block = BLOCK_BYTES / K > 1 ? BLOCK_BYTES / K : 1;
     #pragma omp parallel num_threads(threads)
     {
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < rows; m++) quantize_row_int16(x + m * K, K, xq + m * K, x_scale + m);
         int64_t begin, end;
         thread_share(N, &begin, &end);
-        for (int64_t block = begin; block < end; block += N_BLOCK) {
-            const int64_t block_end = block + N_BLOCK < end ? block + N_BLOCK : end;
+        for (int64_t block = begin; block < end; block += n_block) {
+            const int64_t block_end = block + n_block < end ? block + n_block : end;
             for (int64_t m = 0; m < rows; m += ROWS_TOGETHER)
                 for (int64_t n = block; n < block_end; n++) {
                     const float *row_bias = bias ? bias + n : NULL;
-                    const int8_t *w_row = w + n * K;
+                    const int16_t *x_rows = xq + m * K;
+                    float *row_out = out + m * N + n;
                     switch (rows - m < ROWS_TOGETHER ? rows - m : ROWS_TOGETHER) {  /* constant counts: registers */
-                        case 1: int8_dot(1, x + m * K, K, w_row, w_scale[n], row_bias, out + m * N + n, N); break;
-                        case 2: int8_dot(2, x + m * K, K, w_row, w_scale[n], row_bias, out + m * N + n, N); break;
-                        default: int8_dot(3, x + m * K, K, w_row, w_scale[n], row_bias, out + m * N + n, N);
+#define ROWS(r) case r: int8_dot(r, x_rows, x_scale + m, K, w + n * K, w_scale[n], row_bias, row_out, N); break;
+                        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#undef ROWS
                     }
                 }
         }
     }
+    free(xq);
     return 0;
 }
 
 int int8_gemv_max_rows(void) { return INT8_MAX_ROWS; }
+int int8_gemv_max_k(void) { return INT8_MAX_K; }
+int int8_gemv_x_levels(void) { return X_LEVELS; }
 
 /* -- paged_decode_attention ---------------------------------------------------------------------------
  * One query token per row attending over its sequence's context in the paged KV cache, read in place
@@ -133,6 +167,12 @@ static inline const void *key_vector(const void *cache, const int64_t *table, co
     const int64_t slot = (table[p >> block_shift] << block_shift) + (p & ((1 << block_shift) - 1));
     const int64_t index = (slot * kv_heads + kvh) * head_dim;
     return bf16 ? (const void *)((const uint16_t *)cache + index) : (const void *)((const float *)cache + index);
+}
+
+static inline float hsum8(const __m256 v) {
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
 }
 
 static inline __m256 load8(const void *base, const int64_t index, const int bf16) {

@@ -7,7 +7,7 @@ emulated on CPUs without native bf16) stream a one-row product's weights well be
 paged attention through PyTorch ops (gather the blocks, mask, SDPA) pays per-op costs far above the few
 kilobytes of K/V it reads. For inputs of up to `max_rows` rows, `w8a8_gemv` (bit-identical to
 `_int_mm`; AVX-512 VNNI, the CPUs where `quantization = "auto"` picks w8a8) replaces the first and
-`int8_gemv` (AVX2 + FMA, int8 weights widened to float32 in registers; the CPUs where `auto` picks int8)
+`int8_gemv` (AVX2, activations rounded to int16 per row, exact integer sums; the CPUs where `auto` picks int8)
 the second; `paged_decode_attention` (an AVX2 and an AVX-512 build; reads the cache in place through the
 block tables) the third, for every decode row of every step, so a row's result never depends on the batch size.
 `python -m bench.kernels` times the GEMVs against the PyTorch ops, `python -m bench.engine --batch1-only`
@@ -106,18 +106,21 @@ class W8A8Gemv:
 
 class Int8Gemv:
     """`(x [rows, K] float32, weight [N, K] int8, scales [N] float32, bias [N] float32 | None)` →
-    `[rows, N]` float32 = x · (weight · scales)ᵀ + bias, for 1 ≤ rows ≤ `max_rows` and K a multiple of 8.
-    Each row's result is the same bits whatever other rows share the call."""
+    `[rows, N]` float32 = (q(x) · weightᵀ) · scales + bias, for 1 ≤ rows ≤ `max_rows` and K a multiple of 8
+    up to `max_k`, where q(x) is each row x / s rounded half to even, s = max(max|x|, 1e-12) / `x_levels`
+    (int16 levels; the integer sums are exact). Each row's result is the same bits whatever other rows
+    share the call."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._gemv = library.int8_gemv
         self._gemv.restype = ctypes.c_int
         self._gemv.argtypes = [_POINTER, _INT64, _INT64, _POINTER, _POINTER, _POINTER, _POINTER, _INT64, ctypes.c_int]
         self.max_rows: int = library.int8_gemv_max_rows()
+        self.max_k: int = library.int8_gemv_max_k()
+        self.x_levels: int = library.int8_gemv_x_levels()
 
-    @staticmethod
-    def supports(in_features: int) -> bool:
-        return in_features % 8 == 0
+    def supports(self, in_features: int) -> bool:
+        return in_features % 8 == 0 and 8 <= in_features <= self.max_k
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
@@ -137,8 +140,13 @@ class Int8Gemv:
             out_features,
             torch.get_num_threads(),
         )
+        if status == -2:
+            raise MemoryError(f"int8_gemv: no scratch memory for {rows} rows of {in_features}")
         if status != 0:
-            raise ValueError(f"int8_gemv takes 1 to {self.max_rows} rows of a multiple of 8 features, got {x.shape}")
+            raise ValueError(
+                f"int8_gemv takes 1 to {self.max_rows} rows of a multiple of 8 features, 8 to {self.max_k}; "
+                f"got {tuple(x.shape)}"
+            )
         return out
 
 

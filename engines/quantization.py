@@ -99,9 +99,10 @@ class Int8Linear(nn.Module):
     """y = x @ (weight_int8 * scales)ᵀ + bias; matmul in bfloat16, result in `activation_dtype`.
 
     Decode-sized inputs (up to `gemv.max_rows` rows) go through `int8_gemv` where this machine can run it:
-    the same quantised weight (the stored bfloat16 scales) in float32 arithmetic, streamed faster than the
-    packed kernel manages at few rows (BENCHMARKS.md), and each row's result the same bits in any batch
-    (speculative verification rows match plain decoding). `gemv = None` forces the packed kernel."""
+    the same quantised weight (the stored bfloat16 scales), activations rounded per row to int16 levels
+    (finer than the packed kernel's bfloat16) and exact integer sums, streamed faster than the packed kernel
+    manages at few rows (BENCHMARKS.md), and each row's result the same bits in any batch (speculative
+    verification rows match plain decoding). `gemv = None` forces the packed kernel."""
 
     def __init__(
         self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, activation_dtype: torch.dtype

@@ -1,5 +1,6 @@
-"""The CPU decode kernels compute what the PyTorch paths do (the w8a8 one bit for bit, the int8 one in
-float32 over the same quantised weight), and their absence costs nothing but speed."""
+"""The CPU decode kernels compute what the PyTorch paths do (the w8a8 one bit for bit, the int8 one bit for
+bit what its int16 activations and exact sums say, within bfloat16 of the packed op), and their absence costs
+nothing but speed."""
 
 from __future__ import annotations
 
@@ -60,20 +61,54 @@ def test_rows_beyond_the_kernel_go_to_int_mm_and_stay_exact() -> None:
         kernel(x, with_kernel.weight, with_kernel.weight_sum, with_kernel.scales, with_kernel.bias)
 
 
+def int16_rows_product(layer: Int8Linear, x: torch.Tensor, x_levels: int) -> torch.Tensor:
+    """The int8 kernel's arithmetic said in PyTorch: each row rounded half to even to int16 levels of its
+    own scale, exact integer dot products with the int8 weight, then two float32 multiplies and the bias."""
+    row_scales = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / x_levels
+    dots = torch.round(x / row_scales).long() @ layer.weight.long().t()  # exact in int64
+    out = dots.float() * row_scales * layer.gemv_scales
+    return out + layer.gemv_bias if layer.gemv_bias is not None else out
+
+
 @needs_library
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 21])
 @pytest.mark.parametrize(("in_features", "bias"), [(256, False), (200, True), (4864 // 8, True)])
-def test_the_int8_kernel_is_the_quantised_layer_in_float32(rows: int, in_features: int, bias: bool) -> None:
+def test_the_int8_kernel_is_the_quantised_layer_on_int16_activations(rows: int, in_features: int, bias: bool) -> None:
     with_kernel, packed = layer_pair(Int8Linear, in_features, 37, bias)  # 37 outputs: the threads' shares end mid-way
-    assert with_kernel.gemv is not None
+    kernel = with_kernel.gemv
+    assert kernel is not None
     x = torch.randn(rows, in_features) * torch.logspace(-2, 2, rows).unsqueeze(1)
+    x[0, :2] = torch.tensor([x[0].abs().max() * 1.5, 0.0])  # scale set by the first value ...
+    x[0, 2:4] = x[0, 0] / kernel.x_levels * torch.tensor([2.5, -3.5])  # ... so these two lie halfway
+    out = with_kernel(x)
+    assert torch.equal(out, int16_rows_product(with_kernel, x, kernel.x_levels))
     exact = x.double() @ with_kernel.dequantize(torch.float64).t()
     if bias:
         exact += with_kernel.bias.double()
-    out = with_kernel(x)
-    torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+    # int16 rounding of the activations: a relative error of ~1e-4 of a row's largest value per element.
+    torch.testing.assert_close(out.double(), exact, rtol=1e-3, atol=1e-3 * exact.abs().max().item())
     # The packed kernel rounds activations and results to bfloat16: the same layer within that.
     torch.testing.assert_close(packed(x), out, rtol=2e-2, atol=2e-2 * exact.abs().max().item())
+
+
+@needs_library
+def test_the_int8_kernel_sums_exactly_at_its_largest_inputs() -> None:
+    """Every weight ±127 and every activation at its row's extreme: the int32 lanes must not wrap."""
+    kernel = int8_gemv()
+    assert kernel is not None
+    in_features = kernel.max_k
+    layer = Int8Linear(
+        torch.full((2, in_features), 127, dtype=torch.int8).index_fill_(0, torch.tensor([1]), -127),
+        torch.ones(2),
+        None,
+        torch.float32,
+    )
+    x = torch.full((1, in_features), 3.0)
+    expected = torch.tensor([[127.0 * 3 * in_features, -127.0 * 3 * in_features]])
+    assert torch.equal(layer(x), expected)
+    assert torch.equal(layer(x), int16_rows_product(layer, x, kernel.x_levels))
+    too_wide = Int8Linear.from_linear(nn.Linear(kernel.max_k + 8, 4), torch.float32)
+    assert too_wide.gemv is None  # beyond the exactness bound: the packed kernel takes every call
 
 
 @needs_library
