@@ -403,16 +403,17 @@ def pytorch_paths(llm_engine: Any) -> Iterator[None]:
 
     # Int8Linear and its subclass W8A8Linear: each holds the GEMV kernel its mode runs (or None).
     layers = [(layer, layer.gemv) for layer in llm_engine.model.modules() if isinstance(layer, Int8Linear)]
-    attention = llm_engine.runner.decode_attention
+    runner = llm_engine.runner
+    attention, native = runner.decode_attention, runner.native_decoder
     for layer, _ in layers:
         layer.gemv = None
-    llm_engine.runner.decode_attention = None
+    runner.decode_attention = runner.native_decoder = None
     try:
         yield
     finally:
         for layer, gemv in layers:
             layer.gemv = gemv
-        llm_engine.runner.decode_attention = attention
+        runner.decode_attention, runner.native_decoder = attention, native
 
 
 def run_batch1_only(checkpoint: Checkpoint, args: argparse.Namespace, model_path: Path, workload: Workload) -> None:

@@ -18,7 +18,8 @@ sequence's length in its last block (and padding blocks) are masked out.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,13 @@ class PrefillChunk:
     num_computed: int
     block_table: torch.Tensor | None  # [blocks covering the context] long; None when nothing is cached
     mask: torch.Tensor | None  # [end - start, blocks * block_size] bool, True = may attend; None when purely causal
+
+
+class NativeDecodeRows(Protocol):
+    """A step's decode rows prepared for a model's native decode layers (`engines.models.llama.NativeDecoder`)."""
+
+    def run_layer(self, index: int, x: torch.Tensor) -> None:
+        """Layer `index` over the decode rows' hidden states x [rows, hidden], in place."""
 
 
 class StepYielded(Exception):
@@ -60,6 +68,14 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [num_decode_tokens] long: positions each decode row sees
     decode_kernel: PagedDecodeAttention | None = None  # attends decode rows in place; None: PyTorch ops
     should_yield: Callable[[], bool] | None = None  # asked before each layer: True gives the step up (StepYielded)
+    native_decode: NativeDecodeRows | None = None  # runs the decode rows' layers natively; None: PyTorch modules
+
+    def prefill_only(self) -> AttentionMetadata:
+        """This step's prefill chunks alone, their rows numbered from 0 (for when the decode rows go elsewhere)."""
+        n = self.num_decode_tokens
+        chunks = [replace(chunk, start=chunk.start - n, end=chunk.end - n) for chunk in self.prefills]
+        return AttentionMetadata(self.block_size, self.slot_mapping[n:], 0, None, None, chunks,
+                                 should_yield=self.should_yield)
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:

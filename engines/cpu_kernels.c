@@ -13,6 +13,7 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 
 
@@ -103,36 +104,52 @@ static inline __attribute__((always_inline)) void int8_dot(
     }
 }
 
+/* Rows [0, rows) of x quantised into xq and x_scale, split among the threads of the enclosing team (an
+ * orphaned `omp for`: its implicit barrier ends it). */
+static void quantize_rows_int16(const float *x, const int64_t rows, const int64_t K, int16_t *xq, float *x_scale) {
+    #pragma omp for schedule(static)
+    for (int64_t m = 0; m < rows; m++) quantize_row_int16(x + m * K, K, xq + m * K, x_scale + m);
+}
+
+/* This thread's share of the output features of q(x) · wᵀ: called by every thread of a team, no barrier. */
+static void int8_gemv_share(const int16_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
+                            const int8_t *w, const float *w_scale, const float *bias, float *out, const int64_t N) {
+    const int64_t n_block = BLOCK_BYTES / K > 1 ? BLOCK_BYTES / K : 1;
+    int64_t begin, end;
+    thread_share(N, &begin, &end);
+    for (int64_t block = begin; block < end; block += n_block) {
+        const int64_t block_end = block + n_block < end ? block + n_block : end;
+        for (int64_t m = 0; m < rows; m += ROWS_TOGETHER)
+            for (int64_t n = block; n < block_end; n++) {
+                const float *row_bias = bias ? bias + n : NULL;
+                const int16_t *x_rows = xq + m * K;
+                float *row_out = out + m * N + n;
+                switch (rows - m < ROWS_TOGETHER ? rows - m : ROWS_TOGETHER) {  /* constant counts: registers */
+#define ROWS(r) case r: int8_dot(r, x_rows, x_scale + m, K, w + n * K, w_scale[n], row_bias, row_out, N); break;
+                    ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#undef ROWS
+                }
+            }
+    }
+}
+
+static inline int int8_gemv_takes(const int64_t rows, const int64_t K) {
+    return rows >= 1 && rows <= INT8_MAX_ROWS && K >= 8 && K <= INT8_MAX_K && K % 8 == 0;
+}
+
 /* x [rows, K] float32; w [N, K] int8; w_scale [N] float32; bias [N] float32 or NULL; out [rows, N]
  * float32. Returns 0; -1 if rows is not in [1, INT8_MAX_ROWS] or K is not a multiple of 8 in
  * [8, INT8_MAX_K]; -2 if scratch memory is not available. */
 int int8_gemv(const float *x, const int64_t rows, const int64_t K, const int8_t *w, const float *w_scale,
               const float *bias, float *out, const int64_t N, const int threads) {
-    if (rows < 1 || rows > INT8_MAX_ROWS || K < 8 || K > INT8_MAX_K || K % 8) return -1;
+    if (!int8_gemv_takes(rows, K)) return -1;
     int16_t *xq = malloc(rows * K * sizeof(int16_t));
     if (!xq) return -2;
     float x_scale[INT8_MAX_ROWS];
-    const int64_t n_block = BLOCK_BYTES / K > 1 ? BLOCK_BYTES / K : 1;
     #pragma omp parallel num_threads(threads)
     {
-        #pragma omp for schedule(static)
-        for (int64_t m = 0; m < rows; m++) quantize_row_int16(x + m * K, K, xq + m * K, x_scale + m);
-        int64_t begin, end;
-        thread_share(N, &begin, &end);
-        for (int64_t block = begin; block < end; block += n_block) {
-            const int64_t block_end = block + n_block < end ? block + n_block : end;
-            for (int64_t m = 0; m < rows; m += ROWS_TOGETHER)
-                for (int64_t n = block; n < block_end; n++) {
-                    const float *row_bias = bias ? bias + n : NULL;
-                    const int16_t *x_rows = xq + m * K;
-                    float *row_out = out + m * N + n;
-                    switch (rows - m < ROWS_TOGETHER ? rows - m : ROWS_TOGETHER) {  /* constant counts: registers */
-#define ROWS(r) case r: int8_dot(r, x_rows, x_scale + m, K, w + n * K, w_scale[n], row_bias, row_out, N); break;
-                        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
-#undef ROWS
-                    }
-                }
-        }
+        quantize_rows_int16(x, rows, K, xq, x_scale);
+        int8_gemv_share(xq, x_scale, rows, K, w, w_scale, bias, out, N);
     }
     free(xq);
     return 0;
@@ -212,6 +229,7 @@ static inline __m256 scale_pow2_256(const __m256 y, const __m256 n) {
 #define V_HSUM hsum8
 #define V_HSUM4 hsum4_ps8
 #define V_EXP exp256
+#define PAGED_DECODE_ATTEND paged_decode_attend_avx2
 #define PAGED_DECODE_ATTENTION paged_decode_attention_avx2
 #include "cpu_attention.inc"
 #undef VEC
@@ -232,7 +250,179 @@ static inline __m256 scale_pow2_256(const __m256 y, const __m256 n) {
 #undef V_HSUM
 #undef V_HSUM4
 #undef V_EXP
+#undef PAGED_DECODE_ATTEND
 #undef PAGED_DECODE_ATTENTION
+
+/* -- decode_layer_int8 (AVX2) -----------------------------------------------------------------------
+ * One Llama / Qwen2 decoder layer for a decode step's rows, in one call: RMSNorm, the q/k/v product, RoPE,
+ * the new K/V into the paged cache, paged attention, the output product and residual, RMSNorm, gate/up,
+ * SiLU · up, the down product and residual. Each step is a PyTorch op or a kernel call on the PyTorch side,
+ * ~20 of them per layer at tens of microseconds each, which at batch 1 is a third of a step's time beside
+ * the weights streaming through `int8_gemv` (BENCHMARKS.md). Here they run in one team of threads with a
+ * barrier between steps; every product is `int8_gemv`'s and the attention is `paged_decode_attention`'s,
+ * so the rows keep their properties: each row's result is the same bits whatever else shares the call.
+ * The element-wise steps are the PyTorch module's arithmetic in float32 (RMSNorm's sum of squares and
+ * SiLU's exponential in another order and polynomial: a few ulp apart). Runs only where every product of
+ * the layer is int8 weight-only with float32 activations (`engines.models.llama.native_decode_layer`).
+ */
+struct int8_linear {  /* an int8 weight-only projection: weight [out, in] int8, scale [out], bias [out] or NULL */
+    const int8_t *weight;
+    const float *scale, *bias;
+};
+
+struct decoder_layer {
+    const float *input_norm, *post_attention_norm;  /* [hidden] */
+    struct int8_linear qkv, o, gate_up, down;  /* [q + 2 kv, hidden], [hidden, q], [2 intermediate, hidden], [hidden, intermediate] */
+    void *k_cache, *v_cache;  /* [slots, kv_heads, head_dim], float32 or bfloat16 (kv_bf16) */
+};
+
+struct decoder_shape {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    float rms_norm_eps, attention_scale;
+    int32_t kv_bf16;
+};
+
+struct decode_rows {  /* this step's decode rows, shared by every layer of the step */
+    int64_t rows;
+    const float *cos, *sin;  /* [rows, head_dim]: the rows' positions in the RoPE tables (sin signed, see apply_rope) */
+    const int64_t *slot_mapping;  /* [rows] */
+    const int64_t *block_tables;  /* [rows, max_blocks] */
+    int64_t max_blocks;
+    const int64_t *context_lens;  /* [rows] */
+    float *workspace;  /* decode_layer_workspace_floats(shape, rows) floats, 32-byte aligned */
+};
+
+#define ALIGN_FLOATS(n) (((n) + 7) / 8 * 8)
+
+static inline int64_t widest_input(const struct decoder_shape *s) {
+    const int64_t q_size = s->heads * s->head_dim, widest = s->hidden > q_size ? s->hidden : q_size;
+    return widest > s->intermediate ? widest : s->intermediate;
+}
+
+int64_t decode_layer_workspace_floats(const struct decoder_shape *s, const int64_t rows) {
+    const int64_t widest = widest_input(s), qkv = (s->heads + 2 * s->kv_heads) * s->head_dim;
+    return rows * (ALIGN_FLOATS(widest) + ALIGN_FLOATS((widest + 1) / 2) + ALIGN_FLOATS(qkv)
+                   + ALIGN_FLOATS(2 * s->intermediate) + ALIGN_FLOATS(widest)) + ALIGN_FLOATS(rows);
+}
+
+static void rms_norm_row(const float *x, const float *weight, const int64_t K, const float eps, float *out) {
+    __m256 squares = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        const __m256 v = _mm256_loadu_ps(x + k);
+        squares = _mm256_add_ps(squares, _mm256_mul_ps(v, v));
+    }
+    const __m256 r = _mm256_set1_ps(1.f / sqrtf(hsum8(squares) / (float)K + eps));
+    for (int64_t k = 0; k < K; k += 8)
+        _mm256_storeu_ps(out + k, _mm256_mul_ps(_mm256_loadu_ps(weight + k), _mm256_mul_ps(_mm256_loadu_ps(x + k), r)));
+}
+
+/* x · cos + rotate_half(x) · signed sin over one head of head_dim, as engines.models.llama.apply_rope. */
+static void rope_head(float *x, const float *cos, const float *sin, const int64_t head_dim) {
+    float rotated[MAX_HEAD_DIM];
+    const int64_t half = head_dim / 2;
+    for (int64_t d = 0; d < head_dim; d++) rotated[d] = x[d < half ? d + half : d - half];
+    for (int64_t d = 0; d < head_dim; d++) x[d] = x[d] * cos[d] + rotated[d] * sin[d];
+}
+
+static inline uint16_t bfloat16_bits(const float value) {  /* round to nearest even, as torch's .to(bfloat16) */
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);  /* NaN stays a quiet NaN */
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static void store_kv(void *cache, const int bf16, const int64_t slot, const float *values, const int64_t count) {
+    if (bf16)
+        for (int64_t i = 0; i < count; i++) ((uint16_t *)cache)[slot * count + i] = bfloat16_bits(values[i]);
+    else
+        memcpy((float *)cache + slot * count, values, sizeof(float) * (size_t)count);
+}
+
+/* silu(gate) · up, silu(g) = g / (1 + e^-g), with e^-|g| (exp256 takes x ≤ 0) for either sign of g. */
+static void silu_mul_row(const float *gate, const float *up, const int64_t K, float *out) {
+    const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+    for (int64_t k = 0; k < K; k += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + k);
+        const __m256 e = exp256(_mm256_or_ps(g, sign));  /* e^-|g| */
+        const __m256 positive = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_GE_OQ);
+        const __m256 sigmoid = _mm256_div_ps(_mm256_blendv_ps(e, one, positive), _mm256_add_ps(one, e));
+        _mm256_storeu_ps(out + k, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), _mm256_loadu_ps(up + k)));
+    }
+}
+
+/* Every row's product through `int8_gemv`'s arithmetic, each thread its share of the output features, then a
+ * barrier: the team reads `out` next. (Its input rows were quantised in an `omp for`, which ends in one.) */
+static void project(const int16_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
+                    const struct int8_linear *linear, float *out, const int64_t N) {
+    int8_gemv_share(xq, x_scale, rows, K, linear->weight, linear->scale, linear->bias, out, N);
+    #pragma omp barrier
+}
+
+/* x [rows, hidden] float32, the rows' hidden states, updated in place. Returns 0; -1 if the sizes are not
+ * the kernels' (rows, a product's in_features, head_dim, heads per KV head, block size); -2 if attention
+ * found no scratch memory (x is then not meaningful). */
+int decode_layer_int8(const struct decoder_layer *layer, const struct decoder_shape *s,
+                      const struct decode_rows *step, float *x, const int threads) {
+    const int64_t rows = step->rows, hidden = s->hidden, head_dim = s->head_dim;
+    const int64_t q_size = s->heads * head_dim, kv_size = s->kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
+    const int64_t inter = s->intermediate;
+    if (!int8_gemv_takes(rows, hidden) || !int8_gemv_takes(rows, q_size) || !int8_gemv_takes(rows, inter)) return -1;
+    if (head_dim % 8 || head_dim > MAX_HEAD_DIM || s->heads % s->kv_heads || s->heads / s->kv_heads > MAX_GROUP)
+        return -1;
+    if (s->block_size < 1 || s->block_size & (s->block_size - 1) || inter % 8) return -1;
+    const int block_shift = __builtin_ctzll((unsigned long long)s->block_size);
+    const int64_t widest = widest_input(s);
+    float *h = step->workspace;  /* a product's float32 input rows, [rows, widest] */
+    int16_t *xq = (int16_t *)(h + rows * ALIGN_FLOATS(widest));  /* the same rows quantised, [rows, widest] */
+    float *qkv = h + rows * (ALIGN_FLOATS(widest) + ALIGN_FLOATS((widest + 1) / 2));
+    float *gate_up = qkv + rows * ALIGN_FLOATS(qkv_size);
+    float *y = gate_up + rows * ALIGN_FLOATS(2 * inter);  /* a product's output rows or the packed q, [rows, widest] */
+    float *x_scale = y + rows * ALIGN_FLOATS(widest);
+    int status = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < rows; m++) {
+            rms_norm_row(x + m * hidden, layer->input_norm, hidden, s->rms_norm_eps, h + m * hidden);
+            quantize_row_int16(h + m * hidden, hidden, xq + m * hidden, x_scale + m);
+        }
+        project(xq, x_scale, rows, hidden, &layer->qkv, qkv, qkv_size);
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < rows; m++) {
+            float *row = qkv + m * qkv_size;
+            for (int64_t head = 0; head < s->heads + s->kv_heads; head++)  /* q's heads, then k's */
+                rope_head(row + head * head_dim, step->cos + m * head_dim, step->sin + m * head_dim, head_dim);
+            store_kv(layer->k_cache, s->kv_bf16, step->slot_mapping[m], row + q_size, kv_size);
+            store_kv(layer->v_cache, s->kv_bf16, step->slot_mapping[m], row + q_size + kv_size, kv_size);
+        }
+        /* q rows are qkv_size apart: attend from a packed copy (the attention kernel's layout). */
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < rows; m++) memcpy(y + m * q_size, qkv + m * qkv_size, sizeof(float) * (size_t)q_size);
+        paged_decode_attend_avx2(y, layer->k_cache, layer->v_cache, s->kv_bf16, step->block_tables, step->max_blocks,
+                                 step->context_lens, rows, s->heads, s->kv_heads, head_dim, block_shift,
+                                 s->attention_scale, h, &status);
+        quantize_rows_int16(h, rows, q_size, xq, x_scale);
+        project(xq, x_scale, rows, q_size, &layer->o, y, hidden);
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < rows; m++) {
+            float *x_row = x + m * hidden;
+            for (int64_t k = 0; k < hidden; k++) x_row[k] += y[m * hidden + k];
+            rms_norm_row(x_row, layer->post_attention_norm, hidden, s->rms_norm_eps, h + m * hidden);
+            quantize_row_int16(h + m * hidden, hidden, xq + m * hidden, x_scale + m);
+        }
+        project(xq, x_scale, rows, hidden, &layer->gate_up, gate_up, 2 * inter);
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < rows; m++) {
+            silu_mul_row(gate_up + m * 2 * inter, gate_up + m * 2 * inter + inter, inter, h + m * inter);
+            quantize_row_int16(h + m * inter, inter, xq + m * inter, x_scale + m);
+        }
+        project(xq, x_scale, rows, inter, &layer->down, y, hidden);
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t k = 0; k < hidden; k++) x[m * hidden + k] += y[m * hidden + k];
+    }
+    return status ? -2 : 0;
+}
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vnni")
@@ -349,6 +539,7 @@ static inline __m128 hsum4_ps(const __m512 a, const __m512 b, const __m512 c, co
 #define V_HSUM _mm512_reduce_add_ps
 #define V_HSUM4 hsum4_ps
 #define V_EXP exp512
+#define PAGED_DECODE_ATTEND paged_decode_attend_avx512
 #define PAGED_DECODE_ATTENTION paged_decode_attention_avx512
 #include "cpu_attention.inc"
 

@@ -10,6 +10,9 @@ kilobytes of K/V it reads. For inputs of up to `max_rows` rows, `w8a8_gemv` (bit
 `int8_gemv` (AVX2, activations rounded to int16 per row, exact integer sums; the CPUs where `auto` picks int8)
 the second; `paged_decode_attention` (an AVX2 and an AVX-512 build; reads the cache in place through the
 block tables) the third, for every decode row of every step, so a row's result never depends on the batch size.
+Beside them, the ~20 small PyTorch ops of a decode layer (norms, RoPE, KV store, SiLU, residuals) cost a third
+of a batch-1 step; `decode_layer_int8` runs a whole layer for a step's decode rows in one call on the AVX2
+kernels' arithmetic (`engines.models.llama.NativeDecoder`, where every product is int8 weight-only on float32).
 `python -m bench.kernels` times the GEMVs against the PyTorch ops, `python -m bench.engine --batch1-only`
 a decode step with the kernels against the PyTorch ops; BENCHMARKS.md has the figures.
 
@@ -216,6 +219,132 @@ class PagedDecodeAttention:
         return out
 
 
+class Int8Projection(ctypes.Structure):
+    """An int8 weight-only projection as `decode_layer_int8` reads it (`struct int8_linear`)."""
+
+    _fields_ = [("weight", _POINTER), ("scale", _POINTER), ("bias", _POINTER)]
+
+
+class DecoderLayerWeights(ctypes.Structure):
+    """`struct decoder_layer`: one layer's norms, projections and KV cache, by address. Built once per layer
+    by `DecodeLayerKernel.layer`, which keeps the tensors alive beside it."""
+
+    _fields_ = [
+        ("input_norm", _POINTER),
+        ("post_attention_norm", _POINTER),
+        ("qkv", Int8Projection),
+        ("o", Int8Projection),
+        ("gate_up", Int8Projection),
+        ("down", Int8Projection),
+        ("k_cache", _POINTER),
+        ("v_cache", _POINTER),
+    ]
+
+
+class DecoderShape(ctypes.Structure):
+    """`struct decoder_shape`: the sizes every layer of a model shares."""
+
+    _fields_ = [
+        ("hidden", _INT64),
+        ("heads", _INT64),
+        ("kv_heads", _INT64),
+        ("head_dim", _INT64),
+        ("intermediate", _INT64),
+        ("block_size", _INT64),
+        ("rms_norm_eps", ctypes.c_float),
+        ("attention_scale", ctypes.c_float),
+        ("kv_bf16", ctypes.c_int32),
+    ]
+
+
+class DecodeRows(ctypes.Structure):
+    """`struct decode_rows`: one step's decode rows, the same for every layer of the step."""
+
+    _fields_ = [
+        ("rows", _INT64),
+        ("cos", _POINTER),
+        ("sin", _POINTER),
+        ("slot_mapping", _POINTER),
+        ("block_tables", _POINTER),
+        ("max_blocks", _INT64),
+        ("context_lens", _POINTER),
+        ("workspace", _POINTER),
+    ]
+
+
+Projection = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # int8 weight [N, K], scales [N], bias [N] | None
+
+
+class DecodeLayerKernel:
+    """A whole Llama / Qwen2 decoder layer for up to `max_rows` decode rows in one native call
+    (`decode_layer_int8`): int8 weight-only products (`int8_gemv`'s arithmetic), float32 activations, a
+    float32 or bfloat16 paged KV cache read and written in place. x [rows, hidden] is updated in place."""
+
+    def __init__(self, library: ctypes.CDLL, attention: PagedDecodeAttention) -> None:
+        self._layer = library.decode_layer_int8
+        self._layer.restype = ctypes.c_int
+        self._layer.argtypes = [_POINTER, _POINTER, _POINTER, _POINTER, ctypes.c_int]
+        self._workspace_floats = library.decode_layer_workspace_floats
+        self._workspace_floats.restype = _INT64
+        self._workspace_floats.argtypes = [_POINTER, _INT64]
+        self._attention = attention
+        self.max_rows: int = library.int8_gemv_max_rows()
+        self._max_k: int = library.int8_gemv_max_k()
+
+    def supports(
+        self, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, kv_dtype: torch.dtype,
+        block_size: int,
+    ) -> bool:
+        return (
+            self._attention.supports(heads, kv_heads, head_dim, kv_dtype, block_size)
+            and head_dim % 8 == 0
+            and all(k % 8 == 0 and 8 <= k <= self._max_k for k in (hidden, heads * head_dim, intermediate))
+        )
+
+    def layer(
+        self, input_norm: torch.Tensor, post_attention_norm: torch.Tensor, qkv: Projection, o: Projection,
+        gate_up: Projection, down: Projection, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    ) -> tuple[DecoderLayerWeights, list[torch.Tensor]]:
+        """The layer's operands by address, and the tensors that must outlive it."""
+        keep = [input_norm, post_attention_norm, k_cache, v_cache]
+
+        def projection(operands: Projection) -> Int8Projection:
+            weight, scales, bias = operands
+            keep.extend(tensor for tensor in operands if tensor is not None)
+            return Int8Projection(weight.data_ptr(), scales.data_ptr(), None if bias is None else bias.data_ptr())
+
+        for tensor in keep[:2]:
+            assert tensor.dtype == torch.float32 and tensor.is_contiguous()
+        weights = DecoderLayerWeights(
+            input_norm.data_ptr(), post_attention_norm.data_ptr(), projection(qkv), projection(o),
+            projection(gate_up), projection(down), k_cache.data_ptr(), v_cache.data_ptr(),
+        )
+        return weights, keep
+
+    def rows(
+        self, shape: DecoderShape, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor, context_lens: torch.Tensor,
+    ) -> tuple[DecodeRows, list[torch.Tensor]]:
+        """A step's decode rows by address (cos, sin [rows, head_dim] float32), with a workspace for them;
+        and the tensors that must outlive it."""
+        rows = slot_mapping.shape[0]
+        keep = [tensor.contiguous() for tensor in (cos, sin, slot_mapping, block_tables, context_lens)]
+        keep.append(torch.empty(self._workspace_floats(ctypes.byref(shape), rows)))
+        cos, sin, slot_mapping, block_tables, context_lens, workspace = keep
+        step = DecodeRows(rows, cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(),
+                          block_tables.shape[1], context_lens.data_ptr(), workspace.data_ptr())
+        return step, keep
+
+    def __call__(self, weights: DecoderLayerWeights, shape: DecoderShape, step: DecodeRows, x: torch.Tensor) -> None:
+        assert x.dtype == torch.float32 and x.is_contiguous() and x.shape == (step.rows, shape.hidden)
+        status = self._layer(ctypes.byref(weights), ctypes.byref(shape), ctypes.byref(step), x.data_ptr(),
+                             torch.get_num_threads())
+        if status == -2:
+            raise MemoryError("decode_layer_int8: attention found no scratch memory")
+        if status != 0:
+            raise ValueError(f"decode_layer_int8 cannot take {step.rows} rows of this layer's sizes")
+
+
 @functools.cache
 def w8a8_gemv() -> W8A8Gemv | None:
     """The w8a8 kernel, or None where this CPU or machine cannot run it."""
@@ -237,6 +366,13 @@ def paged_decode_attention() -> PagedDecodeAttention | None:
     if library is None:
         return None
     return PagedDecodeAttention(library, "avx512" if cpu_flags() >= AVX512_VNNI_FLAGS else "avx2")
+
+
+@functools.cache
+def decode_layer() -> DecodeLayerKernel | None:
+    """The whole-layer decode kernel (AVX2 + FMA), or None where this CPU or machine cannot run it."""
+    library = _library()
+    return None if library is None else DecodeLayerKernel(library, PagedDecodeAttention(library, "avx2"))
 
 
 def _has(flags: frozenset[str], kernel: str) -> bool:

@@ -64,6 +64,9 @@ class ModelRunner:
         supported = kernel is not None and kernel.supports(
             config.num_attention_heads, config.num_key_value_heads, config.head_dim, kv_cache_dtype, block_size)
         self.decode_attention = kernel if supported else None  # None: decode rows attend through PyTorch ops
+        # Decode rows through whole native layers where the model's are int8 weight-only on float32; None: modules.
+        build_native = getattr(model, "native_decoder", None)
+        self.native_decoder = None if build_native is None else build_native(self.kv_caches, block_size)
 
     def execute(self, batch: ScheduledBatch, should_yield: Callable[[], bool] | None = None
                 ) -> tuple[torch.Tensor, list[Sequence]]:  # fmt: skip
@@ -121,6 +124,12 @@ class ModelRunner:
         )
         if decode_spans:
             self._decode_context(decode_spans, metadata)
+            native = self.native_decoder
+            if native is not None and metadata.decode_kernel is not None and len(decode_spans) <= native.max_rows:
+                metadata.native_decode = native.rows(
+                    torch.tensor([span.start for span in decode_spans], dtype=torch.long),
+                    metadata.slot_mapping[:len(decode_spans)], metadata.decode_block_tables,
+                    metadata.decode_context_lens)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
                             self.kv_caches, metadata)
         rows = [row for i in range(len(spans)) for row in logit_rows.get(i, ())]

@@ -256,6 +256,14 @@ class RowDispatchLinear(nn.Module):
         return f"max_packed_rows={self.max_packed_rows}"
 
 
+def int8_gemv_operands(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """`(weight int8 [N, K], scales [N], bias [N] | None)` (float32) of a layer whose few-row products run on
+    `int8_gemv` with float32 activations, as the whole-layer decode kernel takes them; None for any other."""
+    packed = module.packed if isinstance(module, RowDispatchLinear) else module
+    if type(packed) is not Int8Linear or packed.gemv is None or packed.activation_dtype != torch.float32:
+        return None
+    return packed.weight, packed.gemv_scales, packed.gemv_bias
+
 class Int8Embedding(nn.Module):
     """Token embeddings as int8 rows with one scale each, looked up then dequantised.
 

@@ -15,6 +15,8 @@ from torch import nn
 
 from engines.attention import AttentionMetadata, StepYielded, paged_attention
 from engines.config import ModelConfig
+from engines.cpu_kernels import DecodeLayerKernel, DecoderLayerWeights, DecodeRows, DecoderShape, decode_layer
+from engines.quantization import int8_gemv_operands
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -116,11 +118,51 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)
         sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            if metadata.should_yield is not None and metadata.should_yield():
-                raise StepYielded
-            x = layer(x, cos, sin, kv_cache, metadata)
-        return self.norm(x)
+        native = metadata.native_decode
+        if native is None:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                self._yield_if_asked(metadata)
+                x = layer(x, cos, sin, kv_cache, metadata)
+            return self.norm(x)
+        # The decode rows through the native layers, the prefill rows (if any) through the modules: each row
+        # of a step depends on its own sequence only, so the two halves are computed apart, layer by layer.
+        n = metadata.num_decode_tokens
+        decode_x, prefill_x = x[:n].contiguous(), x[n:]
+        prefill_metadata = metadata.prefill_only() if metadata.prefills else None
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            self._yield_if_asked(metadata)
+            native.run_layer(index, decode_x)
+            if prefill_metadata is not None:
+                prefill_x = layer(prefill_x, cos[n:], sin[n:], kv_cache, prefill_metadata)
+        return self.norm(torch.cat([decode_x, prefill_x]) if prefill_metadata is not None else decode_x)
+
+    @staticmethod
+    def _yield_if_asked(metadata: AttentionMetadata) -> None:
+        if metadata.should_yield is not None and metadata.should_yield():
+            raise StepYielded
+
+    def native_decoder(self, kv_caches: list[KVCache], block_size: int) -> NativeDecoder | None:
+        """Every layer's operands for the whole-layer decode kernel, or None where the kernel or one of the
+        layers cannot take them (anything but int8 weight-only products on float32 activations)."""
+        kernel, config = decode_layer(), self.config
+        kv_dtype = kv_caches[0][0].dtype
+        if kernel is None or not kernel.supports(config.hidden_size, config.num_attention_heads,
+                                                 config.num_key_value_heads, config.head_dim,
+                                                 config.intermediate_size, kv_dtype, block_size):
+            return None
+        layers = []
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            attention, mlp = layer.self_attn, layer.mlp
+            projections = [int8_gemv_operands(module) for module in (attention.qkv_proj, attention.o_proj,
+                                                                     mlp.gate_up_proj, mlp.down_proj)]
+            norms = [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
+            if None in projections or any(norm.dtype != torch.float32 for norm in norms):
+                return None
+            layers.append(kernel.layer(*norms, *projections, k_cache, v_cache))  # type: ignore[arg-type]
+        shape = DecoderShape(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                             config.head_dim, config.intermediate_size, block_size, config.rms_norm_eps,
+                             config.head_dim ** -0.5, int(kv_dtype == torch.bfloat16))
+        return NativeDecoder(kernel, shape, layers, self.rope_cos, self.rope_sin)
 
     def untie_lm_head(self) -> None:
         """Give a tied model an `lm_head` module sharing the embedding's weight (no copy).
@@ -197,3 +239,33 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks parameters: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+class NativeDecoder:
+    """A model's decode rows through `DecodeLayerKernel`, one native call per layer (RMSNorm, int8 products,
+    RoPE, KV store, paged attention, SiLU, residuals), instead of ~20 PyTorch ops and kernel calls per layer:
+    at batch 1 those cost a third of a step (BENCHMARKS.md). Built once per model runner by
+    `LlamaForCausalLM.native_decoder`; `rows` prepares a step's decode rows."""
+
+    def __init__(self, kernel: DecodeLayerKernel, shape: DecoderShape,
+                 layers: list[tuple[DecoderLayerWeights, list[torch.Tensor]]], rope_cos: torch.Tensor,
+                 rope_sin: torch.Tensor) -> None:
+        self.kernel, self.shape, self.layers = kernel, shape, layers
+        self.max_rows = kernel.max_rows
+        self._rope_cos, self._rope_sin = rope_cos, rope_sin
+
+    def rows(self, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+             context_lens: torch.Tensor) -> NativeDecodeRows:
+        """The step's decode rows (at most `max_rows`): their positions, KV slots, block tables, context lengths."""
+        step = self.kernel.rows(self.shape, self._rope_cos[positions], self._rope_sin[positions], slot_mapping,
+                                block_tables, context_lens)
+        return NativeDecodeRows(self, *step)
+
+
+class NativeDecodeRows:
+    def __init__(self, decoder: NativeDecoder, step: DecodeRows, keep: list[torch.Tensor]) -> None:
+        self._decoder, self._step, self._keep = decoder, step, keep
+
+    def run_layer(self, index: int, x: torch.Tensor) -> None:
+        decoder = self._decoder
+        decoder.kernel(decoder.layers[index][0], decoder.shape, self._step, x)

@@ -56,19 +56,22 @@ def test_greedy_output_is_token_identical_to_plain_decoding(tiny_model: TinyMode
     assert 0 < stats.num_accepted_tokens < stats.num_tested_tokens
 
 
+@pytest.mark.parametrize("quantization", ["w8a8", "int8"])
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
 def test_verification_rows_get_the_logits_plain_decoding_gets_bit_for_bit(tiny_qwen2: TinyModel,
-                                                                          kv_cache_dtype: str) -> None:
+                                                                          kv_cache_dtype: str,
+                                                                          quantization: str) -> None:
     """Greedy speculation is exact only if verifying k + 1 tokens in one forward gives each the logits a
     decode step would: a last-bit difference flips near-ties. (On the demo models, w8a8 with a bfloat16
     cache, verification as a causal prefill chunk changed 3 of 4 greedy outputs in `bench/speculative.py`;
-    as decode rows, none. The tiny model does not show that difference.) w8a8, as shipped on this CPU: its
-    int32 products make every row independent of the batch, where float32 GEMMs of 1 and 4 rows may
-    round differently. Every row here has a context of three blocks, as its decode step would: decode
-    attention pads a batch to its longest context, and that padding can move the last bit (a limit
-    plain decoding has too, between batch compositions)."""
+    as decode rows, none. The tiny model does not show that difference.) w8a8 and int8, as shipped on VNNI
+    and on AVX2 CPUs (int8: through the native decode layers where the kernels run): their integer products
+    make every row independent of the batch, where float32 GEMMs of 1 and 4 rows may round differently.
+    Every row here has a context of three blocks, as its decode step would: decode attention pads a batch to
+    its longest context, and that padding can move the last bit (a limit plain decoding has too, between
+    batch compositions)."""
     prompt, block_table, tokens = PROMPTS[1][:8], [3, 4, 5], [61, 62, 63]
-    verifier, decoder = (make_engine(tiny_qwen2, kv_cache_dtype=kv_cache_dtype, quantization="w8a8").runner
+    verifier, decoder = (make_engine(tiny_qwen2, kv_cache_dtype=kv_cache_dtype, quantization=quantization).runner
                          for _ in range(2))
     for runner in (verifier, decoder):
         runner.forward([TokenSpan(prompt, 0, block_table, "none")])

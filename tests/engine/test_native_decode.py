@@ -1,0 +1,119 @@
+"""Decode rows through whole native layers (`NativeDecoder` over `decode_layer_int8`): what the PyTorch modules
+compute, the same K/V written to the paged cache, each row the same bits whatever shares its step (other decode
+rows, a prefill chunk), and only where every product of the model is int8 weight-only on float32 activations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.cpu_kernels import decode_layer
+from engines.llm_engine import LLMEngine
+from engines.model_runner import ModelRunner, TokenSpan
+from engines.models import llama
+from engines.sampling_params import SamplingParams
+from tests.engine.conftest import TinyModel, generated_ids, make_engine, run_to_completion
+
+pytestmark = pytest.mark.skipif(
+    decode_layer() is None, reason="the native decode layer needs AVX2, FMA and a C compiler; this machine lacks one"
+)
+
+# Three sequences in blocks of 4 tokens, each in blocks of its own: prompt tokens and block table.
+SEQUENCES = [
+    (list(range(5, 18)), [0, 1, 2, 3, 4]),
+    (list(range(40, 47)), [8, 9, 10]),
+    (list(range(90, 111)), [12, 13, 14, 15, 16, 17, 18]),
+]
+
+
+def int8_engine(model: TinyModel, **overrides: object) -> LLMEngine:
+    return make_engine(model, quantization="int8", num_threads=2, **overrides)
+
+
+def prefill(runner: ModelRunner, *indices: int) -> list[TokenSpan]:
+    """Cache the prompts of SEQUENCES[i]; return each one's next decode row."""
+    spans = []
+    for i in indices:
+        prompt, table = SEQUENCES[i]
+        runner.forward([TokenSpan(prompt, 0, table, "none")])
+        spans.append(TokenSpan([200 + i], len(prompt), table))
+    return spans
+
+
+def decode_slots(runner: ModelRunner, spans: list[TokenSpan]) -> list[torch.Tensor]:
+    """Every layer's K and V at the decode rows' slots."""
+    size = runner.block_size
+    slots = torch.tensor([span.block_table[span.start // size] * size + span.start % size for span in spans])
+    return [cache.index_select(0, slots).float() for pair in runner.kv_caches for cache in pair]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
+def test_native_layers_compute_the_modules_logits_and_write_their_kv(tiny_model: TinyModel,
+                                                                     kv_cache_dtype: str) -> None:
+    runner = int8_engine(tiny_model, kv_cache_dtype=kv_cache_dtype).runner
+    assert runner.native_decoder is not None
+    spans = prefill(runner, 0, 1, 2)
+    native_logits = runner.forward(spans)
+    native_kv = decode_slots(runner, spans)
+    runner.native_decoder = None
+    module_logits = runner.forward(spans)  # the same slots, written again by the modules
+    # RMSNorm's sum and SiLU's exponential are a few ulp apart from torch's, which can move an activation across
+    # an int16 rounding boundary (1/8191 of its row's largest) or a K/V value across a bfloat16 one: small,
+    # where a wrong RoPE, norm, bias or residual is of the order of the logits themselves.
+    torch.testing.assert_close(native_logits, module_logits, rtol=0, atol=2e-3 * module_logits.abs().max().item())
+    for native, module in zip(native_kv, decode_slots(runner, spans), strict=True):
+        assert native.abs().max() > 0  # written (the cache starts as zeros)
+        torch.testing.assert_close(native, module, rtol=1e-2, atol=1e-3 * module.abs().max().item())
+
+
+def test_a_decode_row_is_the_same_bits_alone_beside_other_rows_and_beside_a_prefill_chunk(
+    tiny_qwen2: TinyModel,
+) -> None:
+    runner = int8_engine(tiny_qwen2).runner
+    first, second = prefill(runner, 0, 1)
+    third_prompt, third_table = SEQUENCES[2]
+    alone = runner.forward([first])
+    beside_a_row = runner.forward([second, first])[1]
+    chunk = TokenSpan(third_prompt, 0, third_table, "last")
+    beside_a_chunk, chunk_logits = runner.forward([first, chunk])
+    assert torch.equal(beside_a_row, alone[0])
+    assert torch.equal(beside_a_chunk, alone[0])
+    # The chunk, computed apart from the decode rows, is what it is alone.
+    assert torch.equal(chunk_logits, runner.forward([chunk])[0])
+
+
+def test_decoding_through_native_layers_gives_the_modules_tokens(tiny_model: TinyModel) -> None:
+    outputs = []
+    for native in (True, False):
+        engine = int8_engine(tiny_model)
+        if not native:
+            engine.runner.native_decoder = None
+        for i, (prompt, _) in enumerate(SEQUENCES):
+            engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        outputs.append({request: generated_ids(out) for request, out in run_to_completion(engine).items()})
+    assert outputs[0] == outputs[1]
+
+
+def test_every_layer_of_a_step_runs_natively_once(tiny_llama: TinyModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = int8_engine(tiny_llama).runner
+    layers_run: list[int] = []
+    run_layer = llama.NativeDecodeRows.run_layer
+
+    def counted(rows: llama.NativeDecodeRows, index: int, x: torch.Tensor) -> None:
+        layers_run.append(index)
+        run_layer(rows, index, x)
+
+    monkeypatch.setattr(llama.NativeDecodeRows, "run_layer", counted)
+    runner.forward(prefill(runner, 0))
+    assert layers_run == list(range(tiny_llama.checkpoint.config.num_hidden_layers))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"quantization": "w8a8"}, {"quantization": "int4"}, {"quantization": "int8", "dtype": "bfloat16"}],
+    ids=["float32", "w8a8", "int4", "int8-bfloat16-activations"],
+)
+def test_models_whose_products_are_not_int8_on_float32_keep_the_modules(tiny_qwen2: TinyModel,
+                                                                         overrides: dict[str, object]) -> None:
+    engine = make_engine(tiny_qwen2, **overrides)
+    assert engine.runner.native_decoder is None
