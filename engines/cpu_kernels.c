@@ -48,6 +48,9 @@ static inline void thread_share(const int64_t n, int64_t *begin, int64_t *end) {
 #define INT8_MAX_K 16000
 #define X_LEVELS 8191
 #define ROWS_TOGETHER 8  /* 8 accumulators + 2 weight vectors in the 16 registers */
+/* Weight bytes ahead that the dot product asks for (software prefetch): the hardware prefetchers alone left a
+ * one-row product of the small model's weights 10 % slower (same-run A/B, BENCHMARKS.md, 2026-12-04). */
+#define PREFETCH_BYTES 1024
 #define BLOCK_BYTES 16384  /* weight rows per block: as many as fit in these bytes (half of L1d), at least one */
 
 static inline int64_t hsum_epi32_exact(const __m256i v) {
@@ -82,6 +85,7 @@ static inline __attribute__((always_inline)) void int8_dot(
     for (int m = 0; m < count; m++) acc[m] = _mm256_setzero_si256();
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
+        _mm_prefetch((const char *)(w_row + k + PREFETCH_BYTES), _MM_HINT_T0);
         const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w_row + k)));
         const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w_row + k + 16)));
         for (int m = 0; m < count; m++) {
