@@ -43,6 +43,9 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # Set where a speculative drafter keeps a KV cache of its own beside the target's: a block is offered for
+        # sharing only once both caches hold it (the drafter lags the target while speculation is declined).
+        self.drafter_follows = False
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Insertion order is eviction order: blocks are appended when freed and taken from the front.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -87,14 +90,15 @@ class BlockManager:
             block_ids.append(block_id)
         return block_ids
 
-    def cache_computed_blocks(self, seq: Sequence, num_computed_tokens: int | None = None) -> None:
-        """Register `seq`'s full blocks whose K/V are now computed, so later sequences can share them.
-
-        `num_computed_tokens` (default: the sequence's) lowers the mark: a speculative drafter's KV
-        cache may lag the target's by a token, and a shared block must be whole in both."""
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Register `seq`'s full blocks whose K/V are now computed, so later sequences can share them (with a
+        drafter, computed in both KV caches)."""
         if not self.enable_prefix_caching:
             return
-        computed = seq.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
+        # A speculative round advances the count before its tokens are appended: only known tokens are hashed.
+        computed = min(seq.num_computed_tokens, seq.num_tokens)
+        if self.drafter_follows:
+            computed = min(computed, seq.num_draft_computed_tokens)
         num_full = min(computed // self.block_size, len(seq.block_table))
         if num_full <= seq.num_registered_blocks:
             return

@@ -163,6 +163,7 @@ class LLMEngine:
         self.speculator = None
         if drafter is not None or config.speculative_model:
             self.speculator = self._load_speculator(num_kv_blocks, drafter)
+            self.block_manager.drafter_follows = True
         release_free_memory()  # what loading freed (dequantised tensors), still mapped by malloc
         self._rng = random.Random(config.seed)
         self._grammars: Grammars | None = None
@@ -208,7 +209,8 @@ class LLMEngine:
         check_same_vocabulary(self.model_config, self.tokenizer, checkpoint.config, checkpoint.tokenizer, name)
         model = self._load_model(checkpoint, consume=owned)
         runner = ModelRunner(model, checkpoint.config, self.config.block_size, num_kv_blocks, self.kv_cache_dtype)
-        return Speculator(runner, self.config.num_speculative_tokens, weight_bytes(model) / weight_bytes(self.model))
+        return Speculator(runner, self.config.num_speculative_tokens, weight_bytes(model) / weight_bytes(self.model),
+                          self.runner.extra_row_cost)
 
     # -- requests ----------------------------------------------------------------------------------
 

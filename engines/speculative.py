@@ -19,11 +19,15 @@ hold them, so a prefix shared later is whole for the drafter too.
 
 k adapts to the acceptance rate: with per-draft acceptance probability α (a running average of what
 the target accepted) and drafter / target cost ratio r, a round of k drafts emits (1 - α^(k+1)) / (1 - α)
-tokens in k·r + 1 target-forward times; each round uses the k in [1, num_speculative_tokens] that
-maximises that. r is the ratio of the models' weight bytes (a decode forward streams its weights), not a
-timing, so that k, and with it a seeded sampled request's draws, depends only on tokens. It does depend
-on the other requests in the engine (α is shared): with speculation on, a seed reproduces a request's
-samples for the same sequence of requests, no longer whatever the batch.
+tokens per sequence in k drafter steps and one verification over k + 1 rows per sequence, whose extra rows
+are not free where the target's products are bound by arithmetic beyond a row (`best_num_drafts`); each round
+uses the k in [1, num_speculative_tokens] that maximises tokens per unit of time, and none (a plain step) when
+no k beats plain decoding — a batch too large, drafts rejected too often. While rounds are declined the
+drafter does not follow decode steps, and α drifts back towards its optimistic prior, so rounds are tried
+again. r is the ratio of the models' weight bytes (a decode forward streams its weights), not a timing, so
+that k, and with it a seeded sampled request's draws, depends only on tokens and the configuration. It does
+depend on the other requests in the engine (α and the batch are shared): with speculation on, a seed
+reproduces a request's samples for the same sequence of requests, no longer whatever the batch.
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ from engines.scheduler import ScheduledBatch
 from engines.sequence import Sequence
 
 _EMA_WEIGHT = 0.1  # weight of the newest round in the running average of α
+_ALPHA_PRIOR = 0.8  # optimistic start: k begins high and settles as rounds are judged
+# Each declined round moves α this much of the way back to the prior, so that speculation that stopped paying
+# (a run of rejected drafts, a large batch) is tried again after some tens of plain steps.
+_DECLINED_WEIGHT = 0.02
 
 
 @dataclass
@@ -104,14 +112,28 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
     return emitted
 
 
-def best_num_drafts(alpha: float, cost_ratio: float, max_drafts: int) -> int:
-    """The k in [1, max_drafts] that maximises expected tokens per round over its cost in target steps."""
+def best_num_drafts(alpha: float, cost_ratio: float, max_drafts: int, batch_size: int = 1,
+                    extra_row_cost: float = 0.0) -> int:
+    """The k in [1, max_drafts] that maximises expected tokens per unit of time, or 0 when no round beats a
+    plain step.
+
+    Time is counted in one-row target forwards: a forward over n rows costs f(n) = 1 + extra_row_cost · (n - 1)
+    (the weights stream once; the rows' arithmetic comes on top, which bounds int8 products on AVX2 beyond a
+    row or two), a drafter forward cost_ratio times that. A plain step of B sequences emits one token each in
+    f(B); a round emits E(k) = (1 - α^(k+1)) / (1 - α) each in k · cost_ratio · f(B) + f(B · (k + 1)).
+    """
     alpha = min(max(alpha, 0.0), 0.999)
 
-    def rate(k: int) -> float:
-        return (1 - alpha ** (k + 1)) / (1 - alpha) / (k * cost_ratio + 1)
+    def forward(rows: int) -> float:
+        return 1 + extra_row_cost * (rows - 1)
 
-    return max(range(1, max_drafts + 1), key=rate)
+    def speedup(k: int) -> float:
+        expected_tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
+        plain = forward(batch_size)
+        return expected_tokens * plain / (k * cost_ratio * plain + forward(batch_size * (k + 1)))
+
+    best = max(range(1, max_drafts + 1), key=speedup)
+    return best if speedup(best) > 1 else 0
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -123,20 +145,26 @@ def weight_bytes(model: torch.nn.Module) -> int:
 class Speculator:
     """The drafter of one engine: its model runner (own KV cache, the target's block tables) and k's adaptation."""
 
-    def __init__(self, runner: ModelRunner, max_drafts: int, cost_ratio: float) -> None:
+    def __init__(self, runner: ModelRunner, max_drafts: int, cost_ratio: float, extra_row_cost: float = 0.0) -> None:
         if max_drafts < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
         self.runner = runner
         self.max_drafts = max_drafts
         self.cost_ratio = cost_ratio  # drafter forward / target forward, in weight bytes streamed
+        self.extra_row_cost = extra_row_cost  # the target's, see best_num_drafts
         self.stats = SpeculativeStats()
-        self._alpha = 0.8  # optimistic start: k begins high and settles as rounds are judged
+        self.declined = False  # the last round asked for was not worth running (k = 0)
+        self._alpha = _ALPHA_PRIOR
 
     def sync(self, batch: ScheduledBatch) -> None:
-        """With a plain step (after the target ran it, before it is postprocessed): let the drafter
-        compute the K/V the target just did."""
+        """With a plain step (after the target ran it, before it is postprocessed): let the drafter compute the
+        K/V the target just did — prompt chunks always, decode tokens only while rounds run. While they are
+        declined (a batch too large for them to pay) a drafter forward per step would cost a third of the step
+        for nothing: the drafter lags instead, and catches up at the next round (`_propose`)."""
         spans = []
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if self.declined and num_new == 1:
+                continue
             end = seq.num_computed_tokens + num_new
             start = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
             if start < end:
@@ -147,7 +175,11 @@ class Speculator:
 
     def num_drafts(self, seqs: list[Sequence], max_model_len: int) -> int:
         """This round's k: the adapted one, capped so that no sequence runs past its length limits (0: no round)."""
-        k = best_num_drafts(self._alpha, self.cost_ratio, self.max_drafts)
+        k = best_num_drafts(self._alpha, self.cost_ratio, self.max_drafts, len(seqs), self.extra_row_cost)
+        self.declined = k == 0
+        if self.declined:
+            self._alpha += _DECLINED_WEIGHT * (_ALPHA_PRIOR - self._alpha)
+            return 0
         for seq in seqs:
             # The round computes positions up to num_tokens - 1 + k and emits up to k + 1 tokens.
             k = min(k, max_model_len - seq.num_tokens, seq.params.max_tokens - seq.num_output_tokens - 1)
@@ -180,8 +212,11 @@ class Speculator:
         """k drafts per sequence (k drafter forwards) and, for sampled requests, the distributions they came from."""
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        spans = [TokenSpan(seq.token_ids[seq.num_draft_computed_tokens:], seq.num_draft_computed_tokens,
-                           seq.block_table) for seq in seqs]
+        # The drafter is one or two tokens behind (a fully accepted round's last draft was never fed back): decode
+        # rows; after declined rounds, the tokens decoded meanwhile: a prefill chunk.
+        behind = [seq.token_ids[seq.num_draft_computed_tokens:] for seq in seqs]
+        spans = [TokenSpan(tokens, seq.num_draft_computed_tokens, seq.block_table, as_decode_rows=len(tokens) <= 2)
+                 for seq, tokens in zip(seqs, behind, strict=True)]
         for j in range(k):
             logits = self.runner.forward(spans)
             for i, seq in enumerate(seqs):
@@ -215,7 +250,7 @@ class Speculator:
         seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
         block_manager.truncate(seq, seq.num_computed_tokens)
         # The emitted tokens are appended after this: blocks they fill are offered in the next round.
-        block_manager.cache_computed_blocks(seq, min(seq.num_draft_computed_tokens, seq.num_tokens))
+        block_manager.cache_computed_blocks(seq)
 
     def _learn(self, results: list[Verified], k: int) -> None:
         stats = self.stats

@@ -247,6 +247,11 @@ class NativeDecoder:
     at batch 1 those cost a third of a step (BENCHMARKS.md). Built once per model runner by
     `LlamaForCausalLM.native_decoder`; `rows` prepares a step's decode rows."""
 
+    # Each row beyond the first adds about a fifth of a one-row forward: the int16 products (`vpmaddwd`) are
+    # bound by arithmetic, not by the weight stream, from two rows on. Both demo models, 1 to 8 rows, fit
+    # within 0.1 on the AVX2 EPYC (BENCHMARKS.md, 2026-12-04); speculation sizes its rounds with it.
+    EXTRA_ROW_COST = 0.2
+
     def __init__(self, kernel: DecodeLayerKernel, shape: DecoderShape,
                  layers: list[tuple[DecoderLayerWeights, list[torch.Tensor]]], rope_cos: torch.Tensor,
                  rope_sin: torch.Tensor) -> None:

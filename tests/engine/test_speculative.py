@@ -14,6 +14,7 @@ from engines.llm_engine import LLMEngine
 from engines.loader import Checkpoint
 from engines.model_runner import TokenSpan
 from engines.sampling_params import GrammarSpec, SamplingParams
+from engines.sequence import Sequence
 from engines.speculative import best_num_drafts, greedy_accept, rejection_sample
 from engines.tiers import TierSpec
 from tests.engine.conftest import TinyModel, generated_ids, make_engine, run_to_completion
@@ -35,7 +36,12 @@ def speculative_engine(model: TinyModel, drafter: Checkpoint, **overrides: objec
                                        max_num_seqs=8, max_num_batched_tokens=64, num_threads=1,
                                        num_speculative_tokens=4)
     settings.update(overrides)
-    return LLMEngine.from_checkpoint(model.checkpoint, EngineConfig(**settings), drafter=drafter)  # type: ignore[arg-type]
+    engine = LLMEngine.from_checkpoint(model.checkpoint, EngineConfig(**settings), drafter=drafter)  # type: ignore[arg-type]
+    # The drafter is the target's twin here, which never pays (a round would cost more than it emits): cost it
+    # as a third of the target, about what the demo pair's weights are, so that rounds run.
+    assert engine.speculator is not None
+    engine.speculator.cost_ratio = 0.3
+    return engine
 
 
 def generate_all(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
@@ -206,8 +212,30 @@ def test_rejection_sampling_preserves_the_target_distribution(num_drafts: int) -
 def test_k_follows_the_acceptance_rate_and_the_drafter_cost() -> None:
     assert best_num_drafts(alpha=0.9, cost_ratio=0.05, max_drafts=8) == 8
     assert best_num_drafts(alpha=0.9, cost_ratio=0.3, max_drafts=8) < 8
-    assert best_num_drafts(alpha=0.1, cost_ratio=0.3, max_drafts=8) == 1
+    assert best_num_drafts(alpha=0.5, cost_ratio=0.3, max_drafts=8) == 1
     assert best_num_drafts(alpha=0.6, cost_ratio=0.2, max_drafts=8) < best_num_drafts(0.85, 0.2, 8)
+    # A round that cannot emit more than it costs is not run: drafts rejected more often than a drafter step costs.
+    assert best_num_drafts(alpha=0.1, cost_ratio=0.3, max_drafts=8) == 0
+
+
+def test_rounds_shrink_and_stop_as_verification_rows_cost_more() -> None:
+    """Verifying k + 1 rows per sequence costs more than a plain step where extra rows are not free (int8 on
+    AVX2: a fifth of a one-row forward each): fewer drafts at batch 1, none at a batch of four."""
+    free_rows = best_num_drafts(alpha=0.87, cost_ratio=0.32, max_drafts=4, batch_size=4)
+    assert free_rows == 4
+    assert 1 <= best_num_drafts(0.87, 0.32, 4, batch_size=1, extra_row_cost=0.2) < free_rows
+    assert best_num_drafts(0.87, 0.32, 4, batch_size=4, extra_row_cost=0.3) == 0
+
+
+def test_a_declined_round_brings_speculation_back_after_some_plain_steps(tiny_llama: TinyModel) -> None:
+    speculator = speculative_engine(tiny_llama, drafter_of(tiny_llama, 0.0)).speculator
+    assert speculator is not None
+    seq = Sequence("r", PROMPTS[0], GREEDY)
+    speculator._alpha = 0.1  # after a run of rejected drafts
+    declined = 0
+    while speculator.num_drafts([seq], max_model_len=512) == 0 and declined < 1000:
+        declined += 1
+    assert 10 < declined < 200
 
 
 # -- configuration ---------------------------------------------------------------------------------
@@ -229,3 +257,32 @@ def test_a_drafter_with_another_vocabulary_is_refused(tiny_qwen2: TinyModel) -> 
                        tensors=checkpoint.tensors, tokenizer=checkpoint.tokenizer)
     with pytest.raises(ValueError, match="does not share the target's vocabulary"):
         speculative_engine(tiny_qwen2, other)
+
+
+def test_a_drafter_declined_by_a_large_batch_lags_then_catches_up_and_the_output_is_unchanged(
+    tiny_qwen2: TinyModel,
+) -> None:
+    """Three sequences decline rounds (each verification row costing 0.3 of a forward); once two have finished,
+    the third speculates again: its drafter, which skipped the decode steps meanwhile, catches up first."""
+    lengths = [40, 6, 6]
+
+    def run(engine: LLMEngine) -> tuple[list[list[int]], bool]:
+        for i, (prompt, max_tokens) in enumerate(zip(PROMPTS, lengths, strict=True)):
+            engine.add_request(f"r{i}", prompt, dataclasses.replace(GREEDY, max_tokens=max_tokens))
+        outputs: dict[str, list] = {}
+        lagged = False
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                outputs.setdefault(output.request_id, []).append(output)
+            running = engine.scheduler.running
+            lagged |= any(seq.num_draft_computed_tokens < seq.num_computed_tokens - 1 for seq in running)
+        return [generated_ids(outputs[f"r{i}"]) for i in range(len(PROMPTS))], lagged
+
+    expected, _ = run(make_engine(tiny_qwen2))
+    engine = speculative_engine(tiny_qwen2, drafter_of(tiny_qwen2, 0.02))
+    assert engine.speculator is not None
+    engine.speculator.extra_row_cost = 0.3
+    generated, lagged = run(engine)
+    assert generated == expected
+    assert lagged
+    assert engine.speculator.stats.num_rounds > 0
