@@ -208,8 +208,11 @@ class LLMEngine:
             checkpoint = load_checkpoint(name)
         check_same_vocabulary(self.model_config, self.tokenizer, checkpoint.config, checkpoint.tokenizer, name)
         model = self._load_model(checkpoint, consume=owned)
+        draft_bytes = weight_bytes(model)
+        if self.config.speculative_draft_vocab is not None and hasattr(model, "limit_vocabulary"):
+            draft_bytes -= model.limit_vocabulary(self.config.speculative_draft_vocab)
         runner = ModelRunner(model, checkpoint.config, self.config.block_size, num_kv_blocks, self.kv_cache_dtype)
-        return Speculator(runner, self.config.num_speculative_tokens, weight_bytes(model) / weight_bytes(self.model),
+        return Speculator(runner, self.config.num_speculative_tokens, draft_bytes / weight_bytes(self.model),
                           self.runner.extra_row_cost)
 
     # -- requests ----------------------------------------------------------------------------------

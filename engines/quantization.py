@@ -264,6 +264,23 @@ def int8_gemv_operands(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, t
         return None
     return packed.weight, packed.gemv_scales, packed.gemv_bias
 
+def first_output_rows(module: nn.Module, num_rows: int) -> nn.Module | None:
+    """A projection onto the first `num_rows` outputs of `module`, sharing its weight (a view, no copy); None
+    for a layout whose rows cannot be sliced (int4's packed tiles)."""
+    if isinstance(module, RowDispatchLinear):
+        packed = first_output_rows(module.packed, num_rows)
+        return None if packed is None else RowDispatchLinear(packed, module.max_packed_rows)  # type: ignore[arg-type]
+    if isinstance(module, Int8Linear):  # W8A8Linear too: both take the int8 rows, their scales and bias
+        bias = None if module.bias is None else module.bias[:num_rows]
+        return type(module)(module.weight[:num_rows], module.scales[:num_rows], bias, module.activation_dtype)
+    if type(module) is nn.Linear:
+        head = nn.Linear(module.in_features, num_rows, bias=module.bias is not None, device="meta")
+        head.weight = nn.Parameter(module.weight[:num_rows], requires_grad=False)
+        if module.bias is not None:
+            head.bias = nn.Parameter(module.bias[:num_rows], requires_grad=False)
+        return head
+    return None
+
 class Int8Embedding(nn.Module):
     """Token embeddings as int8 rows with one scale each, looked up then dequantised.
 

@@ -16,7 +16,7 @@ from torch import nn
 from engines.attention import AttentionMetadata, StepYielded, paged_attention
 from engines.config import ModelConfig
 from engines.cpu_kernels import DecodeLayerKernel, DecoderLayerWeights, DecodeRows, DecoderShape, decode_layer
-from engines.quantization import int8_gemv_operands
+from engines.quantization import RowDispatchLinear, first_output_rows, int8_gemv_operands
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -177,7 +177,27 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
             return F.linear(hidden, self.embed_tokens.weight)
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        vocab_size = self.config.vocab_size
+        if logits.shape[-1] == vocab_size:
+            return logits
+        padded = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+        padded[..., :logits.shape[-1]] = logits
+        return padded
+
+    def limit_vocabulary(self, num_ids: int) -> int:
+        """Score only the first `num_ids` token ids (the others' logits are -inf): a speculative drafter's head,
+        sharing the full one's weight. Returns the head's weight bytes a step no longer reads (0 where the head
+        cannot be cut: int4)."""
+        self.untie_lm_head()
+        head = self.lm_head
+        assert head is not None
+        vocab_size = self.config.vocab_size
+        if num_ids >= vocab_size or (cut := first_output_rows(head, num_ids)) is None:
+            return 0
+        self.lm_head = cut
+        weight = head.packed.weight if isinstance(head, RowDispatchLinear) else head.weight
+        return (vocab_size - num_ids) * weight.shape[1] * weight.element_size()
 
     @torch.no_grad()
     def load_weights(self, tensors: MutableMapping[str, torch.Tensor], *, consume: bool = False,

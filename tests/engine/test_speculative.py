@@ -286,3 +286,19 @@ def test_a_drafter_declined_by_a_large_batch_lags_then_catches_up_and_the_output
     assert generated == expected
     assert lagged
     assert engine.speculator.stats.num_rounds > 0
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_a_drafter_scoring_only_the_first_ids_drafts_among_them_and_the_output_is_unchanged(
+    tiny_qwen2: TinyModel, quantization: str | None
+) -> None:
+    expected = generate_all(make_engine(tiny_qwen2, quantization=quantization), PROMPTS, GREEDY)
+    engine = speculative_engine(tiny_qwen2, drafter_of(tiny_qwen2, 0.02), quantization=quantization,
+                                speculative_draft_vocab=256)
+    assert engine.speculator is not None
+    drafter = engine.speculator.runner.model
+    logits = drafter.compute_logits(torch.randn(3, tiny_qwen2.checkpoint.config.hidden_size))
+    assert logits.shape == (3, tiny_qwen2.checkpoint.config.vocab_size)
+    assert torch.isfinite(logits[:, :256]).all() and (logits[:, 256:] == float("-inf")).all()
+    assert generate_all(engine, PROMPTS, GREEDY) == expected
+    assert engine.speculator.stats.num_accepted_tokens > 0
