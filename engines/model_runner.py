@@ -12,7 +12,6 @@ import torch
 from engines.attention import AttentionMetadata, PrefillChunk
 from engines.config import ModelConfig
 from engines.cpu_kernels import paged_decode_attention
-from engines.models.llama import NativeDecoder
 from engines.scheduler import ScheduledBatch
 from engines.sequence import Sequence
 
@@ -73,7 +72,7 @@ class ModelRunner:
     def extra_row_cost(self) -> float:
         """What each decode row beyond the first adds to a forward, in one-row forwards (`best_num_drafts`):
         the native layers' figure where they run, else 0 (not measured: extra rows taken as free)."""
-        return NativeDecoder.EXTRA_ROW_COST if self.native_decoder is not None else 0.0
+        return self.native_decoder.EXTRA_ROW_COST if self.native_decoder is not None else 0.0
 
     def execute(self, batch: ScheduledBatch, should_yield: Callable[[], bool] | None = None
                 ) -> tuple[torch.Tensor, list[Sequence]]:  # fmt: skip

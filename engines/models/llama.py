@@ -280,14 +280,17 @@ class NativeDecoder:
         self._rope_cos, self._rope_sin = rope_cos, rope_sin
 
     def rows(self, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-             context_lens: torch.Tensor) -> NativeDecodeRows:
+             context_lens: torch.Tensor) -> PreparedDecodeRows:
         """The step's decode rows (at most `max_rows`): their positions, KV slots, block tables, context lengths."""
         step = self.kernel.rows(self.shape, self._rope_cos[positions], self._rope_sin[positions], slot_mapping,
                                 block_tables, context_lens)
-        return NativeDecodeRows(self, *step)
+        return PreparedDecodeRows(self, *step)
 
 
-class NativeDecodeRows:
+class PreparedDecodeRows:
+    """One step's decode rows by address for `DecodeLayerKernel` (`engines.attention.NativeDecodeRows`), with the
+    tensors those addresses point into, kept alive for the step."""
+
     def __init__(self, decoder: NativeDecoder, step: DecodeRows, keep: list[torch.Tensor]) -> None:
         self._decoder, self._step, self._keep = decoder, step, keep
 

@@ -97,13 +97,13 @@ def test_decoding_through_native_layers_gives_the_modules_tokens(tiny_model: Tin
 def test_every_layer_of_a_step_runs_natively_once(tiny_llama: TinyModel, monkeypatch: pytest.MonkeyPatch) -> None:
     runner = int8_engine(tiny_llama).runner
     layers_run: list[int] = []
-    run_layer = llama.NativeDecodeRows.run_layer
+    run_layer = llama.PreparedDecodeRows.run_layer
 
-    def counted(rows: llama.NativeDecodeRows, index: int, x: torch.Tensor) -> None:
+    def counted(rows: llama.PreparedDecodeRows, index: int, x: torch.Tensor) -> None:
         layers_run.append(index)
         run_layer(rows, index, x)
 
-    monkeypatch.setattr(llama.NativeDecodeRows, "run_layer", counted)
+    monkeypatch.setattr(llama.PreparedDecodeRows, "run_layer", counted)
     runner.forward(prefill(runner, 0))
     assert layers_run == list(range(tiny_llama.checkpoint.config.num_hidden_layers))
 
