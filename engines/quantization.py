@@ -264,6 +264,7 @@ def int8_gemv_operands(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, t
         return None
     return packed.weight, packed.gemv_scales, packed.gemv_bias
 
+
 def first_output_rows(module: nn.Module, num_rows: int) -> nn.Module | None:
     """A projection onto the first `num_rows` outputs of `module`, sharing its weight (a view, no copy); None
     for a layout whose rows cannot be sliced (int4's packed tiles)."""
@@ -280,6 +281,7 @@ def first_output_rows(module: nn.Module, num_rows: int) -> nn.Module | None:
             head.bias = nn.Parameter(module.bias[:num_rows], requires_grad=False)
         return head
     return None
+
 
 class Int8Embedding(nn.Module):
     """Token embeddings as int8 rows with one scale each, looked up then dequantised.

@@ -129,11 +129,12 @@ class LlamaForCausalLM(nn.Module):
         n = metadata.num_decode_tokens
         decode_x, prefill_x = x[:n].contiguous(), x[n:]
         prefill_metadata = metadata.prefill_only() if metadata.prefills else None
+        prefill_cos, prefill_sin = cos[n:], sin[n:]
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             self._yield_if_asked(metadata)
             native.run_layer(index, decode_x)
             if prefill_metadata is not None:
-                prefill_x = layer(prefill_x, cos[n:], sin[n:], kv_cache, prefill_metadata)
+                prefill_x = layer(prefill_x, prefill_cos, prefill_sin, kv_cache, prefill_metadata)
         return self.norm(torch.cat([decode_x, prefill_x]) if prefill_metadata is not None else decode_x)
 
     @staticmethod
