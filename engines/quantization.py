@@ -95,6 +95,13 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     return packed, scales_and_zeros.contiguous()
 
 
+# torch 2.13's `_weight_int8pack_mm` on AVX-512 CPUs reads past rows whose length is not a multiple of 16:
+# wrong sums, sometimes a segfault (measured 2026-12-04, Intel Xeon: in_features 100 and 200 fail, every
+# multiple of 16 tried from 16 to 4864 is exact). Such layers (rare: model widths are multiples of 64)
+# take a dequantised matmul instead.
+PACKED_K_MULTIPLE = 16
+
+
 class Int8Linear(nn.Module):
     """y = x @ (weight_int8 * scales)ᵀ + bias; matmul in bfloat16, result in `activation_dtype`.
 
@@ -139,7 +146,10 @@ class Int8Linear(nn.Module):
             out = self.gemv(rows.float(), self.weight, self.gemv_scales, self.gemv_bias)
             return out.to(self.activation_dtype).reshape(*x.shape[:-1], self.out_features)
         rows = rows.to(COMPUTE_DTYPE)
-        out = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales).to(self.activation_dtype)
+        if self.in_features % PACKED_K_MULTIPLE:
+            out = ((rows @ self.weight.to(COMPUTE_DTYPE).t()) * self.scales).to(self.activation_dtype)
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales).to(self.activation_dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
