@@ -22,6 +22,7 @@ import hashlib
 import json
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -269,6 +270,7 @@ async def end_to_end(data: Path, n_pairs: int, repeats: int, token_interval_ms: 
     from bench.fake_upstream import FakeUpstream, serving_in_thread
     from gateway.app import create_app
     from gateway.config import PolicyConfig, RedisConfig, load_settings
+    from gateway.db.migrate import upgrade
 
     splits = split_pairs(load_pairs(data))
     rng = random.Random(1)
@@ -278,19 +280,21 @@ async def end_to_end(data: Path, n_pairs: int, repeats: int, token_interval_ms: 
     negatives = [p for p in test if p.label == 0][: n_pairs // 2]
     records: list[Any] = []
     upstream = FakeUpstream(token_interval_s=token_interval_ms / 1000)
-    with serving_in_thread(upstream) as url:
+    # A migrated database file, not `:memory:`: every pooled connection (the batch worker's too) sees the tables.
+    with serving_in_thread(upstream) as url, tempfile.TemporaryDirectory() as workdir:
         base = load_settings(environ={})
         tiers = {n: msgspec.structs.replace(t, url=url, model="") for n, t in base.tiers.items()}
         settings = msgspec.structs.replace(
             base,
             tiers=tiers,
             redis=RedisConfig(url=""),
-            database=msgspec.structs.replace(base.database, url="sqlite+aiosqlite:///:memory:"),
+            database=msgspec.structs.replace(base.database, url=f"sqlite+aiosqlite:///{workdir}/sluice.db"),
             # No anonymous rate or spend limits: the replay sends hundreds of requests in a minute.
             server=msgspec.structs.replace(base.server, allow_anonymous=True, anonymous_rpm=0, anonymous_tpm=0,
                                            anonymous_spend_per_day_usd=0.0),
             policies={"default": PolicyConfig(cache="semantic")},
         )
+        upgrade(settings.database.url)  # as `sluice serve` does: the batch worker polls its tables
         app = create_app(settings, record_sink=records.append)
         async with AsyncTestClient(app, timeout=60) as client:
 
