@@ -216,7 +216,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_cache_train_matcher(args: argparse.Namespace) -> int:
     from gateway.cache.train_matcher import main as train_main
 
-    argv = ["--data", str(args.data), "--out", str(args.out), "--train-pairs", str(args.train_pairs)]
+    argv = ["--data", str(args.data), "--out", str(args.out)]
+    if args.train_pairs is not None:
+        argv += ["--train-pairs", str(args.train_pairs)]
     if args.from_checkpoint:
         argv += ["--from-checkpoint", str(args.from_checkpoint)]
     train_main(argv)
@@ -294,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = cache_sub.add_parser("train-matcher", help="build the semantic tier's matcher from labelled pairs")
     train.add_argument("--data", required=True, help="QQP pairs (../shared/data/semcache/qqp_pairs.jsonl.gz)")
     train.add_argument("--out", required=True, help="artifact directory (the shipped one: gateway/cache/matcher)")
-    train.add_argument("--train-pairs", type=int, default=9_600, help="training pairs drawn (the shipped run's)")
+    train.add_argument("--train-pairs", type=int, help="training pairs drawn (default: the shipped run's)")
     train.add_argument("--from-checkpoint", help="export this training checkpoint instead of training")
     train.set_defaults(handler=cmd_cache_train_matcher)
 

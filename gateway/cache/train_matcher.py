@@ -36,14 +36,16 @@ class TrainConfig:
     layers: int = 3
     max_length: int = 64
     batch_size: int = 32
-    train_pairs: int = 38_400  # pairs drawn (shuffled, without repeats until the split is used up)
-    lr: float = 7e-5
+    train_pairs: int = 96_000  # pairs drawn (shuffled, without repeats until the split is used up): ~2 epochs
+    lr: float = 1e-4
     warmup_steps: int = 100
     weight_decay: float = 0.01
     seed: int = 0
-    threads: int = 1  # one thread: on a shared CPU a second one mostly waits for the first
+    threads: int = 2
     target_fhr: float = 0.01
-    validation_pairs: int = 3000  # the operating point is chosen on these (the first of the split)
+    # The operating point holds the target as a 95% upper confidence limit on the validation split, so
+    # that it holds on unseen pairs too, not only on the pairs it was chosen on.
+    fhr_confidence: float = 0.95
     quantize: bool = True
 
 
@@ -84,9 +86,11 @@ def score_torch(model: torch.nn.Module, tok: Tokenizer, pairs: list[Pair], batch
     return np.concatenate(out) if out else np.zeros(0, dtype=np.float32)
 
 
-def _schedule(step: int, warmup: int) -> float:
-    # Constant after warm-up: a run cut short after N steps is the run of N steps (no decay to finish).
-    return min(1.0, (step + 1) / warmup)
+def _schedule(step: int, warmup: int, total: int) -> float:
+    """Linear warm-up, then linear decay to zero at the last step."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return max(0.0, (total - step) / max(1, total - warmup))
 
 
 def _batches(tok: Tokenizer, pairs: list[Pair], cfg: TrainConfig, rng: random.Random) -> list[list[Pair]]:
@@ -123,7 +127,7 @@ def train(minilm: Path, pairs: list[Pair], cfg: TrainConfig, checkpoint: Path | 
     batches = _batches(tok, pairs, cfg, rng)
     swap = random.Random(cfg.seed + 1)
     total = len(batches)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _schedule(s, cfg.warmup_steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _schedule(s, cfg.warmup_steps, total))
     loss_fn = torch.nn.BCEWithLogitsLoss()
     t0, cpu0, seen, running = time.perf_counter(), time.process_time(), 0, 0.0
     model.train()
@@ -206,7 +210,7 @@ def build(
     tok = _tokenizer(minilm, cfg.max_length)
     export_onnx(model, minilm, tok, out / "model.onnx", cfg.quantize)
     shutil.copyfile(minilm / "tokenizer.json", out / "tokenizer.json")
-    meta = _operating_point(out, splits["validation"][: cfg.validation_pairs], cfg.target_fhr)
+    meta = _operating_point(out, splits["validation"], cfg.target_fhr, cfg.fhr_confidence)
     meta |= {
         "format": MATCHER_FORMAT,
         "version": f"minilm{cfg.layers}-qqp{cfg.train_pairs // 1000}k-s{cfg.seed}",
@@ -223,10 +227,12 @@ def build(
     return meta
 
 
-def _operating_point(out: Path, val: list[Pair], target_fhr: float) -> dict:
+def _operating_point(out: Path, val: list[Pair], target_fhr: float, confidence: float) -> dict:
     """The cosine floor (candidates below it never reach the matcher: 1% of validation duplicates), the
-    rule's score (a logistic regression over the cosine and the matcher's logit) and its threshold, all
-    on validation, for a validation false-hit rate ≤ target."""
+    rule's score and its threshold, all on validation, for a false-hit rate whose upper confidence limit
+    is ≤ target. The score is the matcher's probability, or a logistic regression over the cosine and the
+    matcher's logit when that keeps more recall at the bound: the regression fits all pairs, not the
+    few-percent tail the threshold lives in, and for a well-trained matcher it loses recall there."""
     from sklearn.linear_model import LogisticRegression
 
     from gateway.cache.verifier import Matcher
@@ -241,34 +247,38 @@ def _operating_point(out: Path, val: list[Pair], target_fhr: float) -> dict:
     shown = np.flatnonzero(cosine >= floor)
     probabilities = matcher.score_many([val[i].text_a for i in shown], [val[i].text_b for i in shown])
     p = np.clip(probabilities.astype(np.float64), 1e-7, 1 - 1e-7)
-    features = np.stack([cosine[shown], np.log(p / (1 - p))], axis=1)
-    fit = LogisticRegression(C=1.0).fit(features, labels[shown])
-    matcher.combine = {
-        "cosine": float(fit.coef_[0][0]),
-        "logit": float(fit.coef_[0][1]),
-        "bias": float(fit.intercept_[0]),
-    }
-    scores = np.full(len(val), -1.0, dtype=np.float32)
-    scores[shown] = matcher.rule_score(probabilities, cosine[shown])
-    threshold, fhr, recall = pick_threshold(scores, labels, target_fhr)
-    matcher_only = pick_threshold(
-        np.where(cosine >= floor, probabilities_full(len(val), shown, probabilities), -1.0), labels, target_fhr
-    )
-    cosine_only = pick_threshold(cosine, labels, target_fhr)
+    fit = LogisticRegression(C=1.0).fit(np.stack([cosine[shown], np.log(p / (1 - p))], axis=1), labels[shown])
+    regression = {"cosine": float(fit.coef_[0][0]), "logit": float(fit.coef_[0][1]), "bias": float(fit.intercept_[0])}
+
+    def rule(combine: dict[str, float] | None) -> tuple[float, float, float]:
+        matcher.combine = combine
+        return pick_threshold(
+            _floored(len(val), shown, matcher.rule_score(probabilities, cosine[shown])), labels, target_fhr, confidence
+        )
+
+    alone, combined = rule(None), rule(regression)
+    matcher.combine = regression if combined[2] > alone[2] else None
+    threshold, fhr, recall = combined if matcher.combine else alone
+    # The references at the rate the rule reaches: the same comparison the benchmark makes on test pairs.
+    matcher_only = pick_threshold(_floored(len(val), shown, probabilities), labels, fhr)
+    cosine_only = pick_threshold(cosine, labels, fhr)
     validation = {
         "false_hit_rate": fhr,
         "recall": recall,
         "pairs": len(val),
         "target_fhr": target_fhr,
+        "fhr_confidence": confidence,
+        "recall_at_bound": {"matcher_alone": alone[2], "regression": combined[2]},
         "matcher_alone": {"threshold": matcher_only[0], "false_hit_rate": matcher_only[1], "recall": matcher_only[2]},
         "cosine_alone": {"threshold": cosine_only[0], "false_hit_rate": cosine_only[1], "recall": cosine_only[2]},
     }
     return {"threshold": threshold, "cosine_floor": floor, "combine": matcher.combine, "validation": validation}
 
 
-def probabilities_full(n: int, shown: np.ndarray, probabilities: np.ndarray) -> np.ndarray:
+def _floored(n: int, shown: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    """Scores of the pairs at or above the cosine floor; -1 (never a hit) for the rest."""
     full = np.full(n, -1.0, dtype=np.float32)
-    full[shown] = probabilities
+    full[shown] = scores
     return full
 
 
@@ -285,6 +295,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--minilm", type=Path, default=None, help="MiniLM directory (default: the packaged one)")
     ap.add_argument("--train-pairs", type=int, default=TrainConfig().train_pairs)
     ap.add_argument("--layers", type=int, default=TrainConfig().layers)
+    ap.add_argument("--threads", type=int, default=TrainConfig().threads)
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--from-checkpoint", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -293,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
 
         args.minilm = minilm_dir()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    cfg = TrainConfig(train_pairs=args.train_pairs, layers=args.layers)
+    cfg = TrainConfig(train_pairs=args.train_pairs, layers=args.layers, threads=args.threads)
     meta = build(args.data, args.out, args.minilm, cfg, args.work, args.from_checkpoint)
     print(json.dumps(meta, indent=2))
 

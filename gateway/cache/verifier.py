@@ -22,9 +22,14 @@ MATCHER_FORMAT = 1
 MATCHER_DIR = Path(__file__).resolve().parent / "matcher"
 
 
-def pick_threshold(scores: np.ndarray, labels: np.ndarray, target_fhr: float) -> tuple[float, float, float]:
+def pick_threshold(
+    scores: np.ndarray, labels: np.ndarray, target_fhr: float, confidence: float | None = None
+) -> tuple[float, float, float]:
     """The lowest threshold whose false-hit rate (false hits / negative pairs) is ≤ target.
 
+    With `confidence` (e.g. 0.95) the bound applies to the one-sided Clopper-Pearson upper limit of the
+    false-hit rate rather than to the rate observed on these pairs: an operating point chosen on a few
+    thousand pairs then keeps its bound on pairs it never saw, instead of meeting it only on average.
     Returns (threshold, false_hit_rate, recall) on these pairs; a pair is a hit when score ≥ threshold.
     """
     scores = np.asarray(scores, dtype=np.float64)
@@ -36,11 +41,23 @@ def pick_threshold(scores: np.ndarray, labels: np.ndarray, target_fhr: float) ->
     tp = np.cumsum(y)
     # Cut only between distinct scores: every pair scoring ≥ the threshold is a hit.
     last_of_run = np.r_[s[1:] != s[:-1], True]
-    ok = last_of_run & (fh / negatives <= target_fhr)
+    ok = last_of_run & (fhr_upper_bound(fh, negatives, confidence) <= target_fhr)
     if not ok.any():
         return float(np.nextafter(s[0], np.inf)) if len(s) else 1.0, 0.0, 0.0
     i = int(np.flatnonzero(ok)[-1])
     return float(s[i]), float(fh[i] / negatives), float(tp[i] / positives)
+
+
+def fhr_upper_bound(false_hits: np.ndarray, negatives: int, confidence: float | None) -> np.ndarray:
+    """The false-hit rate's one-sided upper confidence limit (exact binomial); the observed rate when
+    `confidence` is None."""
+    false_hits = np.asarray(false_hits, dtype=np.float64)
+    if confidence is None:
+        return false_hits / negatives
+    from scipy.stats import beta
+
+    bound = beta.ppf(confidence, false_hits + 1, np.maximum(negatives - false_hits, 1e-9))
+    return np.where(false_hits >= negatives, 1.0, bound)
 
 
 def rates_at(scores: np.ndarray, labels: np.ndarray, threshold: float) -> tuple[float, float]:
@@ -81,6 +98,7 @@ class Matcher:
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = int(os.environ.get("SLUICE_MATCHER_THREADS", threads))
         opts.inter_op_num_threads = 1
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # idle, leave the cores to engines
         session = ort.InferenceSession(str(directory / "model.onnx"), opts, providers=_providers(ort))
         chosen = threshold if threshold is not None else float(meta["threshold"])
         version = str(meta.get("version", "unversioned"))

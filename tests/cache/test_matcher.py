@@ -7,7 +7,7 @@ import pytest
 
 from gateway.cache.index import VectorIndex
 from gateway.cache.pairs import DEFAULT_PAIRS, Pair, load_pairs, split_pairs
-from gateway.cache.verifier import Matcher, pick_threshold, rates_at
+from gateway.cache.verifier import Matcher, fhr_upper_bound, pick_threshold, rates_at
 
 
 def _questions(pairs: list[Pair]) -> set[str]:
@@ -36,6 +36,16 @@ def test_the_threshold_is_the_lowest_that_keeps_the_false_hit_rate():
     assert rates_at(scores, labels, 0.5) == (0.25, 1.0)
     tied = np.array([0.9, 0.9, 0.1])
     assert pick_threshold(tied, np.array([1, 0, 1]), 0.0)[2] == 0.0  # never cuts between equal scores
+
+
+def test_with_a_confidence_the_threshold_bounds_the_false_hit_rate_on_unseen_pairs_too():
+    # 400 negatives: observed, 4 false hits meet 1%; as a 95% upper limit, even one does not
+    # (1 of 400 → ≤ 1.18%), while none does (0 of 400 → ≤ 1 - 0.05^(1/400) = 0.75%).
+    scores = np.r_[[0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6], np.full(396, 0.1)]
+    labels = np.r_[[1, 0, 1, 0, 1, 0, 1, 0], np.zeros(396, dtype=int)]
+    assert pick_threshold(scores, labels, 0.01) == (0.6, 0.01, 1.0)
+    assert pick_threshold(scores, labels, 0.01, confidence=0.95) == (0.95, 0.0, 0.25)
+    assert fhr_upper_bound(np.array([0, 1]), 400, 0.95) == pytest.approx([1 - 0.05 ** (1 / 400), 0.0118], abs=1e-4)
 
 
 def test_the_index_finds_the_nearest_live_entries_also_through_the_bit_prefilter(monkeypatch):
