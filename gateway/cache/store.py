@@ -13,6 +13,7 @@ purges hold in every replica at once. Per tenant: a hash scope → feature, for 
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import struct
 import time
@@ -306,7 +307,9 @@ class MemoryCacheStore:
             return IndexChanges([], str(self._seq), reset=cursor is not None)
         since = int(cursor) if cursor is not None else None
         if since is not None and since >= s.trimmed_to:
-            events = [event for seq, event in s.log if seq > since]
+            # The log is in sequence order: find the cursor, never scan the whole log on every lookup.
+            start = bisect.bisect_right(s.log, since, key=lambda item: item[0])
+            events = [event for _, event in s.log[start:]]
             return IndexChanges(events, str(s.log[-1][0]) if s.log else cursor, reset=False)  # type: ignore[arg-type]
         events = [unpack_vector(k, v) for k, v in s.vectors.items()]
         return IndexChanges(events, str(s.log[-1][0]) if s.log else "0", reset=True)
