@@ -86,14 +86,14 @@ class VectorIndex:
         if n <= EXACT_SCAN_MAX:
             rows = np.arange(n)
         else:
-            rows = _nearest_by_hamming(hamming(self._bits[:, :n], sign_bits(query)), self.dim)
+            rows = nearest_by_hamming(hamming(self._bits[:, :n], sign_bits(query)), self.dim)
         sims = self._vectors[rows] @ query
         sims[self._expires[rows] <= now] = -np.inf
         top = np.argsort(-sims)[:k] if len(sims) > k else np.argsort(-sims)
         return [(self._keys[rows[i]], float(sims[i])) for i in top if sims[i] >= floor]  # type: ignore[misc]
 
 
-def _nearest_by_hamming(distance: np.ndarray, dim: int) -> np.ndarray:
+def nearest_by_hamming(distance: np.ndarray, dim: int) -> np.ndarray:
     """Rows within the distance that holds the `PREFILTER` nearest (ties at it included): a histogram of
     the few hundred possible distances is ~3x cheaper than an argpartition of every row. A tie bucket too
     large to rank exactly falls back to the argpartition."""

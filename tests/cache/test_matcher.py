@@ -69,14 +69,14 @@ def test_the_index_finds_the_nearest_live_entries_also_through_the_bit_prefilter
 
 
 def test_the_bit_prefilter_keeps_every_row_as_near_as_its_nearest_few_hundred():
-    from gateway.cache.index import PREFILTER, _nearest_by_hamming
+    from gateway.cache.index import PREFILTER, nearest_by_hamming
 
     distance = np.random.default_rng(2).integers(0, 385, 5000).astype(np.uint16)
-    rows = _nearest_by_hamming(distance, 384)
+    rows = nearest_by_hamming(distance, 384)
     cutoff = np.sort(distance)[PREFILTER - 1]
     assert set(rows) == set(np.flatnonzero(distance <= cutoff))  # the nearest PREFILTER, and their ties
     same = np.zeros(5000, dtype=np.uint16)  # one huge tie: ranked exactly it would cost a full scan
-    assert len(_nearest_by_hamming(same, 384)) == PREFILTER
+    assert len(nearest_by_hamming(same, 384)) == PREFILTER
 
 
 HELD_OUT_SLICE = 2000  # pairs of the test split: about 1,300 negatives, so ±0.3% of sampling noise at 1%
