@@ -250,14 +250,12 @@ def _operating_point(out: Path, val: list[Pair], target_fhr: float, confidence: 
     fit = LogisticRegression(C=1.0).fit(np.stack([cosine[shown], np.log(p / (1 - p))], axis=1), labels[shown])
     regression = {"cosine": float(fit.coef_[0][0]), "logit": float(fit.coef_[0][1]), "bias": float(fit.intercept_[0])}
 
-    def rule(combine: dict[str, float] | None) -> tuple[float, float, float]:
-        matcher.combine = combine
-        return pick_threshold(
-            _floored(len(val), shown, matcher.rule_score(probabilities, cosine[shown])), labels, target_fhr, confidence
-        )
-
-    alone, combined = rule(None), rule(regression)
-    matcher.combine = regression if combined[2] > alone[2] else None
+    alone = pick_threshold(_floored(len(val), shown, probabilities), labels, target_fhr, confidence)
+    matcher.combine = regression
+    regression_scores = _floored(len(val), shown, matcher.rule_score(probabilities, cosine[shown]))
+    combined = pick_threshold(regression_scores, labels, target_fhr, confidence)
+    if combined[2] <= alone[2]:
+        matcher.combine = None
     threshold, fhr, recall = combined if matcher.combine else alone
     # The references at the rate the rule reaches: the same comparison the benchmark makes on test pairs.
     matcher_only = pick_threshold(_floored(len(val), shown, probabilities), labels, fhr)
