@@ -52,6 +52,8 @@ def file_digest(path: Path) -> str:
 def eval_pairs(data: Path, matcher: Matcher, split: str) -> tuple[list[Pair], str]:
     pairs = load_pairs(data)
     trained_on = matcher.meta.get("data_sha256")
+    if split == "validation":
+        return split_pairs(pairs)["validation"], "validation (the matcher's operating point was chosen on it)"
     if split == "test" or (split == "auto" and trained_on == file_digest(data)):
         return split_pairs(pairs)["test"], "test (held out: no question of it was trained or tuned on)"
     return pairs, "all pairs of the file"
@@ -75,6 +77,8 @@ def quality(data: Path, matcher: Matcher, split: str) -> dict[str, Any]:
     probabilities = matcher.score_many([pairs[i].text_a for i in shown], [pairs[i].text_b for i in shown])
     scores[shown] = matcher.rule_score(probabilities, cosine[shown])
     ours_fhr, ours_recall = rates_at(np.where(cosine >= matcher.floor, scores, -1.0), labels, matcher.threshold)
+    matcher_scores = np.full(len(pairs), -1.0, dtype=np.float32)
+    matcher_scores[shown] = probabilities
     cos_threshold, cos_fhr, cos_recall = pick_threshold(cosine, labels, ours_fhr)
     ref_threshold, ref_fhr, ref_recall = pick_threshold(cosine, labels, TARGET_FHR)
     return {
@@ -96,11 +100,24 @@ def quality(data: Path, matcher: Matcher, split: str) -> dict[str, Any]:
         "recall_ratio": ours_recall / cos_recall if cos_recall else float("inf"),
         "cosine_only_at_1pct_fhr": {"false_hit_rate": ref_fhr, "recall": ref_recall, "threshold": ref_threshold},
         "recall_ratio_vs_cosine_at_1pct_fhr": ours_recall / ref_recall if ref_recall else float("inf"),
+        # How well each score orders the pairs, whatever the threshold: recall at each false-hit rate with the
+        # best threshold for it (the matcher's probability, below the cosine floor -1 as in the cache).
+        "ranking": {"cosine": ranking(cosine, labels), "matcher": ranking(matcher_scores, labels)},
         "targets_met": {
             "false_hit_rate": ours_fhr <= TARGET_FHR,
             "recall_ratio": (ours_recall / cos_recall if cos_recall else 0.0) >= 2.0,
         },
     }
+
+
+RANKING_FHRS = (0.005, 0.01, 0.02, 0.05)
+
+
+def ranking(scores: np.ndarray, labels: np.ndarray) -> dict[str, Any]:
+    from sklearn.metrics import roc_auc_score
+
+    recall = {f"{fhr:.3f}": pick_threshold(scores, labels, fhr)[2] for fhr in RANKING_FHRS}
+    return {"auc": float(roc_auc_score(labels, scores)), "recall_at_false_hit_rate": recall}
 
 
 def print_quality(q: dict[str, Any]) -> None:
@@ -130,6 +147,14 @@ def print_quality(q: dict[str, Any]) -> None:
         rows,
     )
     print(f"recall ratio ours / cosine-only at the same false-hit rate: {q['recall_ratio']:.2f}x")
+    rank_rows = [
+        [name, r["auc"], *r["recall_at_false_hit_rate"].values()] for name, r in q["ranking"].items()
+    ]
+    print_table(
+        "ranking (recall at the best threshold for each false-hit rate)",
+        ["score", "AUC", *(f"recall @ {fhr:.1%}" for fhr in RANKING_FHRS)],
+        rank_rows,
+    )
 
 
 # --- (b) lookup latency ---------------------------------------------------------------------------
@@ -365,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--matcher", type=Path, default=MATCHER_DIR)
     ap.add_argument(
         "--split",
-        choices=["auto", "test", "all"],
+        choices=["auto", "test", "validation", "all"],
         default="auto",
         help="auto: the held-out test split when --data is the matcher's training file, else all pairs",
     )
