@@ -9,7 +9,7 @@ TEST_DATABASE_URL ?= postgresql+asyncpg://postgres@127.0.0.1:5432/test
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/0
 PYTEST_ARGS ?=
 
-.PHONY: run test venv models models-test services browser lint bench-engine bench-gateway bench-kernels bench-step-thread bench-dashboard bench-structured bench-router router-default bench-semcache bench-quant-quality cache-matcher clean
+.PHONY: run test venv models models-test services browser lint bench-engine bench-gateway bench-kernels gpu-wheels bench-step-thread bench-dashboard bench-structured bench-router router-default bench-semcache bench-quant-quality cache-matcher clean
 
 run: venv models
 	SLUICE_SERVER__ALLOW_ANONYMOUS=$${SLUICE_SERVER__ALLOW_ANONYMOUS:-true} $(BIN)/sluice serve
@@ -52,6 +52,12 @@ bench-gateway: venv services
 
 bench-kernels: venv
 	$(BIN)/sluice bench kernels
+
+# Wheels of what the engine imports that a GPU machine's image lacks (cp312, manylinux), for bench/gpu.sh there.
+gpu-wheels: venv
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		-d .whl llguidance==1.9.1
 
 bench-step-thread: venv models
 	$(BIN)/sluice bench step_thread

@@ -13,6 +13,11 @@ Otherwise context is gathered a whole block at a time (one `index_select` row pe
 a block of K is one contiguous run of memory, and copying it whole is much faster than slot by
 slot, which matters because decode attention on CPU is bound by these copies. Slots past a
 sequence's length in its last block (and padding blocks) are masked out.
+
+On CUDA (`AttentionMetadata.triton`) the K/V store and the decode rows run the Triton kernels of
+`kernels.paged_attention` over the same cache memory, viewed as [num_blocks, block_size, KVH, D]; prefill
+chunks stay on SDPA (PyTorch's flash / memory-efficient kernels): prefill is bound by arithmetic, which those
+kernels already do well, and one SDPA call per chunk costs a launch per sequence of the step, not per token.
 """
 
 from __future__ import annotations
@@ -25,6 +30,11 @@ import torch
 import torch.nn.functional as F
 
 from engines.cpu_kernels import PagedDecodeAttention
+
+# (query [T, H, D], k_cache, v_cache [slots, KVH, D], block_tables [T, B], context_lens [T], block_size, scale)
+# → [T, H, D]: `PagedDecodeAttention` (CPU) or `triton_decode_attention` (CUDA).
+DecodeAttention = PagedDecodeAttention | Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
 
 
 @dataclass
@@ -66,16 +76,17 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [num_decode_tokens, 1, 1, max blocks * block_size] bool; None with the kernel
     prefills: list[PrefillChunk]
     decode_context_lens: torch.Tensor | None = None  # [num_decode_tokens] long: positions each decode row sees
-    decode_kernel: PagedDecodeAttention | None = None  # attends decode rows in place; None: PyTorch ops
+    decode_kernel: DecodeAttention | None = None  # attends decode rows in place; None: PyTorch ops
     should_yield: Callable[[], bool] | None = None  # asked before each layer: True gives the step up (StepYielded)
     native_decode: NativeDecodeRows | None = None  # runs the decode rows' layers natively; None: PyTorch modules
+    triton: bool = False  # the K/V store through the Triton kernel (CUDA; `decode_kernel` is then the Triton one)
 
     def prefill_only(self) -> AttentionMetadata:
         """This step's prefill chunks alone, their rows numbered from 0 (for when the decode rows go elsewhere)."""
         n = self.num_decode_tokens
         chunks = [replace(chunk, start=chunk.start - n, end=chunk.end - n) for chunk in self.prefills]
         return AttentionMetadata(self.block_size, self.slot_mapping[n:], 0, None, None, chunks,
-                                 should_yield=self.should_yield)
+                                 should_yield=self.should_yield, triton=self.triton)
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -92,6 +103,28 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     v_cache.index_copy_(0, slot_mapping, value)
 
 
+def _as_blocks(cache: torch.Tensor, block_size: int) -> torch.Tensor:
+    """A flat [slots, KVH, D] cache as the kernels' [num_blocks, block_size, KVH, D] (the same memory)."""
+    return cache.view(-1, block_size, *cache.shape[1:])
+
+
+def triton_store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor, block_size: int) -> None:
+    from kernels.paged_attention import store_kvcache as store  # imported where CUDA runs (see `kernels`)
+
+    store(key, value, _as_blocks(k_cache, block_size), _as_blocks(v_cache, block_size), slot_mapping)
+
+
+def triton_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                            scale: float) -> torch.Tensor:
+    """`engines.cpu_kernels.PagedDecodeAttention`'s contract through the Triton decode kernel."""
+    from kernels.paged_attention import paged_attention_decode
+
+    return paged_attention_decode(query.to(k_cache.dtype), _as_blocks(k_cache, block_size),
+                                  _as_blocks(v_cache, block_size), block_tables, context_lens, scale)
+
+
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
     """query [T, H, D], key/value [T, KVH, D] for this step's tokens; returns [T, H, D] in query's dtype.
@@ -101,7 +134,10 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """
     kv_dtype = k_cache.dtype
     key, value = key.to(kv_dtype), value.to(kv_dtype)
-    store_kvcache(key, value, k_cache, v_cache, metadata.slot_mapping)
+    if metadata.triton:
+        triton_store_kvcache(key, value, k_cache, v_cache, metadata.slot_mapping, metadata.block_size)
+    else:
+        store_kvcache(key, value, k_cache, v_cache, metadata.slot_mapping)
     output = torch.empty_like(query)
     num_decode = metadata.num_decode_tokens
     if num_decode and metadata.decode_kernel is not None:

@@ -36,10 +36,14 @@ class EngineConfig:
 
     model: str  # path to a GGUF file or an HF safetensors directory
     dtype: str = "float32"  # activation / KV-cache dtype: "float32" | "bfloat16" (emulated without AVX-512 bf16)
-    quantization: str | None = None  # None | "auto" | "w8a8" | "int8" | "int4" (engines.quantization)
+    # None | "auto" | "w8a8" | "int8" | "int4" on CPU; None | "auto" | "int8" | "fp8" on CUDA (engines.quantization)
+    quantization: str | None = None
     # None: `dtype`; "auto": bfloat16 on CPUs with native bf16 (half the bytes decode attention reads), else `dtype`.
     kv_cache_dtype: str | None = None
-    device: str = "cpu"
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N": weights, KV cache and every step's tensors live there
+    # CUDA only: decode steps of up to this many rows replay captured CUDA graphs (one per batch size bucket)
+    # instead of launching each kernel from Python; 0 runs every step eagerly.
+    cuda_graph_max_batch: int = 64
     block_size: int = 16  # tokens per KV-cache block
     num_kv_blocks: int | None = None  # None: derive from kv_cache_bytes
     kv_cache_bytes: int = 1 << 30

@@ -77,12 +77,29 @@ def context_length(config: EngineConfig, model_config: ModelConfig) -> int:
     return min(config.max_model_len, model_config.max_position_embeddings)
 
 
-def resolve_kv_cache_dtype(name: str | None, dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's dtype: `name` ("auto": bfloat16 where the CPU has it natively), by default `dtype`."""
+def resolve_device(name: str) -> torch.device:
+    """The engine's device: "cpu", or "cuda[:N]" where PyTorch sees that GPU."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unsupported device {name!r}; expected 'cpu' or 'cuda[:N]'") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"unsupported device {name!r}; expected 'cpu' or 'cuda[:N]'")
+    if not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r} requested but PyTorch sees no such CUDA device")
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def resolve_kv_cache_dtype(name: str | None, dtype: torch.dtype, device: torch.device | None = None) -> torch.dtype:
+    """The KV cache's dtype: `name` ("auto": bfloat16 on CUDA and where the CPU has it natively), by default
+    `dtype`."""
     if name is None:
         return dtype
     if name == "auto":
-        return torch.bfloat16 if has_native_bf16() else dtype
+        on_cuda = device is not None and device.type == "cuda"
+        return torch.bfloat16 if on_cuda or has_native_bf16() else dtype
     if name not in DTYPES:
         raise ValueError(f"unsupported kv_cache_dtype {name!r}; expected auto or one of {sorted(DTYPES)}")
     return DTYPES[name]
@@ -134,8 +151,7 @@ class LLMEngine:
                drafter: Checkpoint | None = None) -> None:
         if config.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {config.dtype!r}; expected one of {sorted(DTYPES)}")
-        if config.device != "cpu":
-            raise ValueError(f"unsupported device {config.device!r}; this engine runs on 'cpu'")
+        self.device = resolve_device(config.device)
         # Set by whoever feeds the engine (AsyncLLMEngine): whether an interactive request waits to be added.
         # A step of batch work alone is given up between layers once it does (`ScheduledBatch.yields_to_interactive`).
         self.interactive_waiting: Callable[[], bool] | None = None
@@ -147,9 +163,9 @@ class LLMEngine:
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.dtype = DTYPES[config.dtype]
         self.max_model_len = context_length(config, self.model_config)
-        self.quantization = resolve_quantization(config.quantization)
+        self.quantization = resolve_quantization(config.quantization, self.device.type)
         self.model = self._load_model(checkpoint, consume_checkpoint)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         num_kv_blocks = config.num_kv_blocks or config.kv_cache_bytes // kv_block_bytes(
             self.model_config, config.block_size, self.kv_cache_dtype)
         if num_kv_blocks < 1:
@@ -158,10 +174,11 @@ class LLMEngine:
         eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    eos_token_ids, config.max_batch_tokens_beside_interactive)
+        self._speculative = drafter is not None or bool(config.speculative_model)
         self.runner = ModelRunner(self.model, self.model_config, config.block_size, num_kv_blocks,
-                                  self.kv_cache_dtype)
+                                  self.kv_cache_dtype, self.device, self.max_model_len, self._graph_max_batch())
         self.speculator = None
-        if drafter is not None or config.speculative_model:
+        if self._speculative:
             self.speculator = self._load_speculator(num_kv_blocks, drafter)
             self.block_manager.drafter_follows = True
         release_free_memory()  # what loading freed (dequantised tensors), still mapped by malloc
@@ -186,7 +203,8 @@ class LLMEngine:
             # With float32 activations, int8 weight-only layers run prefill chunks through sgemm on the
             # weights dequantised a layer at a time: it beats the packed kernel there.
             quantize = functools.partial(quantize_model, mode=self.quantization, activation_dtype=self.dtype,
-                                         dequantize_many_rows=self.dtype == torch.float32)
+                                         dequantize_many_rows=self.dtype == torch.float32,
+                                         device_type=self.device.type)
         # Each decoder layer is quantised as soon as it is loaded: the float32 model is never whole.
         model = build_model(checkpoint.config, checkpoint.tensors, self.dtype, self.max_model_len, consume=consume,
                             on_layer_loaded=quantize)
@@ -198,7 +216,16 @@ class LLMEngine:
             model.embed_tokens = Int8Embedding.from_embedding(model.embed_tokens, self.dtype,
                                                               model.lm_head if tied else None)
             logger.info("%s: weights quantised %s (requested %s)", config.model, self.quantization, config.quantization)
+        if self.device.type != "cpu":
+            model.move_to(self.device)  # loaded and quantised on the host, a layer at a time, then moved whole
         return model
+
+    def _graph_max_batch(self) -> int:
+        """Decode rows a step can hold (a speculative round verifies k + 1 per sequence), within the configured
+        CUDA-graph limit."""
+        config = self.config
+        rows_per_seq = 1 + config.num_speculative_tokens if self._speculative else 1
+        return min(config.cuda_graph_max_batch, config.max_num_seqs * rows_per_seq)
 
     def _load_speculator(self, num_kv_blocks: int, checkpoint: Checkpoint | None) -> Speculator:
         """The drafter: same precision settings, a KV cache of its own with the target's block layout."""
@@ -211,7 +238,8 @@ class LLMEngine:
         draft_bytes = weight_bytes(model)
         if self.config.speculative_draft_vocab is not None and hasattr(model, "limit_vocabulary"):
             draft_bytes -= model.limit_vocabulary(self.config.speculative_draft_vocab)
-        runner = ModelRunner(model, checkpoint.config, self.config.block_size, num_kv_blocks, self.kv_cache_dtype)
+        runner = ModelRunner(model, checkpoint.config, self.config.block_size, num_kv_blocks, self.kv_cache_dtype,
+                             self.device, self.max_model_len, self._graph_max_batch())
         return Speculator(runner, self.config.num_speculative_tokens, draft_bytes / weight_bytes(self.model),
                           self.runner.extra_row_cost)
 

@@ -9,9 +9,10 @@ from typing import Literal
 import numpy as np
 import torch
 
-from engines.attention import AttentionMetadata, PrefillChunk
+from engines.attention import AttentionMetadata, DecodeAttention, PrefillChunk, triton_decode_attention
 from engines.config import ModelConfig
 from engines.cpu_kernels import paged_decode_attention
+from engines.cuda_graphs import DecodeGraphs
 from engines.scheduler import ScheduledBatch
 from engines.sequence import Sequence
 
@@ -52,21 +53,45 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 class ModelRunner:
+    """`device`: where the model's weights are; the KV cache and each step's tensors go there too. On CUDA the
+    attention runs the Triton kernels and decode steps of up to `cuda_graph_max_batch` rows replay CUDA graphs
+    (`engines.cuda_graphs`; 0: eager). `triton_attention` forces the Triton kernels on the CPU too (tests, under
+    Triton's interpreter)."""
+
     def __init__(self, model: torch.nn.Module, config: ModelConfig, block_size: int, num_kv_blocks: int,
-                 kv_cache_dtype: torch.dtype) -> None:
+                 kv_cache_dtype: torch.dtype, device: torch.device | None = None, max_model_len: int | None = None,
+                 cuda_graph_max_batch: int = 0, triton_attention: bool | None = None) -> None:
         self.model = model
         self.config = config
         self.block_size = block_size
+        self.device = device or torch.device("cpu")
+        on_cuda = self.device.type == "cuda"
+        self.triton = on_cuda if triton_attention is None else triton_attention
         shape = (num_kv_blocks * block_size, config.num_key_value_heads, config.head_dim)
-        self.kv_caches = [(lazy_zeros(shape, kv_cache_dtype), lazy_zeros(shape, kv_cache_dtype))
-                          for _ in range(config.num_hidden_layers)]
-        kernel = paged_decode_attention()
-        supported = kernel is not None and kernel.supports(
-            config.num_attention_heads, config.num_key_value_heads, config.head_dim, kv_cache_dtype, block_size)
-        self.decode_attention = kernel if supported else None  # None: decode rows attend through PyTorch ops
-        # Decode rows through whole native layers where the model's are int8 weight-only on float32; None: modules.
-        build_native = getattr(model, "native_decoder", None)
-        self.native_decoder = None if build_native is None else build_native(self.kv_caches, block_size)
+
+        def cache() -> torch.Tensor:
+            return torch.zeros(shape, dtype=kv_cache_dtype, device=self.device) if on_cuda \
+                else lazy_zeros(shape, kv_cache_dtype)
+
+        self.kv_caches = [(cache(), cache()) for _ in range(config.num_hidden_layers)]
+        self.decode_attention: DecodeAttention | None = None  # None: decode rows attend through PyTorch ops
+        self.native_decoder = None
+        self.graphs: DecodeGraphs | None = None
+        if self.triton:
+            self.decode_attention = triton_decode_attention
+        else:
+            kernel = paged_decode_attention()
+            supported = kernel is not None and kernel.supports(
+                config.num_attention_heads, config.num_key_value_heads, config.head_dim, kv_cache_dtype, block_size)
+            self.decode_attention = kernel if supported else None
+            # Decode rows through whole native layers where the model's are int8 weight-only on float32.
+            build_native = getattr(model, "native_decoder", None)
+            self.native_decoder = None if build_native is None else build_native(self.kv_caches, block_size)
+        if on_cuda and cuda_graph_max_batch > 0:
+            max_blocks = -(-(max_model_len or config.max_position_embeddings) // block_size)
+            dtype = model.norm.weight.dtype
+            self.graphs = DecodeGraphs(model, self.kv_caches, block_size, cuda_graph_max_batch, max_blocks,
+                                       config.hidden_size, dtype, self.device, triton_decode_attention)
 
     @property
     def extra_row_cost(self) -> float:
@@ -121,12 +146,13 @@ class ModelRunner:
 
         metadata = AttentionMetadata(
             block_size=size,
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
+            slot_mapping=self._tensor(slot_mapping),
             num_decode_tokens=len(decode_spans),
             decode_block_tables=None,
             decode_mask=None,
             prefills=prefills,
             should_yield=should_yield,
+            triton=self.triton,
         )
         if decode_spans:
             self._decode_context(decode_spans, metadata)
@@ -136,25 +162,34 @@ class ModelRunner:
                     torch.tensor([span.start for span in decode_spans], dtype=torch.long),
                     metadata.slot_mapping[:len(decode_spans)], metadata.decode_block_tables,
                     metadata.decode_context_lens)
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-                            self.kv_caches, metadata)
+        input_ids_t, positions_t = self._tensor(input_ids), self._tensor(positions)
+        graphs = self.graphs
+        if graphs is not None and not prefills and len(decode_spans) <= graphs.max_batch and should_yield is None:
+            assert metadata.decode_block_tables is not None and metadata.decode_context_lens is not None
+            hidden = graphs.run(input_ids_t, positions_t, metadata.slot_mapping, metadata.decode_block_tables,
+                                metadata.decode_context_lens)
+        else:
+            hidden = self.model(input_ids_t, positions_t, self.kv_caches, metadata)
         rows = [row for i in range(len(spans)) for row in logit_rows.get(i, ())]
         if not rows:
-            return torch.empty(0, self.config.vocab_size)
-        return self.model.compute_logits(hidden[torch.tensor(rows)]).float()
+            return torch.empty(0, self.config.vocab_size, device=self.device)
+        return self.model.compute_logits(hidden[self._tensor(rows)]).float()
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        """A step's int64 index tensor on the runner's device."""
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
     def _decode_context(self, spans: list[TokenSpan], metadata: AttentionMetadata) -> None:
         """The decode rows' block tables, and their context lengths (for the kernel) or mask (for SDPA)."""
-        context_lens = torch.tensor([span.start + 1 for span in spans], dtype=torch.long)
-        max_blocks = -(-int(context_lens.max()) // self.block_size)
-        metadata.decode_block_tables = torch.tensor(
-            [span.block_table[:max_blocks] + [0] * (max_blocks - len(span.block_table[:max_blocks])) for span in spans],
-            dtype=torch.long)
+        context_lens = [span.start + 1 for span in spans]
+        max_blocks = -(-max(context_lens) // self.block_size)
+        metadata.decode_block_tables = self._tensor(
+            [span.block_table[:max_blocks] + [0] * (max_blocks - len(span.block_table[:max_blocks])) for span in spans])
         if self.decode_attention is not None:
-            metadata.decode_context_lens, metadata.decode_kernel = context_lens, self.decode_attention
+            metadata.decode_context_lens, metadata.decode_kernel = self._tensor(context_lens), self.decode_attention
             return
-        mask = torch.arange(max_blocks * self.block_size).unsqueeze(0) < context_lens.unsqueeze(1)
-        metadata.decode_mask = mask[:, None, None, :]
+        mask = torch.arange(max_blocks * self.block_size).unsqueeze(0) < torch.tensor(context_lens).unsqueeze(1)
+        metadata.decode_mask = mask[:, None, None, :].to(self.device)
 
     def _prefill_chunk(self, span: TokenSpan, start_row: int) -> PrefillChunk:
         num_computed, num_new = span.start, len(span.token_ids)
@@ -162,9 +197,9 @@ class ModelRunner:
         if num_computed == 0:
             return PrefillChunk(start_row, end_row, 0, block_table=None, mask=None)
         num_blocks = -(-(num_computed + num_new) // self.block_size)
-        table = torch.tensor(span.block_table[:num_blocks], dtype=torch.long)
+        table = self._tensor(span.block_table[:num_blocks])
         # Query i sits at position num_computed + i and sees every key up to that position (and no
         # slot past the chunk's end in its last block).
-        key_positions = torch.arange(num_blocks * self.block_size).unsqueeze(0)
-        mask = key_positions <= (num_computed + torch.arange(num_new)).unsqueeze(1)
+        key_positions = torch.arange(num_blocks * self.block_size, device=self.device).unsqueeze(0)
+        mask = key_positions <= (num_computed + torch.arange(num_new, device=self.device)).unsqueeze(1)
         return PrefillChunk(start_row, end_row, num_computed, block_table=table, mask=mask)

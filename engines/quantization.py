@@ -21,6 +21,10 @@ float32 sgemm over the int8 weights dequantised one layer at a time (`RowDispatc
 resident float copy of the model (4x the int8 weights), for a few percent of a prefill chunk's time.
 w8a8 costs some quality (perplexity and top-1 agreement with float32, in BENCHMARKS.md);
 `bench/engine.py` measures it in every run.
+
+On CUDA the layers differ (`CUDA_QUANTIZATION_MODES`): int8 weight-only through the Triton kernel
+`kernels.int8_matmul` (the int8 weight streamed and dequantised in registers: half the bytes of bfloat16),
+and fp8 (e4m3) weights and per-row activations through `torch._scaled_mm` (Ada and Hopper tensor cores).
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from engines.cpu import has_int8_dot_product
 from engines.cpu_kernels import Int8Gemv, W8A8Gemv, int8_gemv, w8a8_gemv
 
 QUANTIZATION_MODES = ("int8", "int4", "w8a8")
-AUTO = "auto"  # w8a8 where the CPU has int8 dot products, else int8
+CUDA_QUANTIZATION_MODES = ("int8", "fp8")
+AUTO = "auto"  # CPU: w8a8 where the CPU has int8 dot products, else int8; CUDA: int8 weight-only
 INT4_GROUP_SIZES = (32, 64, 128)
 # 32, the width of the Q4_K sub-blocks the demo checkpoints come in: groups of 128 cost several times the
 # perplexity for about an eighth fewer bytes (`python -m bench.quant_quality`, BENCHMARKS.md).
@@ -45,10 +50,19 @@ PACKED_MAX_ROWS = 48  # measured crossover: up to here the packed kernels beat f
 _INT4_INNER_K_TILES = 2  # packing parameter of tinygemm's layout; the CPU kernel accepts 2, 4 or 8
 
 
-def resolve_quantization(mode: str | None) -> str | None:
-    """The mode to run: `auto` becomes w8a8 or int8 for this CPU; None (and "none") stay unquantised."""
+def resolve_quantization(mode: str | None, device_type: str = "cpu") -> str | None:
+    """The mode to run on `device_type` ("cpu" | "cuda"): `auto` becomes w8a8 or int8 for this CPU, int8 on
+    CUDA; None (and "none") stay unquantised."""
     if mode is None or mode == "none":
         return None
+    if device_type == "cuda":
+        mode = "int8" if mode == AUTO else mode
+        if mode not in CUDA_QUANTIZATION_MODES:
+            raise ValueError(f"quantization {mode!r} does not run on CUDA; expected none, {AUTO} or one of "
+                             f"{CUDA_QUANTIZATION_MODES}")
+        if mode == "fp8" and torch.cuda.get_device_capability() < FP8_MIN_CAPABILITY:
+            raise ValueError(f"fp8 needs a GPU of compute capability {FP8_MIN_CAPABILITY} or newer (Ada, Hopper)")
+        return mode
     if mode == AUTO:
         return "w8a8" if has_int8_dot_product() else "int8"
     if mode not in QUANTIZATION_MODES:
@@ -242,6 +256,92 @@ class W8A8Linear(Int8Linear):
         return out.to(self.activation_dtype).reshape(*x.shape[:-1], self.out_features)
 
 
+class TritonInt8Linear(nn.Module):
+    """CUDA int8 weight-only: y = (x @ weight_int8ᵀ) * scales + bias in `kernels.int8_matmul`, which reads the
+    int8 weight and dequantises it in registers (a dequantised copy would be written and read again: three
+    times the bytes of the weight it replaces)."""
+
+    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 activation_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight_int8.shape
+        self.activation_dtype = activation_dtype
+        self.register_buffer("weight", weight_int8.contiguous())
+        self.register_buffer("scales", scales.float())
+        self.register_buffer("bias", None if bias is None else bias.detach().to(activation_dtype))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, activation_dtype: torch.dtype = torch.bfloat16) -> TritonInt8Linear:
+        weight_int8, scales = quantize_int8(linear.weight.detach())
+        return cls(weight_int8, scales, linear.bias, activation_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from kernels.int8_matmul import int8_weight_only_matmul
+
+        rows = x.reshape(-1, self.in_features).to(self.activation_dtype)
+        out = int8_weight_only_matmul(rows, self.weight, self.scales, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_MIN_CAPABILITY = (8, 9)  # Ada; Hopper is (9, 0)
+_FP8_ROWS_MULTIPLE = 16  # rows are padded to this for `_scaled_mm` (its row-wise scaling is only promised there)
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(weight_fp8 [out, in] e4m3, scales [out] float32)` with weight ≈ weight_fp8 * scales[:, None]."""
+    weight_fp8 = torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=weight.device)
+    scales = torch.empty(weight.shape[0], device=weight.device)
+    for start in range(0, weight.shape[0], _QUANTIZE_ROWS):
+        rows = weight[start:start + _QUANTIZE_ROWS].float()
+        block_scales = rows.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+        weight_fp8[start:start + _QUANTIZE_ROWS] = (rows / block_scales[:, None]).to(torch.float8_e4m3fn)
+        scales[start:start + _QUANTIZE_ROWS] = block_scales
+    return weight_fp8, scales
+
+
+class Fp8Linear(nn.Module):
+    """CUDA fp8: e4m3 weights with one scale per output channel, activations cast to e4m3 with one scale per
+    row on the fly (rows stay independent of their batch mates), the product on fp8 tensor cores through
+    `torch._scaled_mm` with row-wise scales, out in bfloat16."""
+
+    def __init__(self, weight_fp8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 activation_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight_fp8.shape
+        if self.out_features % 16 or self.in_features % 16:
+            raise ValueError(f"fp8 needs in and out features divisible by 16, got {tuple(weight_fp8.shape)}")
+        self.activation_dtype = activation_dtype
+        self.register_buffer("weight", weight_fp8.contiguous())
+        self.register_buffer("scales", scales.float().reshape(1, -1).contiguous())  # [1, out]: per column of y
+        self.register_buffer("bias", None if bias is None else bias.detach().to(activation_dtype))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, activation_dtype: torch.dtype = torch.bfloat16) -> Fp8Linear:
+        weight_fp8, scales = quantize_fp8(linear.weight.detach())
+        return cls(weight_fp8, scales, linear.bias, activation_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        num_rows = rows.shape[0]
+        padding = -num_rows % _FP8_ROWS_MULTIPLE
+        if padding:
+            rows = torch.nn.functional.pad(rows, (0, 0, 0, padding))
+        row_scales = rows.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+        quantized = (rows.float() / row_scales).to(torch.float8_e4m3fn)
+        out = torch._scaled_mm(quantized, self.weight.t(), scale_a=row_scales, scale_b=self.scales,
+                               out_dtype=torch.bfloat16)[:num_rows].to(self.activation_dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
 class RowDispatchLinear(nn.Module):
     """An int8 weight-only layer that runs few rows (decode) on the packed kernel and many (prefill) on sgemm.
 
@@ -281,7 +381,7 @@ def first_output_rows(module: nn.Module, num_rows: int) -> nn.Module | None:
     if isinstance(module, RowDispatchLinear):
         packed = first_output_rows(module.packed, num_rows)
         return None if packed is None else RowDispatchLinear(packed, module.max_packed_rows)  # type: ignore[arg-type]
-    if isinstance(module, Int8Linear):  # W8A8Linear too: both take the int8 rows, their scales and bias
+    if isinstance(module, Int8Linear | TritonInt8Linear):  # W8A8Linear too: each takes int8 rows, scales, bias
         bias = None if module.bias is None else module.bias[:num_rows]
         return type(module)(module.weight[:num_rows], module.scales[:num_rows], bias, module.activation_dtype)
     if type(module) is nn.Linear:
@@ -312,7 +412,7 @@ class Int8Embedding(nn.Module):
         """Share the int8 table of `tied_head` (the embedding, quantised as a head) when it is int8, else
         quantise the embedding."""
         packed = tied_head.packed if isinstance(tied_head, RowDispatchLinear) else tied_head
-        if isinstance(packed, Int8Linear) and packed.weight.shape == embedding.weight.shape:
+        if isinstance(packed, Int8Linear | TritonInt8Linear) and packed.weight.shape == embedding.weight.shape:
             return cls(packed.weight, packed.scales, dtype)
         weight_int8, scales = quantize_int8(embedding.weight.detach())
         return cls(weight_int8, scales, dtype)
@@ -329,6 +429,7 @@ def quantize_model(
     skip: Callable[[str], bool] | None = None,
     group_size: int = INT4_DEFAULT_GROUP_SIZE,
     dequantize_many_rows: bool = False,
+    device_type: str = "cpu",
 ) -> None:
     """Replace every nn.Linear (by qualified name, unless `skip(name)`) with its quantised version, in place.
 
@@ -337,20 +438,29 @@ def quantize_model(
     (no group size fits, or out_features not a multiple of 16) becomes int8. With `dequantize_many_rows`,
     each int8 weight-only layer becomes a `RowDispatchLinear` that runs many-row inputs through sgemm
     (worth it with float32 activations on CPUs without native bf16); w8a8 and int4 layers stay packed.
+    `device_type="cuda"` builds the CUDA layers ("int8" or "fp8"; their weights still where the model's are).
     """
+    if device_type == "cuda":
+        if mode not in CUDA_QUANTIZATION_MODES:
+            raise ValueError(f"unknown CUDA quantization mode {mode!r}; expected one of {CUDA_QUANTIZATION_MODES}")
+        cuda_class = TritonInt8Linear if mode == "int8" else Fp8Linear
+        for name, linear in _linear_modules(model, skip):
+            parent_name, _, child_name = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child_name, cuda_class.from_linear(linear, activation_dtype))
+        return
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"unknown quantization mode {mode!r}; expected one of {QUANTIZATION_MODES}")
-    targets = [
-        (name, module)
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and not (skip is not None and skip(name))
-    ]
-    for name, linear in targets:
+    for name, linear in _linear_modules(model, skip):
         parent_name, _, child_name = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         packed = _quantized(linear, mode, activation_dtype, group_size)
         dispatch = dequantize_many_rows and type(packed) is Int8Linear
         setattr(parent, child_name, RowDispatchLinear(packed) if dispatch else packed)
+
+
+def _linear_modules(model: nn.Module, skip: Callable[[str], bool] | None) -> list[tuple[str, nn.Linear]]:
+    return [(name, module) for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and not (skip is not None and skip(name))]
 
 
 def _quantized(linear: nn.Linear, mode: str, activation_dtype: torch.dtype, group_size: int) -> nn.Module:

@@ -23,12 +23,20 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     tokens whatever else is in the batch. Logprobs always come from the unmodified distribution
     (before penalties, bias, grammar, temperature, top-k and top-p), as OpenAI reports them.
     """
+    if logits.device.type != "cpu" and _needs_host(params, grammars):
+        logits = logits.cpu()  # penalties, bias, grammars and seeded draws work on the host (generators live there)
     adjusted = adjust_logits(logits, params, output_token_ids)
     token_ids = _choose(adjusted, params, generators)
     if grammars is not None and any(g is not None for g in grammars):
         _constrain(adjusted, token_ids, params, generators, grammars)
     chosen = token_ids.tolist()
     return chosen, token_logprobs(logits, chosen, params)
+
+
+def _needs_host(params: Sequence[SamplingParams], grammars: Sequence[GrammarState | None] | None) -> bool:
+    """Whether a row asks for more than a greedy choice (and its logprobs), which run wherever the logits are."""
+    constrained = grammars is not None and any(grammar is not None for grammar in grammars)
+    return constrained or any(not p.greedy or p.penalised or p.logit_bias for p in params)
 
 
 def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -108,7 +116,7 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int],
         return logprobs
     rows = torch.tensor(wanted)
     log_probs = torch.log_softmax(logits[rows], dim=-1)
-    chosen = torch.tensor([token_ids[i] for i in wanted])
+    chosen = torch.tensor([token_ids[i] for i in wanted], device=logits.device)
     chosen_lp = log_probs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
     num_top = max(params[i].top_logprobs for i in wanted)
     top_values, top_ids = log_probs.topk(num_top, dim=-1) if num_top else (None, None)

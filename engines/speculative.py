@@ -136,6 +136,12 @@ def best_num_drafts(alpha: float, cost_ratio: float, max_drafts: int, batch_size
     return best if speedup(best) > 1 else 0
 
 
+def _for_sampling(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Logits where the round's draws can use them: greedy choices run wherever the logits are, random ones on the
+    host, where the sequences' generators are."""
+    return logits if all(seq.params.greedy for seq in seqs) else logits.cpu()
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of a model's parameters and buffers (each tensor once, however often it is shared)."""
     tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
@@ -197,7 +203,7 @@ class Speculator:
         spans = [TokenSpan([seq.token_ids[-1], *draft], seq.num_tokens - 1, seq.block_table, "all",
                            as_decode_rows=True)
                  for seq, draft in zip(seqs, drafts, strict=True)]
-        logits = target.forward(spans).view(len(seqs), k + 1, -1)
+        logits = _for_sampling(target.forward(spans), seqs).view(len(seqs), k + 1, -1)
         verified_at = time.perf_counter()
         results = [self._accept(seq, draft, probs, rows)
                    for seq, draft, probs, rows in zip(seqs, drafts, draft_probs, logits, strict=True)]
@@ -218,7 +224,7 @@ class Speculator:
         spans = [TokenSpan(tokens, seq.num_draft_computed_tokens, seq.block_table, as_decode_rows=len(tokens) <= 2)
                  for seq, tokens in zip(seqs, behind, strict=True)]
         for j in range(k):
-            logits = self.runner.forward(spans)
+            logits = _for_sampling(self.runner.forward(spans), seqs)
             for i, seq in enumerate(seqs):
                 if seq.params.greedy:
                     token_id = int(logits[i].argmax())

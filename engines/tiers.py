@@ -21,8 +21,9 @@ from engines.registry import resolve_model
 class TierSpec:
     name: str  # the tier, and the model name the tier serves unless `served_model_name` says otherwise
     model: str  # a demo model name (tiny|small|large) or a GGUF file / safetensors directory
+    device: str = "cpu"  # "cpu" | "cuda[:N]"
     dtype: str = "float32"
-    quantization: str | None = "auto"  # None | "auto" | "w8a8" | "int8" | "int4" (engines.quantization)
+    quantization: str | None = "auto"  # None | "auto" | "w8a8" | "int8" | "int4" | "fp8" (engines.quantization)
     kv_cache_dtype: str | None = "auto"  # None: dtype; "auto": bfloat16 on CPUs with native bf16
     kv_cache_mb: int = 512
     max_num_seqs: int = 16
@@ -48,6 +49,7 @@ class TierSpec:
         """The engine's configuration; raises FileNotFoundError when a demo model is not fetched."""
         return EngineConfig(
             model=str(resolve_model(self.model, cache_dir)),
+            device=self.device,
             dtype=self.dtype,
             quantization=self.quantization,
             kv_cache_dtype=self.kv_cache_dtype,

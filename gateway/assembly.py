@@ -9,6 +9,7 @@ from gateway.config import Settings, TierConfig
 
 # The keys of a tier's configuration that are engine settings (`engines.tiers.TierSpec` fields).
 ENGINE_FIELDS = (
+    "device",
     "dtype",
     "quantization",
     "kv_cache_dtype",

@@ -201,6 +201,7 @@ BENCHMARKS = {
     "quant_quality": "bench.quant_quality",
     "step_thread": "bench.step_thread",
     "capacity": "bench.capacity",
+    "gpu": "bench.gpu",
 }
 
 

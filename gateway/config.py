@@ -123,9 +123,11 @@ class TierConfig(_Section):
     # The engine settings of an in-process tier, and of `sluice engine --tier <name>`. Unset: the
     # tier's spec holds the default (`engines/<name>/spec.py`, or `engines.tiers.TierSpec`), the one
     # place engine defaults are defined.
+    device: str | None = None  # "cpu" (the default) or "cuda[:N]": where the engine's weights and KV cache live
     dtype: Literal["float32", "bfloat16"] | None = None  # bf16 is emulated on CPUs without AVX-512 BF16
-    # auto: w8a8 on CPUs with int8 dot products (VNNI/AMX), else int8 weight-only (engines.quantization).
-    quantization: Literal["none", "auto", "w8a8", "int8", "int4"] | None = None
+    # auto: w8a8 on CPUs with int8 dot products (VNNI/AMX), else int8 weight-only; on CUDA int8 weight-only.
+    # CPU modes: w8a8, int8, int4; CUDA modes: int8, fp8 (engines.quantization).
+    quantization: Literal["none", "auto", "w8a8", "int8", "int4", "fp8"] | None = None
     # auto: bfloat16 on CPUs with native bf16 (AVX-512 BF16, AMX), else the same as dtype.
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] | None = None
     kv_cache_mb: int | None = None
@@ -270,6 +272,8 @@ class Settings(_Section):
             for key in POSITIVE_ENGINE_SETTINGS:
                 if (value := getattr(tier, key)) is not None and value < 1:
                     raise ConfigError(f"tiers.{name}.{key}: must be at least 1, got {value}")
+            if tier.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", tier.device):
+                raise ConfigError(f"tiers.{name}.device: expected cpu, cuda or cuda:N, got {tier.device!r}")
         if self.server.default_tier not in self.tiers:
             raise ConfigError(
                 f"server.default_tier: {self.server.default_tier!r} is not a configured tier "

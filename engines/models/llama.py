@@ -165,6 +165,20 @@ class LlamaForCausalLM(nn.Module):
                              config.head_dim ** -0.5, int(kv_dtype == torch.bfloat16))
         return NativeDecoder(kernel, shape, layers, self.rope_cos, self.rope_sin)
 
+    def move_to(self, device: torch.device) -> None:
+        """Move every weight and the RoPE tables to `device`, each shared tensor once: `Module.to` would copy a
+        buffer once per module holding it (the int8 table a tied head shares with the embedding)."""
+        moved: dict[tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+
+        def move(tensor: torch.Tensor) -> torch.Tensor:
+            key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+            if key not in moved:
+                moved[key] = tensor.to(device)
+            return moved[key]
+
+        self._apply(move)
+        self.rope_cos, self.rope_sin = self.rope_cos.to(device), self.rope_sin.to(device)
+
     def untie_lm_head(self) -> None:
         """Give a tied model an `lm_head` module sharing the embedding's weight (no copy).
 

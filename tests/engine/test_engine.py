@@ -234,3 +234,18 @@ def test_the_kv_cache_dtype_follows_the_setting_and_auto_follows_the_cpu(monkeyp
     assert resolve_kv_cache_dtype("auto", torch.float32) is torch.float32
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         resolve_kv_cache_dtype("fp8", torch.float32)
+
+
+@pytest.mark.parametrize(("device", "message"), [("tpu", "expected 'cpu' or 'cuda"),
+                                                 (f"cuda:{torch.cuda.device_count()}", "no such CUDA device")])
+def test_a_device_the_engine_cannot_use_is_refused_clearly(tiny_qwen2: TinyModel, device: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_engine(tiny_qwen2, device=device)
+
+
+def test_quantisation_modes_that_do_not_run_on_cuda_are_refused_there() -> None:
+    from engines.quantization import resolve_quantization
+
+    with pytest.raises(ValueError, match="does not run on CUDA"):
+        resolve_quantization("w8a8", "cuda")
+    assert resolve_quantization("auto", "cuda") == "int8"
