@@ -19,7 +19,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu_smi.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 timeout 150 python3 -m pytest -q --noconftest -p no:cacheprovider -x \
-    tests/engine/test_kernels.py tests/engine/test_int8_matmul.py tests/engine/test_cuda_engine.py \
+    -k cuda tests/engine/test_kernels.py tests/engine/test_int8_matmul.py tests/engine/test_cuda_engine.py \
     2>&1 | tee "$OUT/gpu_tests.log"
 tests=${PIPESTATUS[0]}
 timeout 300 python3 -m bench.gpu "$@" --out "$OUT/gpu.json" 2>&1 | tee "$OUT/gpu_bench.log"

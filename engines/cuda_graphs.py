@@ -24,46 +24,68 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
+    """Decode-only steps of up to `max_batch` rows through captured graphs: embedding, layers, final norm and
+    the LM head, logits out in float32.
+
+    A step's inputs (token ids, positions, KV slots, context lengths, block tables) reach the device in one
+    copy: a pinned host buffer laid out like the graphs' static input buffer, filled from the step's lists.
+    On a machine where each launch costs tens of microseconds (a GPU in a VM) seven small copies per step
+    would cost more than the step's arithmetic."""
+
     def __init__(self, model: torch.nn.Module, kv_caches: list[KVCache], block_size: int, max_batch: int,
-                 max_blocks: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 decode_attention: DecodeAttention) -> None:
-        self.max_batch = max_batch
+                 max_blocks: int, vocab_size: int, device: torch.device, decode_attention: DecodeAttention) -> None:
+        self.max_batch, self.max_blocks = max_batch, max_blocks
         self.buckets = batch_buckets(max_batch)
-        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.long, device=device)
-        self.context_lens = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(max_batch, max_blocks, dtype=torch.long, device=device)
-        self.hidden = torch.zeros(max_batch, hidden_size, dtype=dtype, device=device)
+        # [input_ids | positions | slot_mapping | context_lens | block_tables (max_batch × max_blocks)]
+        size = max_batch * (4 + max_blocks)
+        self._host = torch.zeros(size, dtype=torch.long, pin_memory=True)
+        self._host_view = self._host.numpy()
+        self._inputs = torch.zeros(size, dtype=torch.long, device=device)
+        self._copied = torch.cuda.Event()  # the host buffer may be refilled once the last copy has left it
+        input_ids, positions, slot_mapping, context_lens = self._inputs[:4 * max_batch].view(4, max_batch)
+        block_tables = self._inputs[4 * max_batch:].view(max_batch, max_blocks)
+        self.logits = torch.zeros(max_batch, vocab_size, dtype=torch.float32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None
         with torch.inference_mode():
-            for size in reversed(self.buckets):
+            slot_mapping.fill_(-1)
+            for rows in reversed(self.buckets):
                 metadata = AttentionMetadata(
-                    block_size=block_size, slot_mapping=self.slot_mapping[:size], num_decode_tokens=size,
-                    decode_block_tables=self.block_tables[:size], decode_mask=None, prefills=[],
-                    decode_context_lens=self.context_lens[:size], decode_kernel=decode_attention, triton=True)
-                # Warm-up outside the capture: compiles the Triton kernels, sets up cuBLAS workspaces.
-                self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], kv_caches, metadata)
+                    block_size=block_size, slot_mapping=slot_mapping[:rows], num_decode_tokens=rows,
+                    decode_block_tables=block_tables[:rows], decode_mask=None, prefills=[],
+                    decode_context_lens=context_lens[:rows], decode_kernel=decode_attention, triton=True)
+
+                def forward(rows: int = rows, metadata: AttentionMetadata = metadata) -> None:
+                    hidden = model(input_ids[:rows], positions[:rows], kv_caches, metadata)
+                    self.logits[:rows] = model.compute_logits(hidden).float()
+
+                forward()  # warm-up outside the capture: compiles the Triton kernels, sets up cuBLAS workspaces
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], kv_caches, metadata)
+                    forward()
                 pool = graph.pool()
-                self.graphs[size] = graph
+                self.graphs[rows] = graph
         torch.cuda.synchronize(device)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-        """Hidden states [rows, hidden] of a decode-only step of at most `max_batch` rows (a view of the
-        graphs' output buffer: valid until the next replay)."""
-        rows = input_ids.shape[0]
-        size = next(bucket for bucket in self.buckets if bucket >= rows)
-        self.input_ids[:rows].copy_(input_ids)
-        self.positions[:rows].copy_(positions)
-        self.slot_mapping.fill_(-1)
-        self.slot_mapping[:rows].copy_(slot_mapping)
-        self.context_lens.zero_()
-        self.context_lens[:rows].copy_(context_lens)
-        self.block_tables[:rows, :block_tables.shape[1]].copy_(block_tables)
-        self.graphs[size].replay()
-        return self.hidden[:rows]
+    def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
+            block_tables: list[list[int]], context_lens: list[int]) -> torch.Tensor:
+        """Logits [rows, vocab] float32 of a decode-only step of at most `max_batch` rows, one row per token (a
+        view of the graphs' output buffer: valid until this object's next `run`)."""
+        rows, batch, width = len(input_ids), self.max_batch, self.max_blocks
+        bucket = next(size for size in self.buckets if size >= rows)
+        self._copied.synchronize()
+        host = self._host_view
+        host[:4 * batch] = 0
+        host[2 * batch:3 * batch] = -1  # padding rows store no K/V ...
+        host[:rows] = input_ids
+        host[batch:batch + rows] = positions
+        host[2 * batch:2 * batch + rows] = slot_mapping
+        host[3 * batch:3 * batch + rows] = context_lens  # ... and attend to nothing (context length 0)
+        tables = host[4 * batch:].reshape(batch, width)
+        for row, table in enumerate(block_tables):
+            used = table[:width]
+            tables[row, :len(used)] = used
+        self._inputs.copy_(self._host, non_blocking=True)
+        self._copied.record()
+        self.graphs[bucket].replay()
+        return self.logits[:rows]

@@ -89,9 +89,8 @@ class ModelRunner:
             self.native_decoder = None if build_native is None else build_native(self.kv_caches, block_size)
         if on_cuda and cuda_graph_max_batch > 0:
             max_blocks = -(-(max_model_len or config.max_position_embeddings) // block_size)
-            dtype = model.norm.weight.dtype
             self.graphs = DecodeGraphs(model, self.kv_caches, block_size, cuda_graph_max_batch, max_blocks,
-                                       config.hidden_size, dtype, self.device, triton_decode_attention)
+                                       config.vocab_size, self.device, triton_decode_attention)
 
     @property
     def extra_row_cost(self) -> float:
@@ -144,6 +143,13 @@ class ModelRunner:
             elif span.logits == "all":
                 logit_rows[i] = list(range(row, row + num_new))
 
+        rows = [row for i in range(len(spans)) for row in logit_rows.get(i, ())]
+        graphs = self.graphs
+        if graphs is not None and decode_spans and not prefills and len(decode_spans) <= graphs.max_batch \
+                and should_yield is None:
+            logits = graphs.run(input_ids, positions, slot_mapping, [span.block_table for span in decode_spans],
+                                [span.start + 1 for span in decode_spans])
+            return logits if rows == list(range(len(decode_spans))) else logits[self._tensor(rows)]
         metadata = AttentionMetadata(
             block_size=size,
             slot_mapping=self._tensor(slot_mapping),
@@ -162,15 +168,7 @@ class ModelRunner:
                     torch.tensor([span.start for span in decode_spans], dtype=torch.long),
                     metadata.slot_mapping[:len(decode_spans)], metadata.decode_block_tables,
                     metadata.decode_context_lens)
-        input_ids_t, positions_t = self._tensor(input_ids), self._tensor(positions)
-        graphs = self.graphs
-        if graphs is not None and not prefills and len(decode_spans) <= graphs.max_batch and should_yield is None:
-            assert metadata.decode_block_tables is not None and metadata.decode_context_lens is not None
-            hidden = graphs.run(input_ids_t, positions_t, metadata.slot_mapping, metadata.decode_block_tables,
-                                metadata.decode_context_lens)
-        else:
-            hidden = self.model(input_ids_t, positions_t, self.kv_caches, metadata)
-        rows = [row for i in range(len(spans)) for row in logit_rows.get(i, ())]
+        hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_caches, metadata)
         if not rows:
             return torch.empty(0, self.config.vocab_size, device=self.device)
         return self.model.compute_logits(hidden[self._tensor(rows)]).float()
