@@ -107,8 +107,8 @@ def attention_rows(bandwidth: float, quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
-def decode_attention_row(tier: str, config: ModelConfig, num_seqs: int, context: int,
-                         bandwidth: float) -> dict[str, Any]:
+def decode_attention_row(tier: str, config: ModelConfig, num_seqs: int, context: int, bandwidth: float,
+                         reference: bool = True, **launch: int) -> dict[str, Any]:
     from kernels.paged_attention import paged_attention_decode, paged_attention_decode_reference
 
     heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -120,7 +120,11 @@ def decode_attention_row(tier: str, config: ModelConfig, num_seqs: int, context:
     context_lens = torch.full((num_seqs,), context, dtype=torch.int32, device="cuda")
     query = torch.randn(num_seqs, heads, dim, dtype=torch.bfloat16, device="cuda")
     arguments = (query, k_cache, v_cache, block_tables, context_lens, dim ** -0.5)
-    seconds = graph_time(lambda: paged_attention_decode(*arguments))
+    seconds = graph_time(lambda: paged_attention_decode(*arguments, **launch))
+    if not reference:
+        kv_bytes = 2 * num_seqs * context * kv_heads * dim * 2
+        return dict(kernel="paged_attention_decode", tier=tier, shape=f"{num_seqs}x{context} tokens",
+                    microseconds=seconds * 1e6, fraction_of_bandwidth=kv_bytes / seconds / bandwidth)
     launched_seconds = cuda_time(lambda: paged_attention_decode(*arguments))
     reference_seconds = cuda_time(lambda: paged_attention_decode_reference(*arguments), repeats=3, warmup=1)
     error = (paged_attention_decode(*arguments).float()
@@ -130,6 +134,25 @@ def decode_attention_row(tier: str, config: ModelConfig, num_seqs: int, context:
                 microseconds=seconds * 1e6, launched_microseconds=launched_seconds * 1e6,
                 reference_microseconds=reference_seconds * 1e6, floor_microseconds=kv_bytes / bandwidth * 1e6,
                 fraction_of_bandwidth=kv_bytes / seconds / bandwidth, max_abs_error=error)
+
+
+def attention_sweep_rows(bandwidth: float) -> list[dict[str, Any]]:
+    """The decode kernel's launch parameters tried on the two largest cases, to check the launcher's defaults."""
+    rows = []
+    for tier, config in SHAPES.items():
+        for num_seqs, context in [(32, 1024), (64, 2048)]:
+            for num_stages in (3, 4, 5):
+                for tile_tokens in (32, 64, 128):
+                    for partition_size in (512, 1024):
+                        launch = dict(num_stages=num_stages, tile_tokens=tile_tokens, partition_size=partition_size)
+                        try:
+                            row = decode_attention_row(tier, config, num_seqs, context, bandwidth, reference=False,
+                                                       **launch)
+                        except Exception as error:  # e.g. Triton's OutOfResources: too much shared memory
+                            row = dict(tier=tier, shape=f"{num_seqs}x{context} tokens", microseconds=float("nan"),
+                                       fraction_of_bandwidth=float("nan"), error=type(error).__name__)
+                        rows.append(row | launch)
+    return rows
 
 
 def store_row(tier: str, config: ModelConfig, bandwidth: float, num_tokens: int = 2048) -> dict[str, Any]:
@@ -261,6 +284,22 @@ def throughput_tokens_per_s(engine: Any, batch: list[list[int]], max_tokens: int
     return generated / (time.perf_counter() - started)
 
 
+def print_step_profile(engine: Any, prompt: list[int], steps: int = 64) -> None:
+    """Where a batch-1 decode step's host time goes: cProfile over `steps` steps, the top functions by own time."""
+    import cProfile
+    import pstats
+
+    engine.add_request("profiled", prompt, SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True))
+    engine.step()  # the prefill
+    profiler = cProfile.Profile()
+    profiler.enable()
+    while engine.has_unfinished_requests():
+        engine.step()
+    profiler.disable()
+    print(f"batch-1 decode, {steps} steps, functions by own time:")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
+
+
 def engine_rows(bandwidth: float, quick: bool) -> list[dict[str, Any]]:
     from engines.llm_engine import LLMEngine
     from engines.quantization import FP8_MIN_CAPABILITY
@@ -269,7 +308,8 @@ def engine_rows(bandwidth: float, quick: bool) -> list[dict[str, Any]]:
     checkpoints = {tier: random_checkpoint(config, seed) for seed, (tier, config) in enumerate(SHAPES.items())}
     rows = []
 
-    def measure(label: str, tier: str, config: EngineConfig, drafter: Checkpoint | None = None) -> None:
+    def measure(label: str, tier: str, config: EngineConfig, drafter: Checkpoint | None = None,
+                profile: bool = False) -> None:
         started = time.perf_counter()
         engine = LLMEngine.from_checkpoint(checkpoints[tier], config, drafter=drafter)
         load_seconds = time.perf_counter() - started
@@ -282,6 +322,12 @@ def engine_rows(bandwidth: float, quick: bool) -> list[dict[str, Any]]:
         for size in (1, *batches):  # compiles each kernel variant the timed runs meet (Triton specialises on M)
             throughput_tokens_per_s(engine, prompts(size, vocab, size), max_tokens=4)
         row["batch1_tokens_per_s"] = batch1_tokens_per_s(engine, prompts(1, vocab, 1)[0])
+        graphs = engine.runner.graphs
+        if graphs is not None:  # the GPU's share of a batch-1 step: one replay of the one-row graph
+            row["batch1_graph_replay_ms"] = cuda_time(graphs.graphs[1].replay, repeats=20) * 1e3
+            row["batch1_step_ms"] = 1e3 / row["batch1_tokens_per_s"]
+        if profile:
+            print_step_profile(engine, prompts(1, vocab, 2)[0])
         row["batch1_fraction_of_bandwidth"] = row["batch1_tokens_per_s"] * weight_bytes / bandwidth
         for size in batches:
             row[f"batch{size}_tokens_per_s"] = throughput_tokens_per_s(engine, prompts(size, vocab, size))
@@ -296,7 +342,8 @@ def engine_rows(bandwidth: float, quick: bool) -> list[dict[str, Any]]:
 
     for tier in SHAPES:
         for weight_format in formats:
-            measure(f"{weight_format}, CUDA graphs", tier, engine_config(tier, weight_format))
+            measure(f"{weight_format}, CUDA graphs", tier, engine_config(tier, weight_format),
+                    profile=weight_format == "bfloat16")
         measure("bfloat16, eager (no CUDA graphs)", tier, engine_config(tier, "bfloat16", cuda_graph_max_batch=0))
     measure("bfloat16, speculative (small drafter, k <= 4)", "large",
             engine_config("large", "bfloat16", speculative_model="random-small", max_num_seqs=16),
@@ -325,15 +372,25 @@ def main() -> None:
                   f"{r['reference_microseconds']:.1f}" if "reference_microseconds" in r else "-",
                   f"{r['floor_microseconds']:.1f}", f"{r['fraction_of_bandwidth']:.0%}",
                   f"{r.get('max_abs_error', r.get('relative_error_vs_float32', 0)):.2g}"] for r in kernels])
+    sweep = [] if args.quick else attention_sweep_rows(bandwidth)
+    if sweep:
+        print_table("paged_attention_decode launch parameters (GPU µs in a CUDA graph)",
+                    ["tier", "shape", "stages", "tile", "partition", "GPU µs", "of bandwidth"],
+                    [[r["tier"], r["shape"], r["num_stages"], r["tile_tokens"], r["partition_size"],
+                      f"{r['microseconds']:.1f}", f"{r['fraction_of_bandwidth']:.0%}"] for r in sweep])
     engines = [] if args.skip_engine else engine_rows(bandwidth, args.quick)
     if engines:
         print_table("engine decode (random weights of the demo shapes; bfloat16 activations and KV cache)",
-                    ["tier", "configuration", "batch-1 tok/s", "of bandwidth", "16 req tok/s", "64 req tok/s"],
+                    ["tier", "configuration", "batch-1 tok/s", "of bandwidth", "step ms", "graph replay ms",
+                     "16 req tok/s", "64 req tok/s"],
                     [[r["tier"], r["configuration"], f"{r['batch1_tokens_per_s']:.0f}",
-                      f"{r['batch1_fraction_of_bandwidth']:.0%}", f"{r.get('batch16_tokens_per_s', 0):.0f}",
+                      f"{r['batch1_fraction_of_bandwidth']:.0%}", f"{1e3 / r['batch1_tokens_per_s']:.2f}",
+                      f"{r['batch1_graph_replay_ms']:.2f}" if "batch1_graph_replay_ms" in r else "-",
+                      f"{r.get('batch16_tokens_per_s', 0):.0f}",
                       f"{r.get('batch64_tokens_per_s', r.get('batch4_tokens_per_s', 0)):.0f}"] for r in engines])
     figures = {"gpu": device, "host_cpu": cpu_model(), "torch": torch.__version__, "triton": triton.__version__,
-               "copy_bandwidth_bytes_per_s": bandwidth, "kernels": kernels, "engine": engines}
+               "copy_bandwidth_bytes_per_s": bandwidth, "kernels": kernels, "attention_launch_sweep": sweep,
+               "engine": engines}
     path = write_results("gpu", figures)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
