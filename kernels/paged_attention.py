@@ -253,7 +253,7 @@ def paged_attention_decode(
     out: torch.Tensor | None = None,
     tile_tokens: int | None = None,
     partition_size: int | None = None,
-    num_stages: int = 5,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """query [num_seqs, num_heads, head_dim]; block_tables [num_seqs, max_blocks] int32/int64;
     context_lens [num_seqs] int32/int64 (0: a padding row, its output undefined).
@@ -262,8 +262,9 @@ def paged_attention_decode(
     `tile_tokens` (tokens per loop step: a power of two, a multiple of block_size, ≥ 16) and `partition_size`
     (tokens per program: a multiple of tile_tokens) override `default_tile_tokens` and `default_partition_size`;
     tests use small ones to cover many tiles and partitions on tiny inputs. `num_stages` is Triton's
-    software-pipelining depth: the K/V loads hang off the block-id loads and Triton splits the stages between
-    the two, so 5 keeps the next K/V tile in flight during a step's arithmetic (3 or 4 would not)."""
+    software-pipelining depth: on the H200, 3 beat 5 where the batch is large (64 sequences × 2048 tokens: 77%
+    against 63% of the copy bandwidth for the large tier's heads; `python -m bench.gpu`'s launch sweep in
+    BENCHMARKS.md), and no setting won everywhere."""
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     _check_cache(k_cache, v_cache, num_kv_heads, head_dim)
