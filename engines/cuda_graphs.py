@@ -85,7 +85,8 @@ class DecodeGraphs:
         for row, table in enumerate(block_tables):
             used = table[:width]
             tables[row, :len(used)] = used
-        self._inputs.copy_(self._host, non_blocking=True)
+        used = 4 * batch + rows * width  # the bucket's padding rows read no block table
+        self._inputs[:used].copy_(self._host[:used], non_blocking=True)
         self._copied.record()
         self.graphs[bucket].replay()
         return self.logits[:rows]
