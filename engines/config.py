@@ -38,7 +38,8 @@ class EngineConfig:
     dtype: str = "float32"  # activation / KV-cache dtype: "float32" | "bfloat16" (emulated without AVX-512 bf16)
     # None | "auto" | "w8a8" | "int8" | "int4" on CPU; None | "auto" | "int8" | "fp8" on CUDA (engines.quantization)
     quantization: str | None = None
-    # None: `dtype`; "auto": bfloat16 on CPUs with native bf16 (half the bytes decode attention reads), else `dtype`.
+    # None: `dtype`; "auto": bfloat16 on CUDA and on CPUs with native bf16 (half the bytes decode attention reads),
+    # else `dtype`.
     kv_cache_dtype: str | None = None
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N": weights, KV cache and every step's tensors live there
     # CUDA only: decode steps of up to this many rows replay captured CUDA graphs (one per batch size bucket)

@@ -39,7 +39,10 @@ from engines.cpu_kernels import Int8Gemv, W8A8Gemv, int8_gemv, w8a8_gemv
 
 QUANTIZATION_MODES = ("int8", "int4", "w8a8")
 CUDA_QUANTIZATION_MODES = ("int8", "fp8")
-AUTO = "auto"  # CPU: w8a8 where the CPU has int8 dot products, else int8; CUDA: int8 weight-only
+# CPU: w8a8 where the CPU has int8 dot products, else int8. CUDA: none — on the H200 bfloat16 weights beat int8
+# and fp8 at batch 1, 16 and 64 for both demo tiers (a decode step there is bound by its kernel count, not by
+# bytes: BENCHMARKS.md, the engine on a GPU); int8 and fp8 halve the weights' memory when that is what counts.
+AUTO = "auto"
 INT4_GROUP_SIZES = (32, 64, 128)
 # 32, the width of the Q4_K sub-blocks the demo checkpoints come in: groups of 128 cost several times the
 # perplexity for about an eighth fewer bytes (`python -m bench.quant_quality`, BENCHMARKS.md).
@@ -51,12 +54,13 @@ _INT4_INNER_K_TILES = 2  # packing parameter of tinygemm's layout; the CPU kerne
 
 
 def resolve_quantization(mode: str | None, device_type: str = "cpu") -> str | None:
-    """The mode to run on `device_type` ("cpu" | "cuda"): `auto` becomes w8a8 or int8 for this CPU, int8 on
-    CUDA; None (and "none") stay unquantised."""
+    """The mode to run on `device_type` ("cpu" | "cuda"): `auto` becomes w8a8 or int8 for this CPU, and stays
+    unquantised on CUDA; None (and "none") stay unquantised."""
     if mode is None or mode == "none":
         return None
     if device_type == "cuda":
-        mode = "int8" if mode == AUTO else mode
+        if mode == AUTO:
+            return None
         if mode not in CUDA_QUANTIZATION_MODES:
             raise ValueError(f"quantization {mode!r} does not run on CUDA; expected none, {AUTO} or one of "
                              f"{CUDA_QUANTIZATION_MODES}")

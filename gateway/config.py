@@ -125,7 +125,7 @@ class TierConfig(_Section):
     # place engine defaults are defined.
     device: str | None = None  # "cpu" (the default) or "cuda[:N]": where the engine's weights and KV cache live
     dtype: Literal["float32", "bfloat16"] | None = None  # bf16 is emulated on CPUs without AVX-512 BF16
-    # auto: w8a8 on CPUs with int8 dot products (VNNI/AMX), else int8 weight-only; on CUDA int8 weight-only.
+    # auto: w8a8 on CPUs with int8 dot products (VNNI/AMX), else int8 weight-only; on CUDA none (bf16 was faster).
     # CPU modes: w8a8, int8, int4; CUDA modes: int8, fp8 (engines.quantization).
     quantization: Literal["none", "auto", "w8a8", "int8", "int4", "fp8"] | None = None
     # auto: bfloat16 on CPUs with native bf16 (AVX-512 BF16, AMX), else the same as dtype.

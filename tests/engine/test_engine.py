@@ -248,4 +248,5 @@ def test_quantisation_modes_that_do_not_run_on_cuda_are_refused_there() -> None:
 
     with pytest.raises(ValueError, match="does not run on CUDA"):
         resolve_quantization("w8a8", "cuda")
-    assert resolve_quantization("auto", "cuda") == "int8"
+    assert resolve_quantization("auto", "cuda") is None  # bfloat16 weights: the faster ones on the H200 measured
+    assert resolve_quantization("int8", "cuda") == "int8"
