@@ -8,7 +8,8 @@ Bandwidth: a device-to-device copy of 2 GiB, bytes read plus written per second,
 roofline every "% of bandwidth" figure divides by.
 
 Kernels (bfloat16): the paged-attention decode kernel over the demo tiers' attention shapes, as the unique K/V
-bytes it must read per second (each KV head's rows once, however many query heads share them); the KV store;
+bytes it must read per second (each KV head's rows once, however many query heads share them); the KV store; the
+fused residual add + RMSNorm against the PyTorch ops it replaces (both inside CUDA graphs: their count is the cost);
 the int8 weight-only product (`kernels.int8_matmul`) and the fp8 layer (`Fp8Linear`, `torch._scaled_mm`) at 1 and
 16 rows against the bfloat16 product (cuBLAS) on the tiers' largest projections, as weight bytes read per second.
 Each kernel's result is checked against its reference in the same run (max abs error printed).
@@ -104,7 +105,26 @@ def attention_rows(bandwidth: float, quick: bool) -> list[dict[str, Any]]:
     for tier, config in SHAPES.items():
         rows += [decode_attention_row(tier, config, num_seqs, context, bandwidth) for num_seqs, context in cases]
         rows.append(store_row(tier, config, bandwidth))
+        rows += [rms_norm_row(tier, config, num_rows, bandwidth) for num_rows in (1, 64)]
     return rows
+
+
+def rms_norm_row(tier: str, config: ModelConfig, num_rows: int, bandwidth: float) -> dict[str, Any]:
+    """The fused residual add + RMSNorm against the PyTorch ops it replaces (both timed inside CUDA graphs)."""
+    from kernels.rms_norm import rms_norm, rms_norm_reference
+
+    hidden = config.hidden_size
+    x, residual = (torch.randn(num_rows, hidden, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    weight = torch.ones(hidden, dtype=torch.bfloat16, device="cuda")
+    arguments = (x, weight, config.rms_norm_eps, residual)
+    seconds = graph_time(lambda: rms_norm(*arguments))
+    reference_seconds = graph_time(lambda: rms_norm_reference(*arguments))
+    error = (rms_norm(*arguments)[0].float() - rms_norm_reference(*arguments)[0].float()).abs().max().item()
+    moved = 4 * num_rows * hidden * 2  # x and residual read, the sum and the output written, bfloat16; weight aside
+    return dict(kernel="add + rms_norm", tier=tier, shape=f"{num_rows}x{hidden}", microseconds=seconds * 1e6,
+                launched_microseconds=cuda_time(lambda: rms_norm(*arguments)) * 1e6,
+                reference_microseconds=reference_seconds * 1e6, floor_microseconds=moved / bandwidth * 1e6,
+                fraction_of_bandwidth=moved / seconds / bandwidth, max_abs_error=error)
 
 
 def decode_attention_row(tier: str, config: ModelConfig, num_seqs: int, context: int, bandwidth: float,

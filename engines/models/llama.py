@@ -33,6 +33,12 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    def fused(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(self(residual + x), residual + x)` in one Triton kernel (the CUDA path; `kernels.rms_norm`)."""
+        from kernels.rms_norm import rms_norm  # imported where CUDA runs (see `kernels`)
+
+        return rms_norm(x, self.weight, self.eps, residual)
+
 
 def rope_cos_sin(head_dim: int, max_positions: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin tables [max_positions, head_dim] in float32 (HF's non-interleaved "rotate half"
@@ -97,6 +103,15 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                      kv_cache: KVCache, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` on the CUDA path, where each residual add runs inside the norm after it (one kernel for
+        both): `x` is the previous layer's output before its add (the embedding for the first layer, whose
+        `residual` is None); returns this layer's output before its add, and the residual stream."""
+        h, residual = self.input_layernorm.fused(x, residual)
+        h, residual = self.post_attention_layernorm.fused(self.self_attn(h, cos, sin, kv_cache, metadata), residual)
+        return self.mlp(h), residual
+
 
 class LlamaForCausalLM(nn.Module):
     """Llama / Qwen2. `forward` takes this step's flattened tokens of all sequences and returns hidden states."""
@@ -119,6 +134,12 @@ class LlamaForCausalLM(nn.Module):
         cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)
         sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
         native = metadata.native_decode
+        if metadata.triton:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                self._yield_if_asked(metadata)
+                x, residual = layer.forward_fused(x, residual, cos, sin, kv_cache, metadata)
+            return self.norm.fused(x, residual)[0]
         if native is None:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 self._yield_if_asked(metadata)

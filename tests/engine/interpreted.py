@@ -11,10 +11,13 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 import pytest
+import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,3 +43,16 @@ def report_when_run(figures: Callable[[], dict[str, float]]) -> None:
         print(json.dumps({"unavailable": f"{type(error).__name__}: {error}"}))
         sys.exit(0)
     print(json.dumps(figures()))
+
+
+@contextmanager
+def nan_filled_empty() -> Iterator[None]:
+    """`torch.empty` returns NaN-filled float tensors: scratch that a kernel reads before writing shows."""
+    real_empty = torch.empty
+
+    def empty(*args: object, **kwargs: object) -> torch.Tensor:
+        tensor = real_empty(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    with mock.patch.object(torch, "empty", empty):
+        yield

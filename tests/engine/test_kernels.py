@@ -13,16 +13,14 @@ Rows with context_len 0 (padding of CUDA-graph batches) must not crash; their ou
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import NamedTuple
-from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.engine.interpreted import interpreted_report, report_when_run
+from tests.engine.interpreted import interpreted_report, nan_filled_empty, report_when_run
 
 
 def paged_copy(
@@ -153,19 +151,6 @@ def test_reference_store_writes_slots_and_skips_padding() -> None:
 
 
 # -- Triton kernels, interpreted (and natively where CUDA is available) -------------------------------------
-
-
-@contextmanager
-def nan_filled_empty() -> Iterator[None]:
-    """`torch.empty` returns NaN-filled float tensors: scratch that a kernel reads before writing shows."""
-    real_empty = torch.empty
-
-    def empty(*args: object, **kwargs: object) -> torch.Tensor:
-        tensor = real_empty(*args, **kwargs)
-        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
-
-    with mock.patch.object(torch, "empty", empty):
-        yield
 
 
 def _store_error(slot_dtype: torch.dtype, device: str = "cpu") -> float:

@@ -1,0 +1,65 @@
+"""The fused residual-add + RMSNorm kernel against its PyTorch reference: interpreted on CPU (float32), natively on
+CUDA (bfloat16, the demo tiers' widths) where a GPU is present. Outputs start as NaN (`nan_filled_empty`), so a
+row or column the kernel never writes fails."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine.interpreted import interpreted_report, nan_filled_empty, report_when_run
+
+# name: (rows, hidden, with a residual)
+CASES = {"rows_and_residual": (3, 96, True), "no_residual": (2, 64, False), "one_row_odd_width": (1, 72, True)}
+
+
+def error(rows: int, hidden: int, with_residual: bool, dtype: torch.dtype = torch.float32,
+          device: str = "cpu") -> float:
+    """Max abs error of (output, residual sum) against the reference; inf where anything is not finite."""
+    from kernels.rms_norm import rms_norm, rms_norm_reference
+
+    generator = torch.Generator().manual_seed(rows * hidden)
+    x, residual = (torch.randn(rows, hidden, generator=generator).to(dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(hidden, generator=generator)).to(dtype)
+    arguments = [x, weight, 1e-6, residual if with_residual else None]
+    expected = rms_norm_reference(*arguments)
+    on_device = [a.to(device) if isinstance(a, torch.Tensor) else a for a in arguments]
+    with nan_filled_empty():
+        got = rms_norm(*on_device)
+    errors = [(g.cpu().float() - e.float()).abs().max().item() for g, e in zip(got, expected, strict=True)]
+    finite = all(bool(torch.isfinite(g).all()) for g in got)
+    return max(errors) if finite else float("inf")
+
+
+@pytest.fixture(scope="module")
+def interpreted_errors() -> dict[str, float]:
+    return interpreted_report(__file__)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_interpreted_kernel_matches_the_reference(interpreted_errors: dict[str, float], name: str) -> None:
+    assert interpreted_errors[name] < 1e-5
+
+
+def test_the_reference_is_the_models_rms_norm_after_the_add() -> None:
+    from engines.models.llama import RMSNorm
+    from kernels.rms_norm import rms_norm_reference
+
+    norm = RMSNorm(8, 1e-6)
+    norm.weight.data = torch.linspace(0.5, 1.5, 8)
+    x, residual = torch.randn(2, 8), torch.randn(2, 8)
+    out, summed = rms_norm_reference(x, norm.weight.data, 1e-6, residual)
+    assert torch.equal(summed, residual + x)
+    torch.testing.assert_close(out, norm(residual + x))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("rows", "hidden", "with_residual"), [(1, 896, True), (7, 1536, True), (64, 1536, False)])
+def test_cuda_rms_norm_matches_reference(rows: int, hidden: int, with_residual: bool) -> None:
+    # bfloat16: one rounding step of an output near 4 is 2^-5
+    assert error(rows, hidden, with_residual, torch.bfloat16, "cuda") < 4e-2
+
+
+if __name__ == "__main__":
+    # The subprocess side of the fixture: TRITON_INTERPRET=1 is already in the environment.
+    report_when_run(lambda: {name: error(*case) for name, case in CASES.items()})
