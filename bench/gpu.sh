@@ -21,7 +21,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 tests=0
 if [ "${GPU_TESTS:-1}" = 1 ]; then  # GPU_TESTS=0: the benchmark alone (a rerun of tests that passed)
     timeout 150 python3 -m pytest -q --noconftest -p no:cacheprovider -x \
-        -k cuda tests/engine/test_kernels.py tests/engine/test_int8_matmul.py tests/engine/test_rms_norm_kernel.py \
+        -k cuda tests/engine/test_kernels.py tests/engine/test_int8_matmul.py tests/engine/test_fused_kernels.py \
         tests/engine/test_cuda_engine.py \
         2>&1 | tee "$OUT/gpu_tests.log"
     tests=${PIPESTATUS[0]}

@@ -117,12 +117,20 @@ def triton_store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.
 
 def triton_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                            scale: float) -> torch.Tensor:
-    """`engines.cpu_kernels.PagedDecodeAttention`'s contract through the Triton decode kernel."""
+                            scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`engines.cpu_kernels.PagedDecodeAttention`'s contract through the Triton decode kernel; written into `out`
+    when given (directly where it has the cache's dtype: no copy kernel)."""
     from kernels.paged_attention import paged_attention_decode
 
-    return paged_attention_decode(query.to(k_cache.dtype), _as_blocks(k_cache, block_size),
-                                  _as_blocks(v_cache, block_size), block_tables, context_lens, scale)
+    query = query.to(k_cache.dtype)
+    direct = out is not None and out.dtype == query.dtype
+    result = paged_attention_decode(query, _as_blocks(k_cache, block_size), _as_blocks(v_cache, block_size),
+                                    block_tables, context_lens, scale, out=out if direct else None)
+    if out is None:
+        return result
+    if not direct:
+        out.copy_(result)
+    return out
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -140,7 +148,10 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         store_kvcache(key, value, k_cache, v_cache, metadata.slot_mapping)
     output = torch.empty_like(query)
     num_decode = metadata.num_decode_tokens
-    if num_decode and metadata.decode_kernel is not None:
+    if num_decode and metadata.triton:
+        triton_decode_attention(query[:num_decode], k_cache, v_cache, metadata.decode_block_tables,
+                                metadata.decode_context_lens, metadata.block_size, scale, out=output[:num_decode])
+    elif num_decode and metadata.decode_kernel is not None:
         output[:num_decode] = metadata.decode_kernel(query[:num_decode], k_cache, v_cache, metadata.decode_block_tables,
                                                      metadata.decode_context_lens, metadata.block_size, scale)
     elif num_decode:

@@ -89,6 +89,12 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` with SiLU and the product in one Triton kernel (the CUDA path; `kernels.activation`)."""
+        from kernels.activation import silu_and_mul  # imported where CUDA runs (see `kernels`)
+
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -106,11 +112,12 @@ class DecoderLayer(nn.Module):
     def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                       kv_cache: KVCache, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` on the CUDA path, where each residual add runs inside the norm after it (one kernel for
-        both): `x` is the previous layer's output before its add (the embedding for the first layer, whose
-        `residual` is None); returns this layer's output before its add, and the residual stream."""
+        both) and the MLP's SiLU · up is one kernel: `x` is the previous layer's output before its add (the
+        embedding for the first layer, whose `residual` is None); returns this layer's output before its add,
+        and the residual stream."""
         h, residual = self.input_layernorm.fused(x, residual)
         h, residual = self.post_attention_layernorm.fused(self.self_attn(h, cos, sin, kv_cache, metadata), residual)
-        return self.mlp(h), residual
+        return self.mlp.forward_fused(h), residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,6 +1,6 @@
-"""The fused residual-add + RMSNorm kernel against its PyTorch reference: interpreted on CPU (float32), natively on
-CUDA (bfloat16, the demo tiers' widths) where a GPU is present. Outputs start as NaN (`nan_filled_empty`), so a
-row or column the kernel never writes fails."""
+"""The CUDA path's fused kernels against their PyTorch references — the residual add + RMSNorm, and SiLU(gate) · up:
+interpreted on CPU (float32), natively on CUDA (bfloat16, the demo tiers' widths) where a GPU is present. Outputs
+start as NaN (`nan_filled_empty`), so a row or column a kernel never writes fails."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from tests.engine.interpreted import interpreted_report, nan_filled_empty, repor
 
 # name: (rows, hidden, with a residual)
 CASES = {"rows_and_residual": (3, 96, True), "no_residual": (2, 64, False), "one_row_odd_width": (1, 72, True)}
+# name: (rows, width of gate and of up); 1500 spans two column blocks of the kernel, the second partly
+SILU_CASES = {"silu_two_blocks": (2, 1500), "silu_narrow": (3, 40)}
 
 
 def error(rows: int, hidden: int, with_residual: bool, dtype: torch.dtype = torch.float32,
@@ -31,13 +33,26 @@ def error(rows: int, hidden: int, with_residual: bool, dtype: torch.dtype = torc
     return max(errors) if finite else float("inf")
 
 
+def silu_error(rows: int, width: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> float:
+    """Max error of the kernel against the reference, relative to 1 + |reference|; inf where not finite."""
+    from kernels.activation import silu_and_mul, silu_and_mul_reference
+
+    x = torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(width)).mul(3).to(dtype)
+    with nan_filled_empty():
+        got = silu_and_mul(x.to(device)).cpu()
+    expected = silu_and_mul_reference(x).float()
+    if not bool(torch.isfinite(got).all()):
+        return float("inf")
+    return ((got.float() - expected).abs() / (1 + expected.abs())).max().item()  # relative beyond 1
+
+
 @pytest.fixture(scope="module")
 def interpreted_errors() -> dict[str, float]:
     return interpreted_report(__file__)
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_the_interpreted_kernel_matches_the_reference(interpreted_errors: dict[str, float], name: str) -> None:
+@pytest.mark.parametrize("name", list(CASES) + list(SILU_CASES))
+def test_the_interpreted_kernels_match_their_references(interpreted_errors: dict[str, float], name: str) -> None:
     assert interpreted_errors[name] < 1e-5
 
 
@@ -60,6 +75,13 @@ def test_cuda_rms_norm_matches_reference(rows: int, hidden: int, with_residual: 
     assert error(rows, hidden, with_residual, torch.bfloat16, "cuda") < 4e-2
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("rows", "width"), [(1, 4864), (16, 8960)])
+def test_cuda_silu_and_mul_matches_reference(rows: int, width: int) -> None:
+    assert silu_error(rows, width, torch.bfloat16, "cuda") < 2e-2  # a few bfloat16 steps (2^-8 relative)
+
+
 if __name__ == "__main__":
     # The subprocess side of the fixture: TRITON_INTERPRET=1 is already in the environment.
-    report_when_run(lambda: {name: error(*case) for name, case in CASES.items()})
+    report_when_run(lambda: {**{name: error(*case) for name, case in CASES.items()},
+                             **{name: silu_error(*case) for name, case in SILU_CASES.items()}})
