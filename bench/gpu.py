@@ -10,6 +10,7 @@ roofline every "% of bandwidth" figure divides by.
 Kernels (bfloat16): the paged-attention decode kernel over the demo tiers' attention shapes, as the unique K/V
 bytes it must read per second (each KV head's rows once, however many query heads share them); the KV store; the
 fused residual add + RMSNorm against the PyTorch ops it replaces (both inside CUDA graphs: their count is the cost);
+RoPE + the K/V store in one kernel (its reference launched from the host: its store indexes by a mask);
 the int8 weight-only product (`kernels.int8_matmul`) and the fp8 layer (`Fp8Linear`, `torch._scaled_mm`) at 1 and
 16 rows against the bfloat16 product (cuBLAS) on the tiers' largest projections, as weight bytes read per second.
 Each kernel's result is checked against its reference in the same run (max abs error printed).
@@ -106,7 +107,32 @@ def attention_rows(bandwidth: float, quick: bool) -> list[dict[str, Any]]:
         rows += [decode_attention_row(tier, config, num_seqs, context, bandwidth) for num_seqs, context in cases]
         rows.append(store_row(tier, config, bandwidth))
         rows += [rms_norm_row(tier, config, num_rows, bandwidth) for num_rows in (1, 64)]
+        rows += [rope_row(tier, config, num_tokens, bandwidth) for num_tokens in (1, 64)]
     return rows
+
+
+def rope_row(tier: str, config: ModelConfig, num_tokens: int, bandwidth: float) -> dict[str, Any]:
+    """RoPE + the K/V store in one kernel; the reference (PyTorch ops, its store indexing by a mask) runs eagerly."""
+    from kernels.rope import rope_and_store_kvcache, rope_and_store_kvcache_reference
+
+    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * dim, dtype=torch.bfloat16, device="cuda")
+    cos, sin = (torch.randn(num_tokens, dim, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    caches = [torch.zeros(num_tokens, BLOCK_SIZE, kv_heads, dim, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+    slots = torch.arange(num_tokens, device="cuda") * BLOCK_SIZE
+    shape = (heads, kv_heads, dim)
+    seconds = graph_time(lambda: rope_and_store_kvcache(qkv, cos, sin, caches[0], caches[1], slots, *shape))
+    reference_seconds = cuda_time(lambda: rope_and_store_kvcache_reference(qkv, cos, sin, caches[2], caches[3], slots,
+                                                                           *shape))
+    got = rope_and_store_kvcache(qkv, cos, sin, caches[0], caches[1], slots, *shape)
+    expected = rope_and_store_kvcache_reference(qkv, cos, sin, caches[2], caches[3], slots, *shape)
+    error = max((g.float() - e.float()).abs().max().item() for g, e in zip(got, expected, strict=True))
+    moved = qkv.numel() * 2 + 2 * (heads + 3 * kv_heads) * dim * num_tokens  # qkv read; q, k, cached k, v written
+    return dict(kernel="rope + store K/V", tier=tier, shape=f"{num_tokens} tokens", microseconds=seconds * 1e6,
+                launched_microseconds=cuda_time(lambda: rope_and_store_kvcache(qkv, cos, sin, caches[0], caches[1],
+                                                                               slots, *shape)) * 1e6,
+                reference_microseconds=reference_seconds * 1e6, floor_microseconds=moved / bandwidth * 1e6,
+                fraction_of_bandwidth=moved / seconds / bandwidth, max_abs_error=error)
 
 
 def rms_norm_row(tier: str, config: ModelConfig, num_rows: int, bandwidth: float) -> dict[str, Any]:

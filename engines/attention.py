@@ -103,7 +103,7 @@ def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     v_cache.index_copy_(0, slot_mapping, value)
 
 
-def _as_blocks(cache: torch.Tensor, block_size: int) -> torch.Tensor:
+def as_blocks(cache: torch.Tensor, block_size: int) -> torch.Tensor:
     """A flat [slots, KVH, D] cache as the kernels' [num_blocks, block_size, KVH, D] (the same memory)."""
     return cache.view(-1, block_size, *cache.shape[1:])
 
@@ -112,7 +112,7 @@ def triton_store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.
                          slot_mapping: torch.Tensor, block_size: int) -> None:
     from kernels.paged_attention import store_kvcache as store  # imported where CUDA runs (see `kernels`)
 
-    store(key, value, _as_blocks(k_cache, block_size), _as_blocks(v_cache, block_size), slot_mapping)
+    store(key, value, as_blocks(k_cache, block_size), as_blocks(v_cache, block_size), slot_mapping)
 
 
 def triton_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -124,7 +124,7 @@ def triton_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
     query = query.to(k_cache.dtype)
     direct = out is not None and out.dtype == query.dtype
-    result = paged_attention_decode(query, _as_blocks(k_cache, block_size), _as_blocks(v_cache, block_size),
+    result = paged_attention_decode(query, as_blocks(k_cache, block_size), as_blocks(v_cache, block_size),
                                     block_tables, context_lens, scale, out=out if direct else None)
     if out is None:
         return result
@@ -134,17 +134,18 @@ def triton_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                    v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+                    stored: bool = False) -> torch.Tensor:
     """query [T, H, D], key/value [T, KVH, D] for this step's tokens; returns [T, H, D] in query's dtype.
 
     Attention runs in the cache's dtype, for fresh keys too: a prompt gets the same result whether
-    its prefix came from the cache or not.
+    its prefix came from the cache or not. `stored`: this step's K/V are in the cache already (`kernels.rope`).
     """
     kv_dtype = k_cache.dtype
     key, value = key.to(kv_dtype), value.to(kv_dtype)
-    if metadata.triton:
+    if not stored and metadata.triton:
         triton_store_kvcache(key, value, k_cache, v_cache, metadata.slot_mapping, metadata.block_size)
-    else:
+    elif not stored:
         store_kvcache(key, value, k_cache, v_cache, metadata.slot_mapping)
     output = torch.empty_like(query)
     num_decode = metadata.num_decode_tokens

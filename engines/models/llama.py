@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.attention import AttentionMetadata, StepYielded, paged_attention
+from engines.attention import AttentionMetadata, StepYielded, as_blocks, paged_attention
 from engines.config import ModelConfig
 from engines.cpu_kernels import DecodeLayerKernel, DecoderLayerWeights, DecodeRows, DecoderShape, decode_layer
 from engines.quantization import RowDispatchLinear, first_output_rows, int8_gemv_operands
@@ -69,6 +69,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata) -> torch.Tensor:
+        if metadata.triton:
+            return self.forward_fused(x, cos, sin, kv_cache, metadata)
         num_tokens = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = apply_rope(qk.reshape(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
@@ -76,6 +78,19 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+                      metadata: AttentionMetadata) -> torch.Tensor:
+        """`forward` on the CUDA path: RoPE and the K/V store in one kernel (`kernels.rope`), then the attention."""
+        from kernels.rope import rope_and_store_kvcache  # imported where CUDA runs (see `kernels`)
+
+        k_cache, v_cache = kv_cache
+        q, k, v = rope_and_store_kvcache(
+            self.qkv_proj(x), cos.squeeze(1), sin.squeeze(1), as_blocks(k_cache, metadata.block_size),
+            as_blocks(v_cache, metadata.block_size), metadata.slot_mapping, self.num_heads, self.num_kv_heads,
+            self.head_dim)
+        out = paged_attention(q, k, v, k_cache, v_cache, metadata, self.scale, stored=True)
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))
 
 
 class MLP(nn.Module):

@@ -1,4 +1,5 @@
-"""The CUDA path's fused kernels against their PyTorch references — the residual add + RMSNorm, and SiLU(gate) · up:
+"""The CUDA path's fused kernels against their PyTorch references — the residual add + RMSNorm, SiLU(gate) · up, and
+RoPE with the K/V store:
 interpreted on CPU (float32), natively on CUDA (bfloat16, the demo tiers' widths) where a GPU is present. Outputs
 start as NaN (`nan_filled_empty`), so a row or column a kernel never writes fails."""
 
@@ -46,12 +47,38 @@ def silu_error(rows: int, width: int, dtype: torch.dtype = torch.float32, device
     return ((got.float() - expected).abs() / (1 + expected.abs())).max().item()  # relative beyond 1
 
 
+# name: (tokens, heads, kv heads, head_dim); slots of every third token are -1 (padding: nothing stored)
+ROPE_CASES = {"rope_gqa": (5, 6, 2, 16), "rope_odd_heads": (3, 7, 1, 24)}
+
+
+def rope_error(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
+               device: str = "cpu") -> float:
+    """Max error of q, k, v and both caches against the reference, relative to 1 + |reference|."""
+    from kernels.rope import rope_and_store_kvcache, rope_and_store_kvcache_reference
+
+    generator = torch.Generator().manual_seed(tokens * heads)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=generator).to(dtype)
+    angles = torch.rand(tokens, head_dim // 2, generator=generator) * 6.28
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(dtype)
+    signed_sin = torch.cat([-angles.sin(), angles.sin()], dim=-1).to(dtype)
+    slots = torch.tensor([-1 if t % 3 == 2 else 2 * t + 1 for t in range(tokens)])
+    caches = [torch.full((tokens, 2, kv_heads, head_dim), 0.25, dtype=dtype) for _ in range(4)]
+    expected = [*rope_and_store_kvcache_reference(qkv, cos, signed_sin, caches[2], caches[3], slots, heads,
+                                                  kv_heads, head_dim), caches[2], caches[3]]
+    on_device = [t.to(device) for t in (qkv, cos, signed_sin, caches[0], caches[1], slots)]
+    with nan_filled_empty():
+        got = [*rope_and_store_kvcache(*on_device, heads, kv_heads, head_dim), on_device[3], on_device[4]]
+    errors = [((g.cpu().float() - e.float()).abs() / (1 + e.float().abs())).max().item()
+              for g, e in zip(got, expected, strict=True)]
+    return max(errors) if all(bool(torch.isfinite(g).all()) for g in got) else float("inf")
+
+
 @pytest.fixture(scope="module")
 def interpreted_errors() -> dict[str, float]:
     return interpreted_report(__file__)
 
 
-@pytest.mark.parametrize("name", list(CASES) + list(SILU_CASES))
+@pytest.mark.parametrize("name", list(CASES) + list(SILU_CASES) + list(ROPE_CASES))
 def test_the_interpreted_kernels_match_their_references(interpreted_errors: dict[str, float], name: str) -> None:
     assert interpreted_errors[name] < 1e-5
 
@@ -81,7 +108,30 @@ def test_cuda_silu_and_mul_matches_reference(rows: int, width: int) -> None:
     assert silu_error(rows, width, torch.bfloat16, "cuda") < 2e-2  # a few bfloat16 steps (2^-8 relative)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", [(1, 14, 2, 64), (33, 12, 2, 128)])  # the demo tiers' attention heads
+def test_cuda_rope_and_store_match_reference(shape: tuple[int, int, int, int]) -> None:
+    assert rope_error(*shape, torch.bfloat16, "cuda") < 2e-2
+
+
+def test_the_rope_reference_is_the_models_rotation() -> None:
+    from engines.models.llama import apply_rope, rope_cos_sin
+    from kernels.rope import rope_and_store_kvcache_reference
+
+    cos, signed_sin = rope_cos_sin(8, 16, 10000.0)
+    positions = torch.tensor([0, 5, 11])
+    qkv = torch.randn(3, (2 + 2) * 8)
+    caches = [torch.zeros(4, 4, 1, 8) for _ in range(2)]
+    q, k, v = rope_and_store_kvcache_reference(qkv, cos[positions], signed_sin[positions], *caches,
+                                               torch.tensor([0, 1, 2]), 2, 1, 8)
+    rotated = apply_rope(qkv[:, :24].reshape(3, 3, 8), cos[positions].unsqueeze(1),
+                         signed_sin[positions].unsqueeze(1))
+    assert torch.equal(q, rotated[:, :2]) and torch.equal(k, rotated[:, 2:])
+    assert torch.equal(v, qkv[:, 24:].view(3, 1, 8)) and torch.equal(caches[1].view(-1, 1, 8)[:3], v)
+
+
 if __name__ == "__main__":
     # The subprocess side of the fixture: TRITON_INTERPRET=1 is already in the environment.
     report_when_run(lambda: {**{name: error(*case) for name, case in CASES.items()},
-                             **{name: silu_error(*case) for name, case in SILU_CASES.items()}})
+                             **{name: silu_error(*case) for name, case in SILU_CASES.items()},
+                             **{name: rope_error(*case) for name, case in ROPE_CASES.items()}})
