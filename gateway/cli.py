@@ -222,6 +222,8 @@ def cmd_cache_train_matcher(args: argparse.Namespace) -> int:
         argv += ["--train-pairs", str(args.train_pairs)]
     if args.from_checkpoint:
         argv += ["--from-checkpoint", str(args.from_checkpoint)]
+    if args.recalibrate:
+        argv += ["--recalibrate"]
     train_main(argv)
     return 0
 
@@ -299,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", required=True, help="artifact directory (the shipped one: gateway/cache/matcher)")
     train.add_argument("--train-pairs", type=int, help="training pairs drawn (default: the shipped run's)")
     train.add_argument("--from-checkpoint", help="export this training checkpoint instead of training")
+    train.add_argument("--recalibrate", action="store_true",
+                       help="only choose the operating point of the matcher in --out again, on the validation split")
     train.set_defaults(handler=cmd_cache_train_matcher)
 
     bench = sub.add_parser("bench", help="run a benchmark (results in bench/results/)")

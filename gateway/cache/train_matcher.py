@@ -227,6 +227,19 @@ def build(
     return meta
 
 
+def recalibrate(directory: Path, data: Path) -> dict:
+    """Choose an exported matcher's operating point again on the validation split, its model untouched (for
+    when the way it is scored changes), and rewrite its meta.json."""
+    meta = json.loads((directory / "meta.json").read_text())
+    defaults = TrainConfig()
+    train = meta.get("train", {})
+    validation = split_pairs(load_pairs(data))["validation"]
+    meta |= _operating_point(directory, validation, train.get("target_fhr", defaults.target_fhr),
+                             train.get("fhr_confidence", defaults.fhr_confidence))
+    (directory / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
 def _operating_point(out: Path, val: list[Pair], target_fhr: float, confidence: float) -> dict:
     """The cosine floor (candidates below it never reach the matcher: 1% of validation duplicates), the
     rule's score and its threshold, all on validation, for a false-hit rate whose upper confidence limit
@@ -296,7 +309,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=TrainConfig().threads)
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--from-checkpoint", type=Path, default=None)
+    ap.add_argument("--recalibrate", action="store_true", help="only choose --out's operating point again")
     args = ap.parse_args(argv)
+    if args.recalibrate:
+        print(json.dumps(recalibrate(args.out, args.data), indent=2))
+        return
     if args.minilm is None:
         from router.embedding import minilm_dir
 

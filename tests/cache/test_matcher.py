@@ -96,3 +96,13 @@ def test_the_shipped_rule_keeps_its_false_hit_rate_on_a_held_out_slice(matcher: 
     false_hit_rate, recall = rates_at(scores, labels, matcher.threshold)
     assert false_hit_rate <= 0.015  # the 1% target plus the slice's sampling noise
     assert recall > 0.05
+
+
+def test_a_pairs_score_does_not_depend_on_what_it_is_scored_beside(matcher: Matcher):
+    """Scored beside another candidate of another length (or in another lookup's batch), a pair gets exactly the
+    probability it gets alone: the one its threshold was chosen on."""
+    query = "How do I get into Harvard?"
+    duplicate, unrelated = "How can I get admitted to Harvard?", "What is the best pizza in New York City and why?"
+    alone = matcher.score([query], [duplicate])[0]
+    assert matcher.score([query, query], [duplicate, unrelated])[0] == alone
+    assert matcher.score([query, query, query], [unrelated, unrelated, duplicate])[2] == alone
