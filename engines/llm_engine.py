@@ -362,8 +362,9 @@ class LLMEngine:
         return outputs
 
     def precision(self) -> dict[str, str]:
-        """The dtypes and quantisation this engine runs with (`auto` settings resolved for this CPU)."""
+        """Where and with which dtypes and quantisation this engine runs (`auto` settings resolved here)."""
         return {
+            "device": str(self.device),
             "dtype": self.config.dtype,
             "quantization": self.quantization or "none",
             "kv_cache_dtype": str(self.kv_cache_dtype).removeprefix("torch."),
