@@ -145,8 +145,8 @@ class ModelRunner:
 
         rows = [row for i in range(len(spans)) for row in logit_rows.get(i, ())]
         graphs = self.graphs
-        if graphs is not None and decode_spans and not prefills and len(decode_spans) <= graphs.max_batch \
-                and should_yield is None:
+        # A captured step cannot be given up between layers (`should_yield`); it lasts a few milliseconds.
+        if graphs is not None and decode_spans and not prefills and len(decode_spans) <= graphs.max_batch:
             logits = graphs.run(input_ids, positions, slot_mapping, [span.block_table for span in decode_spans],
                                 [span.start + 1 for span in decode_spans])
             return logits if rows == list(range(len(decode_spans))) else logits[self._tensor(rows)]
