@@ -221,12 +221,13 @@ async def _time_lookups(cache: Any, queries: list[str], concurrency: int) -> lis
     return timings
 
 
-async def latency(data: Path, sizes: list[int], n_queries: int, redis_url: str, redis_max: int) -> dict[str, Any]:
+async def latency(data: Path, sizes: list[int], n_queries: int, redis_url: str, redis_max: int,
+                  matcher: Matcher) -> dict[str, Any]:
     from gateway.cache.service import ResponseCache
     from gateway.cache.store import MemoryCacheStore, RedisCacheStore
     from router.embedding import Embedder
 
-    embedder, matcher = Embedder.load(), Matcher.load()
+    embedder = Embedder.load()
 
     async def models() -> tuple[Any, Matcher]:
         return embedder, matcher
@@ -387,7 +388,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--data", type=Path, default=DEFAULT_PAIRS, help="labelled pairs {text_a, text_b, label}")
     ap.add_argument("--out", type=Path, default=None, help="also write the figures to this JSON file")
     ap.add_argument("--quality-only", action="store_true", help="only (a): no latency, no gateway")
-    ap.add_argument("--matcher", type=Path, default=MATCHER_DIR)
+    ap.add_argument("--matcher", type=Path, default=MATCHER_DIR,
+                    help="matcher directory for (a) and (b); (c) runs the gateway, with the shipped matcher")
     ap.add_argument(
         "--split",
         choices=["auto", "test", "validation", "all"],
@@ -409,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.quality_only:
         sizes = [int(s) for s in args.sizes.split(",")]
         figures["latency"] = asyncio.run(
-            latency(args.data, sizes, args.queries, args.redis_url, args.redis_max_entries)
+            latency(args.data, sizes, args.queries, args.redis_url, args.redis_max_entries, matcher)
         )
         print_latency(figures["latency"])
         figures["end_to_end"] = asyncio.run(end_to_end(args.data, args.e2e_pairs, 50, 20.0))
