@@ -3,6 +3,9 @@
 by Triton's interpreter, computes the same logits as the PyTorch path over the same spans: prompts in chunks
 (the second over a cached prefix), then decode steps of two sequences with different lengths.
 
+It also counts the kernels a decode layer launches on each path: on a GPU that count, not the weights' bytes,
+sets a decode step's time (BENCHMARKS.md).
+
 `@triton.jit` reads TRITON_INTERPRET at import time, so the runs happen in one subprocess with it set.
 """
 
@@ -65,6 +68,64 @@ def max_error(ours: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
     return max((a - b).abs().max().item() for a, b in zip(ours, reference, strict=True))
 
 
+def kernels_per_layer(triton: bool) -> float:
+    """Kernels a decoder layer launches in a decode step of two sequences: PyTorch ops that compute (views,
+    allocations and conversions that return their input launch nothing) plus Triton launches (the interpreter's
+    own tensor work inside a launch is not counted). On a GPU a decode step is bound by this count."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from engines.model_runner import ModelRunner, TokenSpan
+    from engines.models.llama import DecoderLayer
+
+    no_launch = {"view", "_unsafe_view", "slice", "select", "split", "split_with_sizes", "t", "transpose",
+                 "unsqueeze", "squeeze", "expand", "as_strided", "alias", "detach", "permute", "empty", "empty_like",
+                 "empty_strided", "lift_fresh"}
+    maybe_no_launch = {"to", "reshape", "contiguous"}  # a kernel only when they copy
+    count = {"kernels": 0, "layers": 0, "in_layer": 0, "in_launch": 0}
+
+    def counting() -> bool:
+        return count["in_layer"] > 0 and count["in_launch"] == 0
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            result = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            copied = name not in maybe_no_launch or result.data_ptr() != args[0].data_ptr()
+            if counting() and name not in no_launch and copied:
+                count["kernels"] += 1
+            return result
+
+    def entered(method, where: str):  # type: ignore[no-untyped-def]
+        def wrapped(*args, **kwargs):  # type: ignore[no-untyped-def]
+            if where == "in_layer":
+                count["layers"] += 1
+            elif counting():
+                count["kernels"] += 1  # a Triton launch from a layer
+            count[where] += 1
+            try:
+                return method(*args, **kwargs)
+            finally:
+                count[where] -= 1
+        return wrapped
+
+    model = tiny_model()
+    runner = ModelRunner(model, model.config, BLOCK_SIZE, num_kv_blocks=12, kv_cache_dtype=torch.float32,
+                         triton_attention=triton)
+    runner.forward([TokenSpan([3, 14, 15, 92], 0, [7, 2]), TokenSpan([2, 71], 0, [5])])
+    name = "forward_fused" if triton else "forward"
+    layer_forward, launch = getattr(DecoderLayer, name), InterpretedFunction.run
+    try:
+        setattr(DecoderLayer, name, entered(layer_forward, "in_layer"))
+        InterpretedFunction.run = entered(launch, "in_launch")
+        with Count():
+            runner.forward([TokenSpan([10], 4, [7, 2]), TokenSpan([20], 2, [5])])
+    finally:
+        setattr(DecoderLayer, name, layer_forward)
+        InterpretedFunction.run = launch
+    return count["kernels"] / count["layers"]
+
+
 def interpreted_errors_of_runs() -> dict[str, float]:
     from engines.quantization import quantize_model
 
@@ -74,20 +135,29 @@ def interpreted_errors_of_runs() -> dict[str, float]:
     quantize_model(int8, "int8", torch.float32, device_type="cuda")  # the CUDA layers, run here interpreted
     assert type(int8.layers[0].mlp.down_proj).__name__ == "TritonInt8Linear"
     quantized = max_error(run_spans(int8, triton=True), run_spans(dequantised_copy(model), triton=False))
-    return {"attention": attention, "int8": quantized}
+    return {"attention": attention, "int8": quantized, "kernels_per_layer_triton": kernels_per_layer(True),
+            "kernels_per_layer_pytorch": kernels_per_layer(False)}
 
 
 @pytest.fixture(scope="module")
-def errors() -> dict[str, float]:
+def figures() -> dict[str, float]:
     return interpreted_report(__file__)
 
 
-def test_the_triton_attention_path_computes_the_pytorch_paths_logits(errors: dict[str, float]) -> None:
-    assert errors["attention"] < 1e-4
+def test_the_triton_attention_path_computes_the_pytorch_paths_logits(figures: dict[str, float]) -> None:
+    assert figures["attention"] < 1e-4
 
 
-def test_the_cuda_int8_layers_compute_with_the_int8_weights(errors: dict[str, float]) -> None:
-    assert errors["int8"] < 1e-3
+def test_the_cuda_int8_layers_compute_with_the_int8_weights(figures: dict[str, float]) -> None:
+    assert figures["int8"] < 1e-3
+
+
+def test_a_decode_layer_on_the_cuda_path_launches_nine_kernels(figures: dict[str, float]) -> None:
+    """A GPU decode step is bound by how many kernels it launches (BENCHMARKS.md): two fused norms, the q/k/v
+    product, RoPE with the K/V store, the attention, the o product, gate/up, SiLU · up, down."""
+    assert figures["kernels_per_layer_triton"] <= 9
+    # the count sees what fusion saved: the PyTorch path's layer launches more than twice as many
+    assert figures["kernels_per_layer_pytorch"] > 2 * figures["kernels_per_layer_triton"]
 
 
 def test_the_reference_runs_differ_when_the_weights_do() -> None:
