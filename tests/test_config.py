@@ -61,6 +61,7 @@ def test_config_file_from_environment_variable(tmp_path: Path) -> None:
         ({"SLUICE_PORT": "1"}, "SLUICE_PORT"),
         ({"SLUICE_TIERS__SMALL__MAX_BATCH_TOKENS_BESIDE_INTERACTIVE": "0"}, "tiers.small.max_batch_tokens_beside"),
         ({"SLUICE_TIERS__LARGE__MAX_NUM_SEQS": "-1"}, "tiers.large.max_num_seqs"),
+        ({"SLUICE_TIERS__LARGE__DEVICE": "tpu"}, "tiers.large.device"),
     ],
 )
 def test_invalid_config_fails_with_a_message_naming_the_key(environ: dict[str, str], named_key: str) -> None:
