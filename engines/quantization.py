@@ -78,18 +78,26 @@ _QUANTIZE_ROWS = 4096  # rows quantised at a time: the float temporaries stay sm
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(weight_int8 [out, in], scales [out])` with weight ≈ weight_int8 * scales[:, None].
+    """`(weight_int8 [out, in], scales [out])` with weight ≈ weight_int8 * scales[:, None]."""
+    return _quantize_rows(weight, torch.int8, 127, lambda levels: torch.round(levels).clamp(-128, 127), min_scale=1e-8)
+
+
+def _quantize_rows(weight: torch.Tensor, dtype: torch.dtype, max_level: float,
+                   to_levels: Callable[[torch.Tensor], torch.Tensor], min_scale: float,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`(weight_q [out, in] dtype, scales [out] float32)` with one scale per output row: |w| / scale ≤ max_level,
+    cast to `dtype` through `to_levels`.
 
     Row block by row block: done whole, a tied head (151936 × 1536 at 1.5B) would make three float32
     temporaries of its size (2.8 GB) while loading."""
-    weight_int8 = torch.empty(weight.shape, dtype=torch.int8)
-    scales = torch.empty(weight.shape[0])
+    quantized = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+    scales = torch.empty(weight.shape[0], device=weight.device)
     for start in range(0, weight.shape[0], _QUANTIZE_ROWS):
         rows = weight[start:start + _QUANTIZE_ROWS].float()
-        block_scales = rows.abs().amax(dim=1).clamp(min=1e-8) / 127
-        weight_int8[start:start + _QUANTIZE_ROWS] = torch.round(rows / block_scales[:, None]).clamp(-128, 127)
+        block_scales = rows.abs().amax(dim=1).clamp(min=min_scale) / max_level
+        quantized[start:start + _QUANTIZE_ROWS] = to_levels(rows / block_scales[:, None])
         scales[start:start + _QUANTIZE_ROWS] = block_scales
-    return weight_int8, scales
+    return quantized, scales
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,24 +268,36 @@ class W8A8Linear(Int8Linear):
         return out.to(self.activation_dtype).reshape(*x.shape[:-1], self.out_features)
 
 
-class TritonInt8Linear(nn.Module):
-    """CUDA int8 weight-only: y = (x @ weight_int8ᵀ) * scales + bias in `kernels.int8_matmul`, which reads the
-    int8 weight and dequantises it in registers (a dequantised copy would be written and read again: three
-    times the bytes of the weight it replaces)."""
+class _CudaQuantizedLinear(nn.Module):
+    """What the CUDA layers share: quantised weight rows with one scale each (`quantize`), a bias kept in the
+    activation dtype, results returned in it."""
 
-    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                  activation_dtype: torch.dtype) -> None:
         super().__init__()
-        self.out_features, self.in_features = weight_int8.shape
+        self.out_features, self.in_features = weight.shape
         self.activation_dtype = activation_dtype
-        self.register_buffer("weight", weight_int8.contiguous())
+        self.register_buffer("weight", weight.contiguous())
         self.register_buffer("scales", scales.float())
         self.register_buffer("bias", None if bias is None else bias.detach().to(activation_dtype))
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, activation_dtype: torch.dtype = torch.bfloat16) -> TritonInt8Linear:
-        weight_int8, scales = quantize_int8(linear.weight.detach())
-        return cls(weight_int8, scales, linear.bias, activation_dtype)
+    def from_linear(cls, linear: nn.Linear, activation_dtype: torch.dtype = torch.bfloat16) -> _CudaQuantizedLinear:
+        weight, scales = cls.quantize(linear.weight.detach())
+        return cls(weight, scales, linear.bias, activation_dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class TritonInt8Linear(_CudaQuantizedLinear):
+    """CUDA int8 weight-only: y = (x @ weight_int8ᵀ) * scales + bias in `kernels.int8_matmul`, which reads the
+    int8 weight and dequantises it in registers (a dequantised copy would be written and read again: three
+    times the bytes of the weight it replaces)."""
+
+    quantize = staticmethod(quantize_int8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from kernels.int8_matmul import int8_weight_only_matmul
@@ -285,9 +305,6 @@ class TritonInt8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features).to(self.activation_dtype)
         out = int8_weight_only_matmul(rows, self.weight, self.scales, self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -297,36 +314,21 @@ _FP8_ROWS_MULTIPLE = 16  # rows are padded to this for `_scaled_mm` (its row-wis
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`(weight_fp8 [out, in] e4m3, scales [out] float32)` with weight ≈ weight_fp8 * scales[:, None]."""
-    weight_fp8 = torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=weight.device)
-    scales = torch.empty(weight.shape[0], device=weight.device)
-    for start in range(0, weight.shape[0], _QUANTIZE_ROWS):
-        rows = weight[start:start + _QUANTIZE_ROWS].float()
-        block_scales = rows.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
-        weight_fp8[start:start + _QUANTIZE_ROWS] = (rows / block_scales[:, None]).to(torch.float8_e4m3fn)
-        scales[start:start + _QUANTIZE_ROWS] = block_scales
-    return weight_fp8, scales
+    return _quantize_rows(weight, torch.float8_e4m3fn, FP8_MAX, lambda levels: levels, min_scale=1e-12)
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(_CudaQuantizedLinear):
     """CUDA fp8: e4m3 weights with one scale per output channel, activations cast to e4m3 with one scale per
     row on the fly (rows stay independent of their batch mates), the product on fp8 tensor cores through
     `torch._scaled_mm` with row-wise scales, out in bfloat16."""
 
+    quantize = staticmethod(quantize_fp8)
+
     def __init__(self, weight_fp8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                  activation_dtype: torch.dtype) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight_fp8.shape
+        super().__init__(weight_fp8, scales.reshape(1, -1), bias, activation_dtype)  # [1, out]: per column of y
         if self.out_features % 16 or self.in_features % 16:
             raise ValueError(f"fp8 needs in and out features divisible by 16, got {tuple(weight_fp8.shape)}")
-        self.activation_dtype = activation_dtype
-        self.register_buffer("weight", weight_fp8.contiguous())
-        self.register_buffer("scales", scales.float().reshape(1, -1).contiguous())  # [1, out]: per column of y
-        self.register_buffer("bias", None if bias is None else bias.detach().to(activation_dtype))
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, activation_dtype: torch.dtype = torch.bfloat16) -> Fp8Linear:
-        weight_fp8, scales = quantize_fp8(linear.weight.detach())
-        return cls(weight_fp8, scales, linear.bias, activation_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -341,9 +343,6 @@ class Fp8Linear(nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 class RowDispatchLinear(nn.Module):
