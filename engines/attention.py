@@ -14,8 +14,8 @@ a block of K is one contiguous run of memory, and copying it whole is much faste
 slot, which matters because decode attention on CPU is bound by these copies. Slots past a
 sequence's length in its last block (and padding blocks) are masked out.
 
-On CUDA (`AttentionMetadata.triton`) the K/V store and the decode rows run the Triton kernels of
-`kernels.paged_attention` over the same cache memory, viewed as [num_blocks, block_size, KVH, D]; prefill
+On CUDA (`AttentionMetadata.triton`) the K/V store (fused with RoPE, `kernels.rope`) and the decode rows
+run Triton kernels over the same cache memory, viewed as [num_blocks, block_size, KVH, D]; prefill
 chunks stay on SDPA (PyTorch's flash / memory-efficient kernels): prefill is bound by arithmetic, which those
 kernels already do well, and one SDPA call per chunk costs a launch per sequence of the step, not per token.
 """
@@ -79,7 +79,7 @@ class AttentionMetadata:
     decode_kernel: DecodeAttention | None = None  # attends decode rows in place; None: PyTorch ops
     should_yield: Callable[[], bool] | None = None  # asked before each layer: True gives the step up (StepYielded)
     native_decode: NativeDecodeRows | None = None  # runs the decode rows' layers natively; None: PyTorch modules
-    triton: bool = False  # the K/V store through the Triton kernel (CUDA; `decode_kernel` is then the Triton one)
+    triton: bool = False  # the Triton path (CUDA): K/V stored with RoPE, decode rows through the Triton kernel
 
     def prefill_only(self) -> AttentionMetadata:
         """This step's prefill chunks alone, their rows numbered from 0 (for when the decode rows go elsewhere)."""
@@ -108,13 +108,6 @@ def as_blocks(cache: torch.Tensor, block_size: int) -> torch.Tensor:
     return cache.view(-1, block_size, *cache.shape[1:])
 
 
-def triton_store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor, block_size: int) -> None:
-    from kernels.paged_attention import store_kvcache as store  # imported where CUDA runs (see `kernels`)
-
-    store(key, value, as_blocks(k_cache, block_size), as_blocks(v_cache, block_size), slot_mapping)
-
-
 def triton_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
                             scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -134,18 +127,16 @@ def triton_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
-                    stored: bool = False) -> torch.Tensor:
+                    v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
     """query [T, H, D], key/value [T, KVH, D] for this step's tokens; returns [T, H, D] in query's dtype.
 
     Attention runs in the cache's dtype, for fresh keys too: a prompt gets the same result whether
-    its prefix came from the cache or not. `stored`: this step's K/V are in the cache already (`kernels.rope`).
+    its prefix came from the cache or not. On the Triton path this step's K/V are in the cache already: the
+    kernel that applies RoPE stores them (`kernels.rope`).
     """
     kv_dtype = k_cache.dtype
     key, value = key.to(kv_dtype), value.to(kv_dtype)
-    if not stored and metadata.triton:
-        triton_store_kvcache(key, value, k_cache, v_cache, metadata.slot_mapping, metadata.block_size)
-    elif not stored:
+    if not metadata.triton:
         store_kvcache(key, value, k_cache, v_cache, metadata.slot_mapping)
     output = torch.empty_like(query)
     num_decode = metadata.num_decode_tokens

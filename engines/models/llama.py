@@ -89,7 +89,7 @@ class Attention(nn.Module):
             self.qkv_proj(x), cos.squeeze(1), sin.squeeze(1), as_blocks(k_cache, metadata.block_size),
             as_blocks(v_cache, metadata.block_size), metadata.slot_mapping, self.num_heads, self.num_kv_heads,
             self.head_dim)
-        out = paged_attention(q, k, v, k_cache, v_cache, metadata, self.scale, stored=True)
+        out = paged_attention(q, k, v, k_cache, v_cache, metadata, self.scale)
         return self.o_proj(out.reshape(x.shape[0], self.q_size))
 
 
