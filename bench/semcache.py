@@ -37,6 +37,7 @@ from gateway.cache.pairs import DEFAULT_PAIRS, Pair, load_pairs, split_pairs
 from gateway.cache.verifier import MATCHER_DIR, Matcher, pick_threshold, rates_at
 
 TARGET_FHR = 0.01
+EMBEDDING_PRECISION: str | None = None  # --embedding-precision; None: the gateway's choice for this machine
 TARGETS = {
     "false_hit_rate_max": TARGET_FHR,
     "recall_ratio_min": 2.0,
@@ -70,7 +71,7 @@ def quality(data: Path, matcher: Matcher, split: str) -> dict[str, Any]:
 
     pairs, described = eval_pairs(data, matcher, split)
     labels = np.array([p.label for p in pairs])
-    vectors = embed_all(Embedder.load(), [t for p in pairs for t in (p.text_a, p.text_b)])
+    vectors = embed_all(Embedder.load(precision=EMBEDDING_PRECISION), [t for p in pairs for t in (p.text_a, p.text_b)])
     cosine = np.array([float(vectors[p.text_a] @ vectors[p.text_b]) for p in pairs])
     shown = np.flatnonzero(cosine >= matcher.floor)  # only these reach the matcher, as in the cache
     scores = np.zeros(len(pairs), dtype=np.float32)
@@ -227,7 +228,7 @@ async def latency(data: Path, sizes: list[int], n_queries: int, redis_url: str, 
     from gateway.cache.store import MemoryCacheStore, RedisCacheStore
     from router.embedding import Embedder
 
-    embedder = Embedder.load()
+    embedder = Embedder.load(precision=EMBEDDING_PRECISION)
 
     async def models() -> tuple[Any, Matcher]:
         return embedder, matcher
@@ -401,11 +402,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--redis-url", default="", help="also measure lookups on this Redis")
     ap.add_argument("--redis-max-entries", type=int, default=10_000, help="largest scope measured on Redis")
     ap.add_argument("--e2e-pairs", type=int, default=200)
+    ap.add_argument("--embedding-precision", choices=["int8", "float32"], default=None,
+                    help="the embedder's graph for (a) and (b) (default: the gateway's, int8 on a CPU); (c) runs "
+                         "the gateway's")
     args = ap.parse_args(argv)
+    global EMBEDDING_PRECISION
+    EMBEDDING_PRECISION = args.embedding_precision
     if not args.data.exists():
         sys.exit(f"no pair file at {args.data}: pass --data (the QQP pairs live in ../shared/data/semcache)")
+    from router.embedding import Embedder
+
     matcher = Matcher.load(args.matcher)
-    figures: dict[str, Any] = {"cpu": cpu_model(), "targets": TARGETS}
+    figures: dict[str, Any] = {"cpu": cpu_model(), "targets": TARGETS,
+                               "embedder": Embedder.load(precision=EMBEDDING_PRECISION).version}
     figures["quality"] = quality(args.data, matcher, args.split)
     print_quality(figures["quality"])
     if not args.quality_only:

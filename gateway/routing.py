@@ -38,6 +38,7 @@ from router.decision import AUTO_MODELS, RouteDecision, decide
 
 if TYPE_CHECKING:
     from gateway.pipeline import Gateway, RequestState
+    from router.artifact import RouterArtifact
 
 Request = ChatCompletionRequest | CompletionRequest
 SMALL, LARGE = "small", "large"
@@ -98,6 +99,7 @@ class Router:
         self.settings = settings
         self.embedder = embedder
         self.artifacts = artifacts
+        self._checked_version: str | None = None
 
     async def route(
         self, state: EmbeddingHolder, request: Request, policy: PolicyConfig, tiers: Collection[str]
@@ -112,6 +114,7 @@ class Router:
         embedding = await prompt_embedding(state, request, self.embedder) if artifact is not None else None
         if artifact is None or embedding is None:
             return Routed(fallback, None, None)
+        self._check_embedder(artifact)
         from router.policy import choose_tier
 
         score = float(artifact.score(embedding[None, :], [prompt_text(request) or ""])[0])
@@ -119,6 +122,18 @@ class Router:
         tier, reason = choose_tier(score, point, None)
         decision = self._allowed(RouteDecision(tier, score, reason), fallback, policy)
         return Routed(decision, self._cascade(decision, point.tau, policy), artifact.version)
+
+    def _check_embedder(self, artifact: RouterArtifact) -> None:
+        """Warn once per artifact version trained on another embedder's vectors: its scores still route,
+        but its thresholds were tuned on other numbers (`sluice router train` retrains it)."""
+        if artifact.version == self._checked_version:
+            return
+        self._checked_version = artifact.version
+        trained_on = getattr(artifact, "meta", {}).get("features", {}).get("embedder")
+        serving = getattr(self.embedder, "version", None)
+        if trained_on and serving and trained_on != serving:
+            log.warning("router artifact %s was trained on %s embeddings, the gateway computes %s: retrain it",
+                        artifact.version, trained_on, serving)
 
     def _allowed(self, wanted: RouteDecision, fallback: RouteDecision, policy: PolicyConfig) -> RouteDecision:
         """The wanted tier when the key may use it, else what `decide` picked (keeping the score)."""

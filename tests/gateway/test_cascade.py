@@ -311,3 +311,19 @@ async def test_a_small_stream_that_dies_inside_the_window_is_answered_by_large(c
     assert b"small-" not in b"".join(events)
     assert stream_text(events) == "large-a large-b large-c"
     assert (records[0].tier, records[0].fallback, records[0].escalated) == ("large", True, False)
+
+
+async def test_an_artifact_trained_on_other_embeddings_still_routes_and_is_warned_about_once(
+    cascade_gateway, embedder, caplog
+):
+    gateway = cascade_gateway(logprob=HIGH)
+    artifact = gateway.router.artifacts.current
+    artifact.meta = {"features": {"embedder": "all-MiniLM-L6-v2@0000-float32"}}
+    embedder.version = "all-MiniLM-L6-v2@0000-int8"
+    with caplog.at_level("WARNING", logger="sluice.gateway"):
+        for _ in range(3):
+            reply = await gateway.chat(await start(gateway), chat("hi", max_tokens=2))
+            assert reply.headers["x-sluice-route"] == "small"
+    warnings = [r.getMessage() for r in caplog.records if "trained on" in r.getMessage()]
+    assert warnings == ["router artifact test-1 was trained on all-MiniLM-L6-v2@0000-float32 embeddings, the gateway "
+                        "computes all-MiniLM-L6-v2@0000-int8: retrain it"]

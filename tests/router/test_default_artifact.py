@@ -21,3 +21,10 @@ def test_the_shipped_default_is_small_and_has_no_prompt_text() -> None:
     assert sum(p.stat().st_size for p in files) < 5 * 2**20
     meta = (RouterArtifact.load(DEFAULT_ARTIFACT_DIR).path / "meta.json").read_text()
     assert "Janet" not in meta and "Answer:" not in meta
+
+
+def test_the_shipped_default_was_trained_on_the_embeddings_a_cpu_gateway_computes() -> None:
+    from router.embedding import Embedder
+
+    trained_on = RouterArtifact.load(DEFAULT_ARTIFACT_DIR).meta["features"]["embedder"]
+    assert trained_on == Embedder.load(precision="int8").version  # else: `make router-default`

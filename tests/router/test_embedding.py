@@ -1,5 +1,6 @@
-"""The embedding service: the ONNX graph computes what the PyTorch model computes, padding and
-batching do not change a text's vector, and concurrent async callers share forward passes."""
+"""The embedding service: the ONNX graphs compute what the PyTorch model computes (the int8 one within
+quantisation error), a text's vector does not depend on what it is embedded beside, and concurrent async
+callers share calls."""
 
 from __future__ import annotations
 
@@ -9,17 +10,28 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from router.embedding import DIM, MAX_BATCH, Embedder, minilm_dir
+from router.embedding import DIM, MAX_BATCH, Embedder, default_precision, minilm_dir
 
 TEXTS = ["How do I learn Python quickly?", "What is the capital of France?", "ok"]
 
 
 @pytest.fixture(scope="module")
-def embedder(tmp_path_factory: pytest.TempPathFactory) -> Embedder:
-    return Embedder.load(tmp_path_factory.mktemp("models"))
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
 
 
-def test_vectors_are_unit_length_and_match_the_pytorch_model(embedder: Embedder) -> None:
+@pytest.fixture(scope="module")
+def embedder(models_dir: Path) -> Embedder:
+    """What a gateway on this machine loads: int8 on a CPU."""
+    return Embedder.load(models_dir)
+
+
+@pytest.fixture(scope="module")
+def float_embedder(models_dir: Path) -> Embedder:
+    return Embedder.load(models_dir, precision="float32")
+
+
+def pytorch_vectors(texts: list[str]) -> np.ndarray:
     import torch
     from tokenizers import Tokenizer
     from transformers import BertModel
@@ -28,38 +40,72 @@ def test_vectors_are_unit_length_and_match_the_pytorch_model(embedder: Embedder)
     tokenizer = Tokenizer.from_file(str(minilm_dir() / "tokenizer.json"))
     tokenizer.no_padding()
     expected = []
-    for text in TEXTS:
+    for text in texts:
         ids = torch.tensor([tokenizer.encode(text).ids])
         with torch.no_grad():
             hidden = bert(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
         expected.append(torch.nn.functional.normalize(hidden.mean(1), dim=-1)[0].numpy())
+    return np.stack(expected)
+
+
+def test_a_cpu_gets_the_int8_graph_and_a_cuda_provider_the_float_one(embedder: Embedder) -> None:
+    assert default_precision(["CPUExecutionProvider"]) == "int8"
+    assert default_precision(["CUDAExecutionProvider", "CPUExecutionProvider"]) == "float32"
+    assert embedder.precision == "int8" and embedder.version.endswith("-int8")
+    with pytest.raises(ValueError, match="precision"):
+        Embedder.load(precision="int4")
+
+
+def test_the_float_graph_matches_the_pytorch_model(float_embedder: Embedder) -> None:
+    vectors = float_embedder.embed(TEXTS)
+    assert vectors.shape == (3, DIM) and vectors.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(vectors, pytorch_vectors(TEXTS), atol=1e-4)
+
+
+def test_the_int8_graph_stays_within_quantisation_error_of_the_pytorch_model(embedder: Embedder) -> None:
     vectors = embedder.embed(TEXTS)
     assert vectors.shape == (3, DIM) and vectors.dtype == np.float32
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
-    np.testing.assert_allclose(vectors, np.stack(expected), atol=1e-4)
+    cosines = (vectors * pytorch_vectors(TEXTS)).sum(axis=1)
+    # A one-word text ("ok": three tokens with [CLS] and [SEP]) averages the least quantisation noise away.
+    assert cosines[:2].min() > 0.99 and cosines.min() > 0.97, cosines
+    assert not np.allclose(vectors, pytorch_vectors(TEXTS), atol=1e-4)  # it is the quantised graph
 
 
-def test_a_text_gets_the_same_vector_alone_or_padded_in_a_batch(embedder: Embedder) -> None:
-    alone = np.stack([embedder.embed([text])[0] for text in TEXTS])
-    np.testing.assert_allclose(embedder.embed(TEXTS), alone, atol=1e-5)
+def test_an_int8_vector_is_the_same_bits_whatever_it_is_embedded_beside(embedder: Embedder) -> None:
+    # The int8 graph scales its activations per call: batched with a longer text, a vector would change.
+    longer = "What is the capital of France, and how many people lived there a hundred years ago?"
+    for text in TEXTS:
+        alone = embedder.embed([text])[0]
+        assert np.array_equal(embedder.embed([longer, text, "ok"])[1], alone)
 
 
-def test_a_long_list_is_embedded_in_bounded_batches_and_keeps_its_order(embedder: Embedder) -> None:
+def test_a_float_vector_is_the_same_alone_or_padded_in_a_batch(float_embedder: Embedder) -> None:
+    alone = np.stack([float_embedder.embed([text])[0] for text in TEXTS])
+    np.testing.assert_allclose(float_embedder.embed(TEXTS), alone, atol=1e-5)
+
+
+@pytest.mark.parametrize(("precision", "widest_call"), [("float32", MAX_BATCH), ("int8", 1)])
+def test_a_long_list_keeps_its_order_in_bounded_calls(
+    precision: str, widest_call: int, embedder: Embedder, float_embedder: Embedder
+) -> None:
+    model = float_embedder if precision == "float32" else embedder
     texts = [f"question {i}: " + "why " * (i % 17) for i in range(MAX_BATCH * 2 + 5)]
     widths: list[int] = []
-    run = embedder._run
+    run = model._run
 
     def counting(encodings: list) -> np.ndarray:
         widths.append(len(encodings))
         return run(encodings)
 
-    embedder._run = counting  # type: ignore[method-assign]
+    model._run = counting  # type: ignore[method-assign]
     try:
-        together = embedder.embed(texts)
+        together = model.embed(texts)
     finally:
-        del embedder._run
-    assert max(widths) == MAX_BATCH and sum(widths) == len(texts)
-    np.testing.assert_allclose(together, np.stack([embedder.embed([t])[0] for t in texts]), atol=1e-5)
+        del model._run
+    assert max(widths) == widest_call and sum(widths) == len(texts)
+    np.testing.assert_allclose(together, np.stack([model.embed([t])[0] for t in texts]), atol=1e-5)
 
 
 def test_paraphrases_are_closer_than_unrelated_questions(embedder: Embedder) -> None:
@@ -69,7 +115,7 @@ def test_paraphrases_are_closer_than_unrelated_questions(embedder: Embedder) -> 
     assert a @ b > 0.8 > a @ c
 
 
-def test_concurrent_async_callers_are_batched_and_each_gets_its_own_rows(embedder: Embedder) -> None:
+def test_concurrent_async_callers_share_calls_and_each_gets_its_own_rows(embedder: Embedder) -> None:
     calls: list[int] = []
     embed = embedder.embed
 
@@ -86,15 +132,16 @@ def test_concurrent_async_callers_are_batched_and_each_gets_its_own_rows(embedde
         results = asyncio.run(burst())
     finally:
         del embedder.embed
-    assert sum(calls) == 12 and len(calls) < 12  # fewer forward passes than callers
+    assert sum(calls) == 12 and len(calls) < 12  # fewer hops off the event loop than callers
     for text, vector in zip(TEXTS * 4, results, strict=True):
-        np.testing.assert_allclose(vector[0], embed([text])[0], atol=1e-5)
+        np.testing.assert_array_equal(vector[0], embed([text])[0])
 
 
-def test_the_export_is_reused_and_named_by_the_weights(tmp_path: Path, embedder: Embedder) -> None:
+def test_the_export_is_reused_and_named_by_the_weights_and_precision(tmp_path: Path, embedder: Embedder) -> None:
     first = Embedder.load(tmp_path)
     exported = list(tmp_path.glob("*.onnx"))
     assert len(exported) == 1 and first.version.split("@")[1] in exported[0].name
+    assert exported[0].name.endswith("-int8.onnx")
     mtime = exported[0].stat().st_mtime_ns
     second = Embedder.load(tmp_path)
     assert exported[0].stat().st_mtime_ns == mtime and second.version == first.version == embedder.version
