@@ -7,6 +7,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 TEST_DATABASE_URL ?= postgresql+asyncpg://postgres@127.0.0.1:5432/test
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/0
+# A Redis 8 for the cache's vector-set tests (started by .ci/redis8.sh when Debian's package can be fetched).
+TEST_REDIS8_URL ?= redis://127.0.0.1:6380/0
 PYTEST_ARGS ?=
 
 .PHONY: run test venv models models-test services browser lint bench-engine bench-gateway bench-kernels gpu-wheels bench-step-thread bench-dashboard bench-structured bench-router router-default bench-semcache bench-quant-quality cache-matcher clean
@@ -17,7 +19,7 @@ run: venv models
 test: venv services models-test browser
 	SLUICE_DATABASE__URL=$(TEST_DATABASE_URL) $(BIN)/sluice db upgrade
 	SLUICE_TEST_POSTGRES_URL=$(TEST_DATABASE_URL) SLUICE_TEST_REDIS_URL=$(TEST_REDIS_URL) \
-		$(BIN)/pytest $(PYTEST_ARGS)
+		SLUICE_TEST_REDIS8_URL=$(TEST_REDIS8_URL) $(BIN)/pytest $(PYTEST_ARGS)
 
 venv: $(STAMP)
 
@@ -88,7 +90,7 @@ cache-matcher: venv
 	nice -n 19 $(BIN)/sluice cache train-matcher --data $(QQP_PAIRS) --out gateway/cache/matcher
 
 bench-semcache: venv services
-	$(BIN)/sluice bench semcache --data $(QQP_PAIRS) --redis-url $(TEST_REDIS_URL)
+	$(BIN)/sluice bench semcache --data $(QQP_PAIRS) --redis-url $(TEST_REDIS_URL) --redis-url $(TEST_REDIS8_URL)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache bench/results var

@@ -35,3 +35,4 @@ if ! redis_up; then
 fi
 redis_up || { echo "Redis did not come up on 127.0.0.1:6379" >&2; exit 1; }
 echo "services: postgres and redis are up"
+bash "$(dirname "$0")/redis8.sh"  # best effort: vector-set tests skip without it

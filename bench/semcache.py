@@ -222,10 +222,10 @@ async def _time_lookups(cache: Any, queries: list[str], concurrency: int) -> lis
     return timings
 
 
-async def latency(data: Path, sizes: list[int], n_queries: int, redis_url: str, redis_max: int,
+async def latency(data: Path, sizes: list[int], n_queries: int, redis_urls: list[str], redis_max: int,
                   matcher: Matcher) -> dict[str, Any]:
     from gateway.cache.service import ResponseCache
-    from gateway.cache.store import MemoryCacheStore, RedisCacheStore
+    from gateway.cache.store import CacheUnavailable, MemoryCacheStore, RedisCacheStore
     from router.embedding import Embedder
 
     embedder = Embedder.load(precision=EMBEDDING_PRECISION)
@@ -243,14 +243,23 @@ async def latency(data: Path, sizes: list[int], n_queries: int, redis_url: str, 
     vectors = embed_all(embedder, stored)
     stored_vectors = np.stack([vectors[t] for t in stored])
     stores: list[tuple[str, Any]] = [("memory", MemoryCacheStore)]
-    if redis_url:
+    for redis_url in redis_urls:
         from redis.asyncio import Redis
 
-        stores.append(("redis", lambda: RedisCacheStore(Redis.from_url(redis_url), f"bench-semcache-{time.time_ns()}")))
+        probe = RedisCacheStore(Redis.from_url(redis_url))
+        try:
+            name = "redis (vector sets)" if await probe.uses_vector_sets() else "redis (replica index)"
+        except CacheUnavailable as exc:
+            print(f"(b) skips {redis_url}: {exc}")
+            continue
+        finally:
+            await probe.aclose()
+        stores.append((name, lambda url=redis_url: RedisCacheStore(Redis.from_url(url),
+                                                                   f"bench-semcache-{time.time_ns()}")))
     results: dict[str, Any] = {"queries": len(queries), "paraphrase_queries": len(positives), "cells": []}
     for name, make_store in stores:
         for size in sizes:
-            if name == "redis" and size > redis_max:
+            if name.startswith("redis") and size > redis_max:
                 continue
             cache = ResponseCache(make_store(), models, max_entries_per_scope=size)
             scope = _Scope(f"{embedder.version}+{matcher.version}")
@@ -272,7 +281,7 @@ async def latency(data: Path, sizes: list[int], n_queries: int, redis_url: str, 
                         "fill_s": fill_s,
                     }
                 )
-            if name == "redis":
+            if name.startswith("redis"):
                 await cache.backend.purge("bench", None)
             await cache.aclose()
     return results
@@ -399,7 +408,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--sizes", default="1000,10000,100000")
     ap.add_argument("--queries", type=int, default=200)
-    ap.add_argument("--redis-url", default="", help="also measure lookups on this Redis")
+    ap.add_argument("--redis-url", action="append", default=[],
+                    help="also measure lookups on this Redis (repeatable: a Redis 7 and a Redis 8 side by side)")
     ap.add_argument("--redis-max-entries", type=int, default=10_000, help="largest scope measured on Redis")
     ap.add_argument("--e2e-pairs", type=int, default=200)
     ap.add_argument("--embedding-precision", choices=["int8", "float32"], default=None,

@@ -2,7 +2,9 @@
 
 `SLUICE_TEST_POSTGRES_URL` names the server (and a database on it to connect to for
 `CREATE DATABASE`); each run creates its own uniquely named database there. `SLUICE_TEST_REDIS_URL`
-names the Redis database; tests isolate themselves with `redis_prefix`.
+names the Redis database; tests isolate themselves with `redis_prefix`. `SLUICE_TEST_REDIS8_URL` names a
+Redis with vector sets (8+; `.ci/services.sh` starts Debian's on port 6380 when it can): the tests of the
+cache's vector-set path skip, saying so, without one.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from gateway.db.migrate import upgrade_async
 
 POSTGRES_ADMIN_URL = os.environ.get("SLUICE_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("SLUICE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+REDIS8_URL = os.environ.get("SLUICE_TEST_REDIS8_URL", "redis://127.0.0.1:6380/0")
 
 
 @contextlib.asynccontextmanager
@@ -94,6 +97,19 @@ def redis_url() -> str:
     finally:
         client.close()
     return REDIS_URL
+
+
+@pytest.fixture(scope="session")
+def redis8_url() -> str:
+    client = redis.Redis.from_url(REDIS8_URL)
+    try:
+        client.execute_command("VCARD", "sluice-test:probe")
+    except redis.RedisError as exc:
+        pytest.skip(f"no Redis with vector sets at {REDIS8_URL} ({exc}): `.ci/services.sh` starts one on port 6380 "
+                    "when Debian's Redis 8 can be fetched; or point SLUICE_TEST_REDIS8_URL at a running server")
+    finally:
+        client.close()
+    return REDIS8_URL
 
 
 @pytest.fixture

@@ -1,8 +1,9 @@
 """The response cache as the request path sees it: `begin` (look up, or lead the miss), `store`, `release`.
 
 Exact tier: the entry whose key is the hash of scope + query. Semantic tier: the scope's nearest
-cached questions by embedding (cosine ≥ the matcher's floor), read together with the new question by
-the matcher; the best one at or above the matcher's threshold is read back from the store and served.
+cached questions by embedding (cosine ≥ the matcher's floor; searched in Redis 8's vector sets, else in
+this replica's index), read together with the new question by the matcher; the best one at or above the
+matcher's threshold is read from the store and served.
 Identical misses in this replica wait for the first one (single flight) and are then served from the
 cache. When the store fails the cache is bypassed for `retry_after_s` and requests are served as if
 it were off.
@@ -22,7 +23,7 @@ import numpy as np
 from engines.api.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.cache.index import VectorIndex
 from gateway.cache.keys import CacheKey, cache_control, cache_key, is_deterministic
-from gateway.cache.store import CacheStore, CacheUnavailable, Entry, IndexChanges, ScopeRef
+from gateway.cache.store import CacheStore, CacheUnavailable, Candidate, Entry, IndexChanges, ScopeRef
 from gateway.cache.verifier import Matcher
 
 log = logging.getLogger("sluice.cache")
@@ -187,20 +188,18 @@ class ResponseCache:
         embedder, matcher = await self._load_models()
         if lookup.vector is None:
             lookup.vector = (await embedder.embed_async([lookup.key.query]))[0]
-        replica = await self._sync(lookup.key.scope, embedder.dim)
-        found = replica.index.search(lookup.vector, self.candidates, matcher.floor, self.clock())
+        found = await self._nearest(lookup.key.scope, lookup.vector, embedder.dim, matcher.floor)
         if not found:
             return False
-        texts = [replica.index.texts[k] for k, _ in found]
-        probabilities = await matcher.score_async([lookup.key.query] * len(found), texts)
-        scores = matcher.rule_score(probabilities, np.array([cosine for _, cosine in found]))
+        probabilities = await matcher.score_async([lookup.key.query] * len(found), [c.text for c in found])
+        scores = matcher.rule_score(probabilities, np.array([c.cosine for c in found]))
         for i in np.argsort(-scores):
             if scores[i] < matcher.threshold:
                 break
-            key, cosine = found[i]
-            entry = await self.backend.get(key)  # re-read: TTL, eviction and purge hold in every replica
+            key, cosine = found[i].key, found[i].cosine
+            entry = found[i].entry or await self.backend.get(key)  # read now: TTL, eviction, purge hold everywhere
             if entry is None:
-                replica.index.remove(key)
+                self._forget(lookup.key.scope, key)
                 continue
             if key == lookup.key.exact:  # stored by another request since the exact read: the same question
                 lookup.status, lookup.hit = "exact", Hit(entry, "exact", 1.0)
@@ -208,6 +207,21 @@ class ResponseCache:
                 lookup.status, lookup.hit = "semantic", Hit(entry, "semantic", cosine, float(scores[i]))
             return True
         return False
+
+    async def _nearest(self, scope: str, vector: np.ndarray, dim: int, floor: float) -> list[Candidate]:
+        """The scope's nearest cached questions: searched by the store (Redis vector sets), else by this
+        replica's index after it caught up with the store's change log."""
+        searched = await self.backend.nearest(scope, vector, self.candidates, floor)
+        if searched is not None:
+            return searched
+        replica = await self._sync(scope, dim)
+        found = replica.index.search(vector, self.candidates, floor, self.clock())
+        return [Candidate(key, cosine, replica.index.texts[key]) for key, cosine in found]
+
+    def _forget(self, scope: str, key: str) -> None:
+        replica = self._replicas.get(scope)
+        if replica is not None:
+            replica.index.remove(key)
 
     async def _sync(self, scope: str, dim: int) -> _Replica:
         replica = self._replicas.get(scope)

@@ -1,12 +1,17 @@
 """Where cached answers live: Redis (the source of truth shared by every replica) or this process.
 
 Per entry: the answer under `e:<key>` with the feature's TTL. Per scope: a sorted set of its keys by
-expiry (expired ones are dropped and the oldest evicted past `max_entries` on every put), a hash of
-the semantic tier's vectors, and a change log (a Redis stream: add / del / purge) from which each
-replica keeps its in-memory `VectorIndex` current. A replica reads the log since its cursor before
-searching; one that fell behind the log's trimmed start reloads the vectors from the hash. A
-candidate found in the index is read back from the store before it is served, so TTLs, evictions and
-purges hold in every replica at once. Per tenant: a hash scope → feature, for purging.
+expiry (expired ones are dropped and the oldest evicted past `max_entries` on every put) and the
+semantic tier's vectors, kept one of two ways:
+
+- plain Redis 7: a hash of the vectors and a change log (a Redis stream: add / del / purge) from which
+  each replica keeps its in-memory `VectorIndex` current. A replica reads the log since its cursor
+  before searching; one that fell behind the log's trimmed start reloads the vectors from the hash;
+- Redis 8 (detected: the server knows `VADD`): a vector set, searched in Redis with `VSIM`
+  (`RedisCacheStore.nearest`); replicas then keep no index.
+
+Either way a candidate is read from the store before it is served, so TTLs, evictions and purges hold
+in every replica at once. Per tenant: a hash scope → feature, for purging.
 
 `MemoryCacheStore` has the same semantics without Redis (`make run`, one replica).
 """
@@ -77,8 +82,24 @@ def unpack_vector(key: str, packed: bytes) -> IndexEvent:
     return IndexEvent("add", key, vector, expires_at, packed[RECORD.size + 4 * n :].decode())
 
 
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A cached question near a new one, for the matcher: its key, the cosine of the two embeddings, its text,
+    and its entry when the search read it (None: read it before serving)."""
+
+    key: str
+    cosine: float
+    text: str
+    entry: Entry | None = None
+
+
 class CacheStore(Protocol):
     async def get(self, key: str) -> Entry | None: ...
+
+    async def nearest(self, scope: str, vector: np.ndarray, k: int, floor: float) -> list[Candidate] | None:
+        """Up to k live entries of the scope with cosine ≥ floor, best first; None when the store does not
+        search vectors (each replica searches its own index, kept current by `changes`)."""
+        ...
 
     async def put(
         self, scope: ScopeRef, key: str, entry: Entry, ttl_s: float, vector: np.ndarray | None, max_entries: int
@@ -95,20 +116,28 @@ class CacheStore(Protocol):
 # Redis
 # ---------------------------------------------------------------------------------------------
 
+# KEYS: entry, expiry zset, vector hash, change log, tenant registry, vector set. ARGV[11] = '1': the vector
+# goes to the vector set (ARGV[5] its float32 bytes), else to the hash and the log (ARGV[5] a packed record).
 _PUT = """
-local ttl, now = tonumber(ARGV[2]), tonumber(ARGV[3])
+local ttl, now, vset = tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[11] == '1'
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
 local function drop(k)
   redis.call('ZREM', KEYS[2], k)
-  if redis.call('HDEL', KEYS[3], k) == 1 then
+  if vset then
+    redis.call('VREM', KEYS[6], k)
+  elseif redis.call('HDEL', KEYS[3], k) == 1 then
     redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[8], '*', 'op', 'del', 'k', k)
   end
 end
 for _, k in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)) do drop(k) end
 redis.call('ZADD', KEYS[2], now + ttl, ARGV[4])
 if ARGV[5] ~= '' then
-  redis.call('HSET', KEYS[3], ARGV[4], ARGV[5])
-  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[8], '*', 'op', 'add', 'k', ARGV[4], 'v', ARGV[5])
+  if vset then
+    redis.call('VADD', KEYS[6], 'FP32', ARGV[5], ARGV[4], 'NOQUANT')
+  else
+    redis.call('HSET', KEYS[3], ARGV[4], ARGV[5])
+    redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[8], '*', 'op', 'add', 'k', ARGV[4], 'v', ARGV[5])
+  end
 end
 local over = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[6])
 if over > 0 then
@@ -117,15 +146,16 @@ if over > 0 then
     drop(k)
   end
 end
-for i = 2, 4 do redis.call('PEXPIRE', KEYS[i], ttl) end
+for _, i in ipairs({2, 3, 4, 6}) do redis.call('PEXPIRE', KEYS[i], ttl) end
 redis.call('HSET', KEYS[5], ARGV[9], ARGV[10])
 return over
 """
 
+# KEYS: expiry zset, vector hash, change log, vector set.
 _PURGE = """
 local keys = redis.call('ZRANGE', KEYS[1], 0, -1)
 for _, k in ipairs(keys) do redis.call('DEL', ARGV[1] .. k) end
-redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[4])
 redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[2], '*', 'op', 'purge')
 redis.call('PEXPIRE', KEYS[3], ARGV[3])
 return #keys
@@ -133,17 +163,35 @@ return #keys
 
 
 class RedisCacheStore:
-    """Plain Redis 7 commands and Lua only (no modules)."""
+    """Plain Redis 7 commands and Lua; on Redis 8 also its vector sets (`vector_sets=None`: use them when the
+    server has them)."""
 
-    def __init__(self, redis: object, prefix: str = "sluice", log_length: int = 20_000) -> None:
+    def __init__(self, redis: object, prefix: str = "sluice", log_length: int = 20_000,
+                 vector_sets: bool | None = None) -> None:
         from redis.asyncio import Redis
 
         assert isinstance(redis, Redis)
         self.redis = redis
         self.prefix = f"{prefix}:cache"
         self.log_length = log_length  # past this the log is trimmed; a replica further behind reloads
+        self.vector_sets = vector_sets
         self._put = redis.register_script(_PUT)
         self._purge = redis.register_script(_PURGE)
+
+    async def uses_vector_sets(self) -> bool:
+        """Whether the scopes' vectors live in Redis vector sets: asked of the server once (before Redis 8 it
+        does not know `VCARD`). Every replica asks the same server, so all of them agree."""
+        if self.vector_sets is None:
+            from redis.exceptions import ResponseError
+
+            try:
+                await self.redis.execute_command("VCARD", f"{self.prefix}:probe")
+                self.vector_sets = True
+            except ResponseError:
+                self.vector_sets = False  # unknown command
+            except Exception as exc:
+                raise CacheUnavailable(str(exc)) from exc
+        return self.vector_sets
 
     def _entry(self, key: str) -> str:
         return f"{self.prefix}:e:{key}"
@@ -158,16 +206,41 @@ class RedisCacheStore:
             raise CacheUnavailable(str(exc)) from exc
         return None if raw is None else _entry_decoder.decode(raw)
 
+    async def nearest(self, scope: str, vector: np.ndarray, k: int, floor: float) -> list[Candidate] | None:
+        if not await self.uses_vector_sets():
+            return None
+        blob = np.asarray(vector, dtype=np.float32).tobytes()
+        try:
+            found = await self.redis.execute_command(
+                "VSIM", self._scope(scope, "vs"), "FP32", blob, "WITHSCORES", "COUNT", k
+            )
+            pairs = [(m.decode(), 2.0 * float(s) - 1.0) for m, s in _pairs(found)]  # VSIM's score is (1 + cos) / 2
+            pairs = [(key, cosine) for key, cosine in pairs if cosine >= floor]
+            raw = await self.redis.mget([self._entry(key) for key, _ in pairs]) if pairs else []
+        except Exception as exc:
+            raise CacheUnavailable(str(exc)) from exc
+        # An entry gone (expired, evicted) leaves its vector until the scope's next put drops it: skip it.
+        entries = [(key, cosine, _entry_decoder.decode(body)) for (key, cosine), body in zip(pairs, raw, strict=True)
+                   if body is not None]
+        return [Candidate(key, cosine, entry.query, entry) for key, cosine, entry in entries]
+
     async def put(
         self, scope: ScopeRef, key: str, entry: Entry, ttl_s: float, vector: np.ndarray | None, max_entries: int
     ) -> None:
         now = time.time()
         ttl_ms = max(1, int(ttl_s * 1000))
-        packed = b"" if vector is None else pack_vector(vector, now + ttl_s, entry.query)
+        vector_set = await self.uses_vector_sets()
+        if vector is None:
+            packed = b""
+        elif vector_set:
+            packed = np.asarray(vector, dtype=np.float32).tobytes()
+        else:
+            packed = pack_vector(vector, now + ttl_s, entry.query)
         keys = [
             self._entry(key),
             *(self._scope(scope.id, p) for p in ("z", "v", "log")),
             f"{self.prefix}:t:{scope.tenant}",
+            self._scope(scope.id, "vs"),
         ]
         args = [
             _entry_encoder.encode(entry),
@@ -180,6 +253,7 @@ class RedisCacheStore:
             self.log_length,
             scope.id,
             scope.feature,
+            "1" if vector_set else "0",
         ]
         try:
             await self._put(keys=keys, args=args)
@@ -213,7 +287,7 @@ class RedisCacheStore:
             purged = 0
             for scope, owner in scopes.items():
                 if feature is None or owner == feature:
-                    keys = [self._scope(scope, p) for p in ("z", "v", "log")]
+                    keys = [self._scope(scope, p) for p in ("z", "v", "log", "vs")]
                     purged += int(await self._purge(keys=keys, args=[f"{self.prefix}:e:", self.log_length, 86_400_000]))
                     await self.redis.hdel(registry, scope)
             return purged
@@ -222,6 +296,14 @@ class RedisCacheStore:
 
     async def aclose(self) -> None:
         await self.redis.aclose()
+
+
+def _pairs(reply: object) -> list[tuple[bytes, bytes]]:
+    """VSIM ... WITHSCORES: a flat [member, score, ...] list (RESP2) or a member → score map (RESP3)."""
+    if isinstance(reply, dict):
+        return list(reply.items())
+    items = list(reply or [])  # type: ignore[call-overload]
+    return list(zip(items[0::2], items[1::2], strict=True))
 
 
 def _stream_id(raw: bytes | str) -> tuple[int, int]:
@@ -261,6 +343,9 @@ class MemoryCacheStore:
         self._scopes: dict[str, _Scope] = {}
         self._tenants: dict[str, dict[str, str]] = {}
         self._seq = 0
+
+    async def nearest(self, scope: str, vector: np.ndarray, k: int, floor: float) -> list[Candidate] | None:
+        return None  # the replica's own index searches (one replica: the log never falls behind)
 
     async def get(self, key: str) -> Entry | None:
         item = self._entries.get(key)

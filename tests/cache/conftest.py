@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -48,11 +49,12 @@ def models(embedder: Embedder, mechanics_matcher: Matcher) -> Callable:
 
 @pytest.fixture
 async def redis_stores(redis_url: str, redis_prefix: str) -> AsyncIterator[Callable[[], RedisCacheStore]]:
-    """New `RedisCacheStore`s on the test's prefix, each with its own connection (as replicas have)."""
+    """New `RedisCacheStore`s on the test's prefix, each with its own connection (as replicas have), keeping
+    the vectors for replicas' own indexes (what plain Redis 7 gets)."""
     made: list[RedisCacheStore] = []
 
     def make() -> RedisCacheStore:
-        made.append(RedisCacheStore(Redis.from_url(redis_url), redis_prefix.rstrip(":")))
+        made.append(RedisCacheStore(Redis.from_url(redis_url), redis_prefix.rstrip(":"), vector_sets=False))
         return made[-1]
 
     yield make
@@ -60,11 +62,39 @@ async def redis_stores(redis_url: str, redis_prefix: str) -> AsyncIterator[Calla
         await store.aclose()
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture
+async def vector_set_stores(redis8_url: str) -> AsyncIterator[Callable[[], RedisCacheStore]]:
+    """The same on a Redis with vector sets, found by the store itself; the test's keys are deleted afterwards."""
+    prefix = f"sluice-test:{uuid.uuid4().hex}"
+    made: list[RedisCacheStore] = []
+
+    def make() -> RedisCacheStore:
+        made.append(RedisCacheStore(Redis.from_url(redis8_url), prefix))
+        return made[-1]
+
+    yield make
+    cleaner = Redis.from_url(redis8_url)
+    keys = [key async for key in cleaner.scan_iter(match=f"{prefix}:*", count=1000)]
+    if keys:
+        await cleaner.delete(*keys)
+    await cleaner.aclose()
+    for store in made:
+        await store.aclose()
+
+
+@pytest.fixture(params=["redis", "redis-vector-sets"])
+def shared_stores(request: pytest.FixtureRequest) -> Callable[[], RedisCacheStore]:
+    """A maker of stores on one Redis, as replicas share it: with replica indexes, or with vector sets."""
+    return request.getfixturevalue("redis_stores" if request.param == "redis" else "vector_set_stores")
+
+
+@pytest.fixture(params=["memory", "redis", "redis-vector-sets"])
 def store(request: pytest.FixtureRequest) -> CacheStore:
     if request.param == "memory":
         return MemoryCacheStore()
-    return request.getfixturevalue("redis_stores")()
+    if request.param == "redis":
+        return request.getfixturevalue("redis_stores")()
+    return request.getfixturevalue("vector_set_stores")()
 
 
 @pytest.fixture

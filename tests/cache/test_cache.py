@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 
 from engines.api.protocol import AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest, ChatMessage, Usage
@@ -31,10 +32,11 @@ def answer(text: str) -> bytes:
 
 async def put(
     cache: ResponseCache, request: ChatCompletionRequest, text: str, policy: CachePolicy = SEMANTIC, **who: str
-) -> None:
+) -> Lookup:
     lookup = await cache.begin(request, policy, **{**WHO, **who})
     assert lookup.status == "miss" and lookup.leader
     await cache.store(lookup, answer(text), cost_usd=0.002)
+    return lookup
 
 
 async def get(
@@ -168,8 +170,9 @@ async def test_purge_removes_a_tenants_entries_and_only_theirs(store, make_cache
     assert (await get(cache, ask("How do I learn Python quickly?"), tenant="globex")).status == "exact"
 
 
-async def test_two_replicas_share_entries_ttl_eviction_and_purge(redis_stores, make_cache):
-    a, b = make_cache(redis_stores(), max_entries_per_scope=2), make_cache(redis_stores(), max_entries_per_scope=2)
+async def test_two_replicas_share_entries_ttl_eviction_and_purge(shared_stores, make_cache):
+    stores = shared_stores
+    a, b = make_cache(stores(), max_entries_per_scope=2), make_cache(stores(), max_entries_per_scope=2)
     await put(a, ask("How do I learn Python quickly?"), "Practice daily.")
     assert (await get(b, ask("What is the fastest way to learn Python?"))).status == "semantic"
     await put(b, ask("What is the capital of France?"), "Paris.")
@@ -194,6 +197,35 @@ async def test_a_replica_that_fell_behind_the_trimmed_log_reloads_its_index(redi
     await put(a, ask("How do I learn Python quickly?"), "Practice daily.")
     assert (await get(b, ask("What is the fastest way to learn Python?"))).status == "semantic"
     assert (await get(b, ask("Which city is the capital of France?"))).status == "semantic"
+
+
+async def test_the_store_uses_vector_sets_where_redis_has_them_and_replica_indexes_where_not(redis_url, redis8_url):
+    from redis.asyncio import Redis
+
+    plain, with_sets = Redis.from_url(redis_url), Redis.from_url(redis8_url)
+    version = (await plain.info("server"))["redis_version"]
+    assert await RedisCacheStore(plain, "probe").uses_vector_sets() is (int(version.split(".")[0]) >= 8)
+    assert await RedisCacheStore(with_sets, "probe").uses_vector_sets() is True
+    assert await RedisCacheStore(plain, "probe").nearest("scope", np.ones(4, np.float32), 2, 0.0) is (
+        None if int(version.split(".")[0]) < 8 else [])
+    await plain.aclose()
+    await with_sets.aclose()
+
+
+async def test_with_vector_sets_redis_searches_and_replicas_keep_no_index(vector_set_stores, make_cache):
+    store = vector_set_stores()
+    a, b = make_cache(store, max_entries_per_scope=2), make_cache(vector_set_stores(), max_entries_per_scope=2)
+    first = await put(a, ask("How do I learn Python quickly?"), "Practice daily.")
+    vector_set = store._scope(first.key.scope, "vs")
+    assert await store.redis.execute_command("VCARD", vector_set) == 1
+    hit = await get(b, ask("What is the fastest way to learn Python?"))
+    assert hit.status == "semantic" and 0.6 < hit.hit.similarity < 1.0
+    assert a._replicas == {} and b._replicas == {}  # nothing searched in process
+    await put(a, ask("What is the capital of France?"), "Paris.")
+    await put(a, ask("How do I bake bread?"), "Knead.")  # evicts the Python entry: its vector goes too
+    assert await store.redis.execute_command("VCARD", vector_set) == 2
+    await a.purge("acme")
+    assert await store.redis.exists(vector_set) == 0
 
 
 async def test_redis_down_means_the_cache_is_bypassed_not_an_error(make_cache):
