@@ -246,6 +246,48 @@ def classifier_scores(rows: Sequence[Labelled]) -> list[float]:
     return RouterArtifact.load(DEFAULT_ARTIFACT_DIR).score(Embedder.load().embed(prompts), prompts).tolist()
 
 
+OWN_FOLDS = 5
+
+
+def own_classifier_scores(rows: Sequence[Labelled], folds: int = OWN_FOLDS) -> list[float]:
+    """Each question's score from a classifier trained on these tiers' own outcomes by `train_router` (what
+    `sluice router train` does with these rows), out of fold: the k-th fifth is scored by a model that never saw it."""
+    import tempfile
+
+    import numpy as np
+
+    from router.data import TrainingRow
+    from router.embedding import Embedder
+    from router.train import train_router
+
+    embedder = Embedder.load()
+    prompts = [r.prompt for r in rows]
+    embeddings = embedder.embed(prompts)
+    training = [TrainingRow(r.prompt, float(r.small_correct), float(r.large_correct)) for r in rows]
+    fold_of = np.random.default_rng(0).permutation(len(rows)) % folds
+    scores = np.zeros(len(rows))
+    for fold in range(folds):
+        fit, held = np.flatnonzero(fold_of != fold), np.flatnonzero(fold_of == fold)
+        with tempfile.TemporaryDirectory() as tmp:
+            artifact = train_router([training[i] for i in fit], Path(tmp), embeddings=embeddings[fit],
+                                    embedder_version=embedder.version)
+            scores[held] = artifact.score(embeddings[held], [prompts[i] for i in held])
+    return scores.tolist()
+
+
+def own_routed_results(rows: Sequence[Labelled], conf: Confidence) -> dict[str, Any]:
+    """`routed_results` with out-of-fold scores of a classifier trained on these rows; skipped when a fold has
+    too few rows (or only one outcome) to train on."""
+    from router.data import TrainingDataError
+
+    try:
+        scores = own_classifier_scores(rows)
+    except TrainingDataError as exc:
+        return {"skipped": str(exc)}
+    return routed_results(rows, scores, conf, QUALITY_SHARE) | {
+        "folds": OWN_FOLDS, "classifier": "train_router on the other folds' rows; each question scored out of fold"}
+
+
 def pearson(xs: Sequence[float], ys: Sequence[float]) -> float:
     n = len(xs)
     if n < 2:
@@ -311,6 +353,7 @@ def cascade_benchmark(labels: Path) -> dict[str, Any]:
     cascade = results[-1]
     cv = cross_validated(rows, conf, QUALITY_SHARE)
     routed = routed_results(rows, classifier_scores(rows), conf, QUALITY_SHARE)
+    own = own_routed_results(rows, conf)
     study = confidence_study(rows)
     figures = {
         "questions": len(rows),
@@ -321,6 +364,7 @@ def cascade_benchmark(labels: Path) -> dict[str, Any]:
         "policies": {r.policy: asdict(r) for r in results},
         "cascade_cross_validated": cv,
         "routed_cascade": routed,
+        "routed_cascade_own_classifier": own,
         "targets": {
             "quality_share_of_large_only": QUALITY_SHARE,
             "max_large_call_fraction": MAX_LARGE_FRACTION,
@@ -330,6 +374,9 @@ def cascade_benchmark(labels: Path) -> dict[str, Any]:
             and cv["large_call_fraction"] <= MAX_LARGE_FRACTION,
             "routed_met_cross_validated": routed["cross_validated"]["accuracy_vs_large_only"] >= QUALITY_SHARE
             and routed["cross_validated"]["large_call_fraction"] <= MAX_LARGE_FRACTION,
+            "routed_own_classifier_met_cross_validated": "skipped" not in own
+            and own["cross_validated"]["accuracy_vs_large_only"] >= QUALITY_SHARE
+            and own["cross_validated"]["large_call_fraction"] <= MAX_LARGE_FRACTION,
         },
         "confidence_auroc": study,
         "agreement_validation": agreement_study(rows),
@@ -349,7 +396,11 @@ def _print(figures: dict[str, Any]) -> None:
     cv = figures["cascade_cross_validated"]
     print_table("Cascade, tau chosen on the other half (2-fold)", list(cv), [list(cv.values())])
     for name, figures_ in figures["routed_cascade"].items():
-        print_table(f"Classifier, then the cascade ({name})", list(figures_), [list(figures_.values())])
+        print_table(f"Shipped classifier, then the cascade ({name})", list(figures_), [list(figures_.values())])
+    own = figures["routed_cascade_own_classifier"]
+    for name in ("in_sample", "cross_validated") if "skipped" not in own else ():
+        print_table(f"Classifier trained on these tiers' outcomes (out of fold), then the cascade ({name})",
+                    list(own[name]), [list(own[name].values())])
     auc = figures["confidence_auroc"]
     print_table("Confidence candidates: AUROC for 'small answer correct'", ["candidate", "auroc"],
                 sorted(auc.items(), key=lambda kv: -kv[1] if kv[1] == kv[1] else 0))

@@ -98,3 +98,31 @@ def test_the_routed_cascade_sends_the_question_the_classifier_flags_straight_to_
     assert evaluate(rows, -float("inf"), conf, [False, True, False, False])[:2] == (0.75, 0.25)
     # One that flags q3 (both wrong) is no help: the cascade alone (τ just above q1's -2.0) is cheapest.
     assert cheapest_routed(rows, [0.1, 0.1, 0.1, 0.9], conf, 0.95) == (float("inf"), -1.5)
+
+
+def test_a_classifier_trained_on_the_tiers_own_outcomes_scores_each_question_out_of_fold(monkeypatch):
+    import numpy as np
+
+    import router.train
+    from bench.router_cascade import OWN_FOLDS, Labelled, own_classifier_scores
+
+    rows = [Labelled(f"question {i}", i % 3 == 0, i % 2 == 0, [-0.1], "", "", 1.0, 2.0) for i in range(40)]
+    trained_on: list[set[str]] = []
+
+    class Scored:
+        def __init__(self, prompts: set[str]) -> None:
+            self.prompts = prompts
+
+        def score(self, embeddings: np.ndarray, prompts: list[str]) -> np.ndarray:
+            assert not self.prompts & set(prompts)  # never a question the model was trained on
+            return np.full(len(prompts), float(len(trained_on)))
+
+    def fake_train(training_rows, out_dir, **kwargs):
+        assert kwargs["embeddings"].shape == (len(training_rows), 384)
+        trained_on.append({r.prompt for r in training_rows})
+        return Scored(trained_on[-1])
+
+    monkeypatch.setattr(router.train, "train_router", fake_train)
+    scores = own_classifier_scores(rows)
+    assert len(trained_on) == OWN_FOLDS and all(len(t) == 32 for t in trained_on)
+    assert sorted(scores.count(float(k)) for k in range(1, OWN_FOLDS + 1)) == [8] * OWN_FOLDS  # each row once
