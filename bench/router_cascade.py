@@ -11,7 +11,8 @@ token counts. Each policy's outcome on a question is therefore known without run
 
 `cascade_benchmark(path)` sweeps τ over every observed confidence, reports the cheapest τ that keeps
 accuracy ≥ 95% of large-only (in-sample, and 2-fold cross-validated: τ chosen on one half, measured on the
-other), and also runs the two studies that justify the cascade's parts:
+other) for each path with its own confidence (complete answers: `answer_confidence`; streams:
+`stream_confidence`), and also runs the two studies that justify the cascade's parts:
 
 - which confidence definition separates right from wrong small answers best (AUROC of each candidate in
   `router.confidence.CANDIDATES`);
@@ -36,7 +37,7 @@ from typing import Any
 from bench.common import print_table, write_results
 from gateway.config import TierConfig, load_settings
 from gateway.cost import request_cost
-from router.confidence import CANDIDATES, CONFIDENCE_TOKENS, confidence
+from router.confidence import CANDIDATES, DEFINITIONS, answer_confidence, stream_confidence
 from router.shadow import final_answer_agreement
 
 QUALITY_SHARE = 0.95  # target: cascade accuracy >= 95% of large-only
@@ -275,19 +276,6 @@ def own_classifier_scores(rows: Sequence[Labelled], folds: int = OWN_FOLDS) -> l
     return scores.tolist()
 
 
-def own_routed_results(rows: Sequence[Labelled], conf: Confidence) -> dict[str, Any]:
-    """`routed_results` with out-of-fold scores of a classifier trained on these rows; skipped when a fold has
-    too few rows (or only one outcome) to train on."""
-    from router.data import TrainingDataError
-
-    try:
-        scores = own_classifier_scores(rows)
-    except TrainingDataError as exc:
-        return {"skipped": str(exc)}
-    return routed_results(rows, scores, conf, QUALITY_SHARE) | {
-        "folds": OWN_FOLDS, "classifier": "train_router on the other folds' rows; each question scored out of fold"}
-
-
 def pearson(xs: Sequence[float], ys: Sequence[float]) -> float:
     n = len(xs)
     if n < 2:
@@ -338,69 +326,90 @@ def _agreement_figures(rows: Sequence[tuple[str, str, bool, bool]]) -> dict[str,
     }
 
 
-def cascade_benchmark(labels: Path) -> dict[str, Any]:
-    """Part (b): figures for the JSON (and the printed tables)."""
-    tiers = load_settings(environ={}).tiers
-    rows = load_labelled(labels, tiers)
-    if len(rows) < 4:
-        raise SystemExit(f"{labels}: {len(rows)} labelled rows with small-tier logprobs; label more first")
-
-    def conf(r: Labelled) -> float:
-        return confidence(r.small_logprobs)
-
+def path_figures(rows: Sequence[Labelled], conf: Confidence, shipped: Sequence[float],
+                 own: Sequence[float] | str) -> dict[str, Any]:
+    """The policies on one path (complete answers or streams), with that path's confidence; `own` holds the
+    out-of-fold scores of a classifier trained on these rows, or why there are none."""
     tau = cheapest_tau(rows, conf, QUALITY_SHARE)
     results = policy_results(rows, tau, conf)
     cascade = results[-1]
     cv = cross_validated(rows, conf, QUALITY_SHARE)
-    routed = routed_results(rows, classifier_scores(rows), conf, QUALITY_SHARE)
-    own = own_routed_results(rows, conf)
-    study = confidence_study(rows)
-    figures = {
-        "questions": len(rows),
-        "labels": str(labels),
-        "confidence_definition": f"mean token logprob over the first {CONFIDENCE_TOKENS} answer tokens",
-        "small_accuracy": results[0].accuracy,
-        "large_accuracy": results[1].accuracy,
+    routed = routed_results(rows, shipped, conf, QUALITY_SHARE)
+    own_routed = {"skipped": own} if isinstance(own, str) else routed_results(rows, own, conf, QUALITY_SHARE) | {
+        "folds": OWN_FOLDS, "classifier": "train_router on the other folds' rows; each question scored out of fold"}
+
+    def met(figures: dict[str, Any]) -> bool:
+        return "skipped" not in figures and figures["accuracy_vs_large_only"] >= QUALITY_SHARE \
+            and figures["large_call_fraction"] <= MAX_LARGE_FRACTION
+
+    return {
         "policies": {r.policy: asdict(r) for r in results},
         "cascade_cross_validated": cv,
         "routed_cascade": routed,
-        "routed_cascade_own_classifier": own,
+        "routed_cascade_own_classifier": own_routed,
         "targets": {
             "quality_share_of_large_only": QUALITY_SHARE,
             "max_large_call_fraction": MAX_LARGE_FRACTION,
-            "met_in_sample": cascade.accuracy_vs_large_only >= QUALITY_SHARE
-            and cascade.large_call_fraction <= MAX_LARGE_FRACTION,
-            "met_cross_validated": cv["accuracy_vs_large_only"] >= QUALITY_SHARE
-            and cv["large_call_fraction"] <= MAX_LARGE_FRACTION,
-            "routed_met_cross_validated": routed["cross_validated"]["accuracy_vs_large_only"] >= QUALITY_SHARE
-            and routed["cross_validated"]["large_call_fraction"] <= MAX_LARGE_FRACTION,
-            "routed_own_classifier_met_cross_validated": "skipped" not in own
-            and own["cross_validated"]["accuracy_vs_large_only"] >= QUALITY_SHARE
-            and own["cross_validated"]["large_call_fraction"] <= MAX_LARGE_FRACTION,
+            "met_in_sample": met(asdict(cascade)),
+            "met_cross_validated": met(cv),
+            "routed_met_cross_validated": met(routed["cross_validated"]),
+            "routed_own_classifier_met_cross_validated": "skipped" not in own_routed
+            and met(own_routed["cross_validated"]),
         },
-        "confidence_auroc": study,
+    }
+
+
+def cascade_benchmark(labels: Path) -> dict[str, Any]:
+    """Part (b): figures for the JSON (and the printed tables). The top level is the path of complete answers
+    (non-streamed requests, `answer_confidence`); `streams` the same policies with `stream_confidence`."""
+    from router.data import TrainingDataError
+
+    tiers = load_settings(environ={}).tiers
+    rows = load_labelled(labels, tiers)
+    if len(rows) < 4:
+        raise SystemExit(f"{labels}: {len(rows)} labelled rows with small-tier logprobs; label more first")
+    shipped = classifier_scores(rows)
+    try:
+        own: list[float] | str = own_classifier_scores(rows)
+    except TrainingDataError as exc:
+        own = str(exc)
+    figures = {
+        "questions": len(rows),
+        "labels": str(labels),
+        "confidence_definitions": DEFINITIONS,
+        "small_accuracy": sum(r.small_correct for r in rows) / len(rows),
+        "large_accuracy": sum(r.large_correct for r in rows) / len(rows),
+        **path_figures(rows, lambda r: answer_confidence(r.small_logprobs), shipped, own),
+        "streams": path_figures(rows, lambda r: stream_confidence(r.small_logprobs), shipped, own),
+        "confidence_auroc": confidence_study(rows),
         "agreement_validation": agreement_study(rows),
     }
     _print(figures)
     return figures
 
 
-def _print(figures: dict[str, Any]) -> None:
+def _print_path(title: str, figures: dict[str, Any], questions: int) -> None:
     header = ["policy", "tau", "accuracy", "vs large-only", "escalation", "large calls", "cost $", "cost vs large"]
     table = [
         [p["policy"], "-" if p["tau"] is None else round(p["tau"], 4), p["accuracy"], p["accuracy_vs_large_only"],
          p["escalation_rate"], p["large_call_fraction"], p["cost_usd"], p["cost_vs_large_only"]]
         for p in figures["policies"].values()
     ]
-    print_table(f"Cascade on our tiers, {figures['questions']} GSM8K questions (tau in-sample)", header, table)
+    print_table(f"{title}: cascade on our tiers, {questions} GSM8K questions (tau in-sample)", header, table)
     cv = figures["cascade_cross_validated"]
-    print_table("Cascade, tau chosen on the other half (2-fold)", list(cv), [list(cv.values())])
+    print_table(f"{title}: cascade, tau chosen on the other half (2-fold)", list(cv), [list(cv.values())])
     for name, figures_ in figures["routed_cascade"].items():
-        print_table(f"Shipped classifier, then the cascade ({name})", list(figures_), [list(figures_.values())])
+        print_table(f"{title}: shipped classifier, then the cascade ({name})", list(figures_),
+                    [list(figures_.values())])
     own = figures["routed_cascade_own_classifier"]
     for name in ("in_sample", "cross_validated") if "skipped" not in own else ():
-        print_table(f"Classifier trained on these tiers' outcomes (out of fold), then the cascade ({name})",
+        print_table(f"{title}: classifier trained on these tiers' outcomes (out of fold), then the cascade ({name})",
                     list(own[name]), [list(own[name].values())])
+
+
+def _print(figures: dict[str, Any]) -> None:
+    _print_path("Complete answers", figures, figures["questions"])
+    _print_path("Streams", figures["streams"], figures["questions"])
     auc = figures["confidence_auroc"]
     print_table("Confidence candidates: AUROC for 'small answer correct'", ["candidate", "auroc"],
                 sorted(auc.items(), key=lambda kv: -kv[1] if kv[1] == kv[1] else 0))

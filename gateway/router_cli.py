@@ -153,17 +153,22 @@ def cmd_tune(args: argparse.Namespace) -> int:
     import numpy as np
 
     from router.artifact import store_operating_points
+    from router.confidence import DEFINITIONS
     from router.tune import operating_points, request_costs
 
     artifact, rows, scores = _load_for_eval(args)
-    confidences = [r.small_confidence for r in rows]
-    confidence = None if any(c is None for c in confidences) else np.array(confidences, dtype=np.float64)
+
+    def column(values: list[float | None]) -> np.ndarray | None:
+        return None if any(v is None for v in values) else np.array(values, dtype=np.float64)
+
     cost_small, cost_large = request_costs([r.prompt for r in rows], _prices(_settings(args)), args.output_tokens)
     points = operating_points(
         scores, np.array([r.small_score for r in rows]), np.array([r.large_score for r in rows]),
-        cost_small=cost_small, cost_large=cost_large, confidence=confidence,
+        cost_small=cost_small, cost_large=cost_large, confidence=column([r.small_confidence for r in rows]),
+        stream_confidence=column([r.small_stream_confidence for r in rows]),
     )
-    store_operating_points(artifact.path, points, args.quality_target, {"tuned_on": str(args.data)})
+    store_operating_points(artifact.path, points, args.quality_target,
+                           {"tuned_on": str(args.data), "confidence": DEFINITIONS})
     chosen = next(p for p in points if p.quality_target >= args.quality_target - 1e-9)
     print(f"operating point for {args.quality_target:.2f} of large-only quality: {chosen}")
     print(f"stored {len(points)} operating points in {artifact.path}")
@@ -224,7 +229,8 @@ def add_router_commands(sub: Any) -> None:
     train.set_defaults(handler=cmd_train)
 
     for name, handler, text in (
-        ("tune", cmd_tune, "pick threshold (and τ with small_confidence) at a quality target; store with artifact"),
+        ("tune", cmd_tune, "pick threshold (and the τs, with small_confidence / small_stream_confidence) at a quality "
+                           "target; store with artifact"),
         ("eval", cmd_eval, "APGR, CPT, qualities, escalation and cost of an artifact on rows; PNG plot"),
     ):
         p = actions.add_parser(name, help=text)

@@ -121,7 +121,8 @@ class Router:
         point = artifact.operating_point(policy.quality_target or self.settings.router.quality_target)
         tier, reason = choose_tier(score, point, None)
         decision = self._allowed(RouteDecision(tier, score, reason), fallback, policy)
-        return Routed(decision, self._cascade(decision, point.tau, policy), artifact.version)
+        tau = point.tau_stream if request.stream else point.tau  # each path's own confidence definition
+        return Routed(decision, self._cascade(decision, tau, policy), artifact.version)
 
     def _check_embedder(self, artifact: RouterArtifact) -> None:
         """Warn once per artifact version trained on another embedder's vectors: its scores still route,

@@ -12,6 +12,7 @@ fingerprint and the metrics on the validation split the operating points were ch
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import threading
@@ -28,6 +29,7 @@ from router.features import FEATURE_VERSION, feature_matrix
 from router.neighbours import FILE as NEIGHBOURS_FILE
 from router.neighbours import NeighbourIndex
 
+log = logging.getLogger("sluice.router")
 LATEST = "LATEST"
 MODEL_FILE = "model.onnx"
 META_FILE = "meta.json"
@@ -41,13 +43,16 @@ class ArtifactError(ValueError):
 @dataclass(frozen=True, slots=True)
 class OperatingPoint:
     """Where to cut: prompts scoring >= `threshold` go to the large tier; a small answer whose confidence is below
-    `tau` is escalated (None: no cascade). The expectations are shares of all requests on the tuning data."""
+    `tau` (complete answers) or `tau_stream` (streams) is escalated (None: no cascade on that path; the two
+    confidence definitions are in `router.confidence`). The expectations are shares of all requests on the tuning
+    data, for complete answers."""
 
     threshold: float
     tau: float | None
     quality_target: float
     expected_large_fraction: float
     expected_escalation_rate: float
+    tau_stream: float | None = None
 
 
 class RouterArtifact:
@@ -79,6 +84,7 @@ class RouterArtifact:
                 f"{path}: built for features {meta.get('features', {}).get('version')!r}, this code computes "
                 f"{FEATURE_VERSION!r}; retrain it"
             )
+        _drop_stale_taus(path, meta)
         options = ort.SessionOptions()
         # One thread: requests arrive concurrently, and a 400-wide linear model gains nothing from more.
         options.intra_op_num_threads = 1
@@ -111,6 +117,17 @@ class RouterArtifact:
             if point.quality_target >= target - 1e-9:
                 return point
         return self._points[-1]
+
+
+def _drop_stale_taus(path: Path, meta: dict[str, Any]) -> None:
+    """τs tuned before the confidence had a definition per path (meta.json without `confidence`) were chosen on
+    another statistic: they are dropped (classifier-only routing) until `sluice router tune` runs again."""
+    if meta.get("confidence") or not any(p.get("tau") is not None for p in meta["operating_points"]):
+        return
+    log.warning("%s: its cascade τ was tuned on an older confidence definition and is ignored; run "
+                "`sluice router tune` again", path)
+    for point in meta["operating_points"]:
+        point["tau"] = point["tau_stream"] = None
 
 
 def resolve_version(path: Path) -> Path:

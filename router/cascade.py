@@ -1,8 +1,9 @@
 """The confidence cascade, as plain logic over wire objects (no HTTP, no tier calls).
 
-When the router sends a request to the small tier and the operating point sets τ, the small tier is
-asked for token logprobs; an answer whose confidence (`router.confidence.confidence`) is below τ is
-abandoned and the request escalated to the large tier, whose answer alone reaches the client.
+When the router sends a request to the small tier and the operating point sets τ for the request's path, the
+small tier is asked for token logprobs; an answer whose confidence is below τ is abandoned and the request
+escalated to the large tier, whose answer alone reaches the client. A complete answer's confidence is
+`router.confidence.answer_confidence`, a stream's `stream_confidence` (each with its own τ).
 
 A stream decides within its first `k` tokens: they are held back (`StreamProbe`) until `k` have
 arrived, the small tier's stream ends, or the buffering deadline passes, whichever comes first; then
@@ -30,7 +31,7 @@ from engines.api.protocol import (
     Completion,
     CompletionRequest,
 )
-from router.confidence import CONFIDENCE_TOKENS, confidence
+from router.confidence import CONFIDENCE_TOKENS, answer_confidence, stream_confidence
 
 Request = ChatCompletionRequest | CompletionRequest
 Response = ChatCompletion | Completion
@@ -41,7 +42,7 @@ Chunk = ChatCompletionChunk | Completion
 class CascadePlan:
     """How one small-tier request may escalate."""
 
-    tau: float  # escalate when confidence < tau
+    tau: float  # escalate when confidence < tau (the τ of the request's path: answer or stream)
     escalate_to: str
     k: int = CONFIDENCE_TOKENS  # streams: decide within this many tokens
     buffer_s: float = math.inf  # streams: ...or when tokens have been held back this long
@@ -91,7 +92,7 @@ def response_confidence(response: Response) -> float | None:
     values = [_choice_logprobs(c) for c in response.choices]
     if not values or any(v is None for v in values):
         return None
-    return min(confidence(v) for v in values)  # type: ignore[arg-type]
+    return min(answer_confidence(v) for v in values)  # type: ignore[arg-type]
 
 
 def strip_logprobs(obj: Response | Chunk) -> None:
@@ -135,7 +136,7 @@ class StreamProbe:
     def confidence(self) -> float | None:
         if self.without_logprobs or not self.logprobs:
             return None
-        return min(confidence(v, self.plan.k) for v in self.logprobs.values())
+        return min(stream_confidence(v, self.plan.k) for v in self.logprobs.values())
 
     @property
     def generated_tokens(self) -> int:

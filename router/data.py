@@ -2,8 +2,8 @@
 
 The file format (`sluice router train --data`, `sluice router label` output, `bench/router.py --data`) is JSONL or CSV
 with columns `prompt, small_score, large_score` (scores in [0, 1]: 1 = answered correctly) and, when the rows come
-from our own tiers, `small_confidence` (the small tier's confidence on its answer, see `router.confidence`), which
-lets tuning pick the cascade's escalation threshold.
+from our own tiers, `small_confidence` and `small_stream_confidence` (the small tier's confidence in its complete
+answer and in its first tokens, see `router.confidence`), which let tuning pick the cascade's escalation thresholds.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-COLUMNS = ("prompt", "small_score", "large_score", "small_confidence")
+COLUMNS = ("prompt", "small_score", "large_score", "small_confidence", "small_stream_confidence")
+OPTIONAL = ("small_confidence", "small_stream_confidence")
 
 
 class TrainingDataError(ValueError):
@@ -27,6 +28,7 @@ class TrainingRow:
     small_score: float
     large_score: float
     small_confidence: float | None = None
+    small_stream_confidence: float | None = None
 
 
 def _row(raw: dict[str, object], where: str) -> TrainingRow:
@@ -36,16 +38,16 @@ def _row(raw: dict[str, object], where: str) -> TrainingRow:
     scores: dict[str, float | None] = {}
     for column in COLUMNS[1:]:
         value = raw.get(column)
-        if value in (None, "") and column == "small_confidence":
+        if value in (None, "") and column in OPTIONAL:
             scores[column] = None
             continue
         try:
             scores[column] = float(value)  # type: ignore[arg-type]
         except (TypeError, ValueError) as exc:
             raise TrainingDataError(f"{where}: `{column}` must be a number, got {value!r}") from exc
-        if column != "small_confidence" and not 0.0 <= scores[column] <= 1.0:  # type: ignore[operator]
+        if column not in OPTIONAL and not 0.0 <= scores[column] <= 1.0:  # type: ignore[operator]
             raise TrainingDataError(f"{where}: `{column}` must be in [0, 1], got {value!r}")
-    return TrainingRow(prompt, scores["small_score"], scores["large_score"], scores["small_confidence"])  # type: ignore[arg-type]
+    return TrainingRow(prompt, **scores)  # type: ignore[arg-type]
 
 
 def load_rows(path: str | Path) -> list[TrainingRow]:

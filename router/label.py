@@ -2,10 +2,11 @@
 
 `sluice router label --dataset gsm8k --n 300 --out FILE` writes one training row per question
 (`router.data` format: `prompt` is the question, `small_score` / `large_score` are 1 when that tier's
-final number equals the reference, `small_confidence` is `router.confidence.confidence` of the small
-tier's answer). JSONL output also keeps what the scores came from — both answers, the reference and
-the small tier's token logprobs and both token counts — so the confidence study and the cascade
-benchmark need no rerun; `router.data.load_rows` ignores those extra keys.
+final number equals the reference, `small_confidence` and `small_stream_confidence` are
+`router.confidence.answer_confidence` and `stream_confidence` of the small tier's answer). JSONL output
+also keeps what the scores came from — both answers, the reference and the small tier's token logprobs and
+both token counts — so the confidence study and the cascade benchmark need no rerun; `router.data.load_rows`
+ignores those extra keys.
 
 The tiers are any chat clients; the CLI builds the demo tiers' in-process engines one after the other
 (only one model in memory), every question in flight at once (bounded) so the engine batches them. Each
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Protocol
 
 from engines.api.protocol import ChatCompletion, ChatCompletionRequest, ChatMessage
-from router.confidence import confidence
+from router.confidence import answer_confidence, stream_confidence
 from router.data import TrainingRow, load_rows
 
 DEFAULT_GSM8K_DIR = Path("../shared/data/gsm8k")
@@ -123,7 +124,8 @@ def labelled_row(question: Question, small: TierAnswer, large: TierAnswer) -> di
         prompt=question.question,
         small_score=float(is_correct(small.text, question.answer)),
         large_score=float(is_correct(large.text, question.answer)),
-        small_confidence=confidence(small.logprobs) if small.logprobs else None,
+        small_confidence=answer_confidence(small.logprobs) if small.logprobs else None,
+        small_stream_confidence=stream_confidence(small.logprobs) if small.logprobs else None,
     )
     extras = {
         "reference": question.answer,

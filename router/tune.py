@@ -4,6 +4,9 @@ A request whose score is >= threshold goes to the large tier. One routed to smal
 below τ is escalated: it pays for both attempts and gets the large answer. Quality is the mean score of the answers
 served; the bar is `quality_target` × the large-only quality on the same rows. Among all (threshold, τ) pairs on
 the candidate grid that meet the bar, the cheapest wins (ties: fewer large calls). Without confidences τ is None.
+
+Streams decide on another confidence (`router.confidence`): at the chosen threshold, `tau_stream` is the lowest τ
+on the rows' stream confidences that still meets the bar (the fewest escalations, so the cheapest).
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ def operating_points(
     cost_small: np.ndarray | None = None,
     cost_large: np.ndarray | None = None,
     confidence: np.ndarray | None = None,
+    stream_confidence: np.ndarray | None = None,
     grid: int = 201,
 ) -> list[OperatingPoint]:
     """For each quality target, the cheapest candidate point meeting it (ties: fewer large answers). Cost defaults
@@ -105,8 +109,21 @@ def operating_points(
             continue
         _, _, _, threshold, escalation, tau = meeting
         to_large = float((scores >= threshold).mean())
-        chosen.append(OperatingPoint(threshold, tau, target, to_large, escalation))
+        tau_stream = _stream_tau(scores, threshold, small, large, stream_confidence, bar)
+        chosen.append(OperatingPoint(threshold, tau, target, to_large, escalation, tau_stream))
     return chosen
+
+
+def _stream_tau(scores: np.ndarray, threshold: float, small: np.ndarray, large: np.ndarray,
+                stream_confidence: np.ndarray | None, bar: float) -> float | None:
+    """The lowest τ on the stream confidences that keeps quality ≥ bar at this threshold; None without them."""
+    if stream_confidence is None:
+        return None
+    for tau in _candidates(stream_confidence, 51)[:-1]:
+        to_large, escalated = outcome(scores, threshold, float(tau), stream_confidence)
+        if float(np.where(to_large | escalated, large, small).mean()) >= bar:
+            return float(tau)
+    return float(np.nextafter(stream_confidence.max(), np.inf))  # escalate every small answer
 
 
 def tune(scores: np.ndarray, small: np.ndarray, large: np.ndarray, *, quality_target: float, **kwargs: object

@@ -86,12 +86,12 @@ def test_the_small_only_study_scores_answers_against_gsm8k(tmp_path: Path):
 def test_the_routed_cascade_sends_the_question_the_classifier_flags_straight_to_large(labels: Path):
     from bench.router_cascade import cheapest_routed, evaluate, load_labelled
     from gateway.config import load_settings
-    from router.confidence import confidence
+    from router.confidence import answer_confidence
 
     rows = load_labelled(labels, load_settings(environ={}).tiers)
 
     def conf(r):
-        return confidence(r.small_logprobs)
+        return answer_confidence(r.small_logprobs)
 
     # A classifier that flags q1 (small wrong, large right): it alone goes to large, no escalation needed.
     assert cheapest_routed(rows, [0.1, 0.9, 0.1, 0.1], conf, 0.95) == (0.9, -float("inf"))

@@ -77,10 +77,12 @@ def cascade_gateway(tiers, records, embedder):
         threshold: float = 0.5,
         scores: dict[str, float] | None = None,
         settings: Settings | None = None,
+        tau_stream: float | str | None = "same",
     ) -> Gateway:
         tiers["small"].logprobs = None if logprob is None else [logprob] * len(tiers["small"].words)
         settings = settings or settings_with()
-        artifact = StandInArtifact(scores or {}, OperatingPoint(threshold, tau, 0.95, 0.3, 0.1))
+        stream_tau = tau if tau_stream == "same" else tau_stream
+        artifact = StandInArtifact(scores or {}, OperatingPoint(threshold, tau, 0.95, 0.3, 0.1, stream_tau))
         router = Router(settings, embedder, Watcher(artifact))
         return Gateway(settings, tiers, InProcessCounterStore(), records.append, Metrics(), router=router)
 
@@ -327,3 +329,18 @@ async def test_an_artifact_trained_on_other_embeddings_still_routes_and_is_warne
     warnings = [r.getMessage() for r in caplog.records if "trained on" in r.getMessage()]
     assert warnings == ["router artifact test-1 was trained on all-MiniLM-L6-v2@0000-float32 embeddings, the gateway "
                         "computes all-MiniLM-L6-v2@0000-int8: retrain it"]
+
+
+async def test_each_path_escalates_on_its_own_tau(cascade_gateway, tiers):
+    """A complete answer is judged by its least likely token, a stream by its first tokens' mean: each has a τ."""
+    tiers["small"].words = ["small-a", "small-b", "small-c", "small-d"]
+    gateway = cascade_gateway(logprob=LOW, tau=None, tau_stream=TAU)  # no τ for complete answers
+    reply = await gateway.chat(await start(gateway), chat("hi", max_tokens=4))
+    assert (reply.headers["x-sluice-tier"], reply.headers["x-sluice-escalated"]) == ("small", "false")
+    reply = await gateway.chat(await start(gateway), chat("hi", max_tokens=4, stream=True))
+    assert "large-a" in stream_text(await collect(reply.stream))
+    gateway = cascade_gateway(logprob=LOW, tau=TAU, tau_stream=None)  # no τ for streams
+    reply = await gateway.chat(await start(gateway), chat("hi", max_tokens=4, stream=True))
+    assert "small-a" in stream_text(await collect(reply.stream))
+    reply = await gateway.chat(await start(gateway), chat("hi", max_tokens=4))
+    assert (reply.headers["x-sluice-tier"], reply.headers["x-sluice-escalated"]) == ("large", "true")

@@ -114,3 +114,19 @@ def test_operating_point_is_a_plain_record() -> None:
     point = OperatingPoint(threshold=0.4, tau=None, quality_target=0.95, expected_large_fraction=0.3,
                            expected_escalation_rate=0.0)
     assert choose_tier(0.4, point, None)[0] == "large"
+
+
+def test_taus_tuned_before_the_per_path_confidences_are_dropped_not_misread(tmp_path: Path, caplog) -> None:
+    rows = synthetic.rows()
+    artifact = train_router(rows, tmp_path, embeddings=synthetic.embed([r.prompt for r in rows]))
+    meta_path = artifact.path / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["operating_points"][0]["tau"] = -0.2  # an older artifact: one τ, no `confidence` definitions
+    meta_path.write_text(json.dumps(meta))
+    with caplog.at_level("WARNING", logger="sluice.router"):
+        reloaded = RouterArtifact.load(tmp_path)
+    assert all(p.tau is None and p.tau_stream is None for p in reloaded.operating_points)
+    assert "older confidence definition" in caplog.text
+    meta["confidence"] = {"answer": "min", "stream": "mean of the first 32"}
+    meta_path.write_text(json.dumps(meta))
+    assert RouterArtifact.load(tmp_path).operating_points[0].tau == -0.2

@@ -28,7 +28,7 @@ from router.cascade import (
     strip_logprobs,
     with_logprobs,
 )
-from router.confidence import CANDIDATES, confidence
+from router.confidence import CANDIDATES, answer_confidence, stream_confidence
 
 
 def chunk(*logprobs: float, text: str = "x", index: int = 0) -> ChatCompletionChunk:
@@ -82,7 +82,7 @@ def test_a_stream_without_logprobs_is_decided_at_once_and_never_escalates():
     assert not should_escalate(probe.confidence, -1.0)
 
 
-def test_the_least_confident_choice_is_the_answers_confidence():
+def test_a_complete_answer_is_as_confident_as_its_least_likely_token_in_its_least_confident_choice():
     def choice(index: int, *logprobs: float) -> ChatChoice:
         content = [TokenLogprob(token="t", logprob=lp) for lp in logprobs]
         return ChatChoice(
@@ -95,7 +95,7 @@ def test_the_least_confident_choice_is_the_answers_confidence():
     response = ChatCompletion(
         id="r", created=0, model="s", choices=[choice(0, -0.1), choice(1, -2.0, -1.0)], usage=Usage.of(1, 3)
     )
-    assert response_confidence(response) == -1.5
+    assert response_confidence(response) == -2.0  # not the stream's mean of the first tokens (-1.5)
     strip_logprobs(response)
     assert response_confidence(response) is None
     assert all(c.logprobs is None for c in response.choices)
@@ -114,8 +114,10 @@ def test_buffering_time_is_what_the_ttft_slo_leaves():
     assert buffer_budget_s(1500.0, 2.0) == 0.0
 
 
-def test_confidence_is_the_mean_of_the_first_k_token_logprobs():
-    assert confidence([-1.0, -3.0, -100.0], k=2) == -2.0
-    assert confidence([]) == -math.inf
+def test_a_streams_confidence_is_the_mean_of_its_first_k_token_logprobs_an_answers_its_minimum():
+    assert stream_confidence([-1.0, -3.0, -100.0], k=2) == -2.0
+    assert stream_confidence([]) == -math.inf
+    assert answer_confidence([-1.0, -3.0, -100.0]) == -100.0
+    assert answer_confidence([]) == -math.inf
     assert CANDIDATES["min"]([-1.0, -3.0]) == -3.0
     assert CANDIDATES["uncertain_fraction"]([-0.1, -2.0]) == -0.5

@@ -8,7 +8,7 @@ import pytest
 
 from router.data import TrainingDataError, TrainingRow, load_rows, write_rows
 
-ROWS = [TrainingRow("2+2?", 1.0, 1.0, -0.1), TrainingRow("prove P != NP", 0.0, 0.5, None)]
+ROWS = [TrainingRow("2+2?", 1.0, 1.0, -0.9, -0.1), TrainingRow("prove P != NP", 0.0, 0.5, None, None)]
 
 
 @pytest.mark.parametrize("name", ["rows.jsonl", "rows.csv"])
@@ -31,3 +31,11 @@ def test_a_missing_prompt_is_refused(tmp_path: Path) -> None:
     path.write_text("prompt,small_score,large_score\n,1,0\n")
     with pytest.raises(TrainingDataError, match=r"bad\.csv:2: `prompt`"):
         load_rows(path)
+
+
+def test_confidences_are_optional_and_may_be_below_zero(tmp_path: Path) -> None:
+    path = tmp_path / "rows.csv"
+    path.write_text("prompt,small_score,large_score\nq,1,0\n")
+    assert load_rows(path) == [TrainingRow("q", 1.0, 0.0)]
+    path.write_text("prompt,small_score,large_score,small_confidence,small_stream_confidence\nq,1,0,-7.5,-0.25\n")
+    assert load_rows(path) == [TrainingRow("q", 1.0, 0.0, -7.5, -0.25)]

@@ -36,6 +36,20 @@ def test_with_confidences_escalating_one_doubtful_answer_beats_sending_everyone_
     assert tune(scores, small, large, quality_target=1.0).expected_large_fraction == 1.0
 
 
+def test_streams_get_the_lowest_tau_on_their_own_confidence_that_keeps_the_bar() -> None:
+    # The same table: the complete answer's confidence flags row 0 alone, the stream's (its first tokens) ranks
+    # row 0 only third from the bottom: keeping full quality then takes escalating three streams.
+    scores = np.array([0.1, 0.9, 0.5, 0.3, 0.7])
+    small = np.array([0, 1, 1, 1, 1])
+    large = np.array([1, 1, 1, 1, 1])
+    answer = np.array([0.1, 0.9, 0.8, 0.7, 0.6])
+    stream = np.array([0.5, 0.9, 0.8, 0.3, 0.4])
+    point = tune(scores, small, large, quality_target=1.0, confidence=answer, stream_confidence=stream)
+    assert 0.1 < point.tau <= 0.6
+    assert (stream < point.tau_stream).tolist() == [True, False, False, True, True]  # the fewest that include row 0
+    assert tune(scores, small, large, quality_target=1.0, confidence=answer).tau_stream is None
+
+
 def test_costs_follow_tier_prices_and_prompt_length() -> None:
     prices = Prices(small_input=0.05, small_output=0.20, large_input=0.30, large_output=1.20)
     small, large = request_costs(["x" * 400], prices, output_tokens=100)  # 100 prompt tokens at 4 chars each
