@@ -226,6 +226,14 @@ class RouterConfig(_Section):
     quality_target: float = 0.95
     # Shadow runs (large answering in the background) at most this many at a time; more are dropped.
     shadow_concurrency: int = 2
+    # The embedding model's graph (router, response cache, /v1/embeddings): "auto" is int8 on a CPU and float32
+    # with onnxruntime's CUDA provider. Router artifacts and cache scopes record the one they were built with.
+    embedding_precision: Literal["auto", "int8", "float32"] = "auto"
+
+    @property
+    def embedder_precision(self) -> str | None:
+        """What `router.embedding.Embedder.load` takes: None lets it choose by device."""
+        return None if self.embedding_precision == "auto" else self.embedding_precision
 
 
 def _default_tiers() -> dict[str, TierConfig]:

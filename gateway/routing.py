@@ -297,4 +297,5 @@ def build_router(settings: Settings) -> Router:
     if not path.exists():
         log.warning("no router artifact at %s: `sluice`/`auto` go to the default tier", path)
         return Router(settings)
-    return Router(settings, Embedder.load(settings.models_cache_dir), ArtifactWatcher(path))
+    embedder = Embedder.load(settings.models_cache_dir, precision=settings.router.embedder_precision)
+    return Router(settings, embedder, ArtifactWatcher(path))

@@ -62,6 +62,7 @@ def test_config_file_from_environment_variable(tmp_path: Path) -> None:
         ({"SLUICE_TIERS__SMALL__MAX_BATCH_TOKENS_BESIDE_INTERACTIVE": "0"}, "tiers.small.max_batch_tokens_beside"),
         ({"SLUICE_TIERS__LARGE__MAX_NUM_SEQS": "-1"}, "tiers.large.max_num_seqs"),
         ({"SLUICE_TIERS__LARGE__DEVICE": "tpu"}, "tiers.large.device"),
+        ({"SLUICE_ROUTER__EMBEDDING_PRECISION": "int4"}, "router.embedding_precision"),
     ],
 )
 def test_invalid_config_fails_with_a_message_naming_the_key(environ: dict[str, str], named_key: str) -> None:
@@ -91,3 +92,12 @@ def test_speculative_decoding_is_off_until_a_tier_names_a_drafter() -> None:
     assert engine_spec("large", settings.tiers["large"]).num_speculative_tokens == 4
     off = load_settings(environ={"SLUICE_TIERS__LARGE__SPECULATIVE_DRAFT": ""})
     assert engine_spec("large", off.tiers["large"]).speculative_draft is None
+
+
+def test_the_embedding_precision_is_chosen_by_device_unless_set() -> None:
+    from gateway.cache.hook import cache_models
+
+    assert load_settings(environ={}).router.embedder_precision is None  # auto: Embedder.load decides
+    settings = load_settings(environ={"SLUICE_ROUTER__EMBEDDING_PRECISION": "float32"})
+    assert settings.router.embedder_precision == "float32"
+    assert cache_models(settings).embedding_precision == "float32"  # the cache's (and /v1/embeddings') embedder

@@ -27,9 +27,11 @@ Request = ChatCompletionRequest | CompletionRequest
 class CacheModels:
     """The embedding model and the matcher, loaded on first use (off the event loop, once)."""
 
-    def __init__(self, models_dir: Path, matcher_dir: Path, embedder: Any | None = None) -> None:
+    def __init__(self, models_dir: Path, matcher_dir: Path, embedder: Any | None = None,
+                 embedding_precision: str | None = None) -> None:
         self.models_dir = models_dir
         self.matcher_dir = matcher_dir
+        self.embedding_precision = embedding_precision
         self._loading: asyncio.Task[Matcher] | None = None
         self._loaded = embedder  # the router's, when it has one: one embedding model per process
         self._embedder: asyncio.Task[Any] | None = None
@@ -37,7 +39,7 @@ class CacheModels:
     def _load_embedder(self) -> Any:
         from router.embedding import Embedder
 
-        return Embedder.load(self.models_dir)
+        return Embedder.load(self.models_dir, precision=self.embedding_precision)
 
     async def embedder(self) -> Any:
         if self._loaded is not None:
@@ -56,7 +58,7 @@ class CacheModels:
 def cache_models(settings: Settings, embedder: Any | None = None) -> CacheModels:
     """The cache's models; `embedder` is the router's embedding service when it loaded one."""
     matcher_dir = Path(settings.cache.matcher_dir) if settings.cache.matcher_dir else MATCHER_DIR
-    return CacheModels(settings.models_cache_dir, matcher_dir, embedder)
+    return CacheModels(settings.models_cache_dir, matcher_dir, embedder, settings.router.embedder_precision)
 
 
 def cache_policy(policy: PolicyConfig) -> CachePolicy:
