@@ -6,8 +6,10 @@
     never tuned here) against cosine-only with its threshold tuned on the same pairs for the same
     false-hit rate (an oracle threshold: the baseline's best case).
 (b) `ResponseCache.begin` per lookup, embedding and matcher included, with 1k, 10k and 100k entries in
-    one scope (in-process store, and Redis where it is reachable), one lookup at a time and 32 at once.
-    Half the queries are paraphrases of stored questions, half are new questions.
+    one scope (in-process store, and each `--redis-url` that is reachable: a Redis 7 searched through the
+    replica's index, a Redis 8 through its vector sets), one lookup at a time and 32 at once. Half the
+    queries are paraphrases of stored questions, half are new questions. `--embedding-precision float32`
+    runs (a) and (b) on the float32 graph, the baseline of the int8 one a CPU gateway runs.
 (c) The gateway app over HTTP (ASGI) with both tiers on a fake upstream that streams at 20 ms a
     token: held-out question pairs asked once, then their paraphrases and some repeats.
 
