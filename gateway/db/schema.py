@@ -59,7 +59,7 @@ requests = sa.Table(
     sa.Column("tier", sa.String(32), nullable=True),  # tier that served
     sa.Column("escalated", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("fallback", sa.Boolean, nullable=False, server_default=sa.false()),
-    sa.Column("confidence", sa.Float, nullable=True),
+    sa.Column("confidence", sa.Float, nullable=True),  # small tier's: answer_/stream_confidence by `stream`
     sa.Column("cache_status", sa.String(16), nullable=False, server_default="miss"),  # miss|exact|semantic|off
     sa.Column("stream", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("prompt_tokens", sa.Integer, nullable=False, server_default="0"),
