@@ -143,7 +143,7 @@ class ResponseCache:
         try:
             if lookup.write and lookup.key is not None and lookup.scope is not None and lookup.policy is not None:
                 entry = Entry(body, lookup.scope.feature, lookup.key.query, cost_usd, self.clock())
-                vector = lookup.vector if lookup.policy.mode == "semantic" and lookup.key.semantic else None
+                vector = await self._vector_to_keep(lookup)
                 await self.backend.put(
                     lookup.scope, lookup.key.exact, entry, lookup.policy.ttl_s, vector, self.max_entries_per_scope
                 )
@@ -165,6 +165,17 @@ class ResponseCache:
         return await self.backend.purge(tenant, feature)
 
     # -- internals ------------------------------------------------------------------------------
+
+    async def _vector_to_keep(self, lookup: Lookup) -> np.ndarray | None:
+        """The question's embedding for the semantic tier: the lookup's, or computed now when the lookup was
+        skipped (`Cache-Control: no-cache`) and no router embedded the request."""
+        assert lookup.policy is not None and lookup.key is not None
+        if lookup.policy.mode != "semantic" or not lookup.key.semantic:
+            return None
+        if lookup.vector is None:
+            embedder, _ = await self._load_models()
+            lookup.vector = (await embedder.embed_async([lookup.key.query]))[0]
+        return lookup.vector
 
     async def _follow(self, exact: str) -> bool:
         """Wait for the same miss led elsewhere in this replica; True if there was one."""

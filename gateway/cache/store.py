@@ -7,7 +7,7 @@ semantic tier's vectors, kept one of two ways:
 - plain Redis 7: a hash of the vectors and a change log (a Redis stream: add / del / purge) from which
   each replica keeps its in-memory `VectorIndex` current. A replica reads the log since its cursor
   before searching; one that fell behind the log's trimmed start reloads the vectors from the hash;
-- Redis 8 (detected: the server knows `VADD`): a vector set, searched in Redis with `VSIM`
+- Redis 8 (detected: the server knows the vector-set commands): a vector set, searched in Redis with `VSIM`
   (`RedisCacheStore.nearest`); replicas then keep no index.
 
 Either way a candidate is read from the store before it is served, so TTLs, evictions and purges hold
@@ -149,7 +149,10 @@ if over > 0 then
     drop(k)
   end
 end
-for _, i in ipairs({2, 3, 4, 6}) do redis.call('PEXPIRE', KEYS[i], ttl) end
+-- The scope's structures live as long as its longest-lived entry: a shorter TTL never shortens them.
+for _, i in ipairs({2, 3, 4, 6}) do
+  if redis.call('PTTL', KEYS[i]) < ttl then redis.call('PEXPIRE', KEYS[i], ttl) end
+end
 redis.call('HSET', KEYS[5], ARGV[9], ARGV[10])
 return over
 """
@@ -214,8 +217,9 @@ class RedisCacheStore:
             return None
         blob = np.asarray(vector, dtype=np.float32).tobytes()
         try:
+            # Twice k: vectors of entries that expired since the scope's last put are still in the set.
             found = await self.redis.execute_command(
-                "VSIM", self._scope(scope, "vs"), "FP32", blob, "WITHSCORES", "COUNT", k
+                "VSIM", self._scope(scope, "vs"), "FP32", blob, "WITHSCORES", "COUNT", 2 * k
             )
             pairs = [(m.decode(), 2.0 * float(s) - 1.0) for m, s in _pairs(found)]  # VSIM's score is (1 + cos) / 2
             pairs = [(key, cosine) for key, cosine in pairs if cosine >= floor]
@@ -225,7 +229,7 @@ class RedisCacheStore:
         # An entry gone (expired, evicted) leaves its vector until the scope's next put drops it: skip it.
         entries = [(key, cosine, _entry_decoder.decode(body)) for (key, cosine), body in zip(pairs, raw, strict=True)
                    if body is not None]
-        return [Candidate(key, cosine, entry.query, entry) for key, cosine, entry in entries]
+        return [Candidate(key, cosine, entry.query, entry) for key, cosine, entry in entries[:k]]
 
     async def put(
         self, scope: ScopeRef, key: str, entry: Entry, ttl_s: float, vector: np.ndarray | None, max_entries: int

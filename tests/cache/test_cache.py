@@ -124,6 +124,7 @@ async def test_cache_control_no_store_and_no_cache(store, make_cache):
     await cache.store(fresh, answer("Practice daily."), 0.001)
     assert (await cache.begin(request, SEMANTIC, control="no-cache", **WHO)).status == "miss"
     assert (await get(cache, request)).status == "exact"
+    assert (await get(cache, ask("What is the fastest way to learn Python?"))).status == "semantic"  # kept whole
 
 
 async def test_exact_mode_never_serves_a_paraphrase_and_off_mode_nothing(store, make_cache):
@@ -226,6 +227,21 @@ async def test_with_vector_sets_redis_searches_and_replicas_keep_no_index(vector
     assert await store.redis.execute_command("VCARD", vector_set) == 2
     await a.purge("acme")
     assert await store.redis.exists(vector_set) == 0
+
+
+async def test_entries_that_expired_neither_shorten_the_scope_nor_hide_a_live_match(shared_stores, make_cache):
+    """Two short-lived entries nearer the query than a live one: once they expire (and no put has dropped them
+    yet) a new replica still finds the live one."""
+    cache = make_cache(shared_stores())
+    brief = CachePolicy(mode="semantic", ttl_s=0.05)
+    for text, answer_text, policy in [("How do I learn Python quickly?", "Practice daily.", SEMANTIC),  # lives on
+                                      ("What is the fastest way to learn Python?", "Build things.", brief),
+                                      ("What's the quickest way to learn Python?", "Read code.", brief)]:
+        lookup = await cache.begin(ask(text), policy, **WHO, control="no-cache")  # stored, never looked up
+        await cache.store(lookup, answer(answer_text), cost_usd=0.002)
+    await asyncio.sleep(0.2)  # two expire; no put since, so their vectors are still the query's nearest two
+    hit = await get(make_cache(shared_stores()), ask("What's the quickest way to learn Python?"))
+    assert hit.status == "semantic" and b"Practice daily." in hit.hit.entry.body
 
 
 async def test_redis_down_means_the_cache_is_bypassed_not_an_error(make_cache):
