@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from bench.common import print_table, write_results
 from gateway.config import TierConfig, load_settings
 from gateway.cost import request_cost
@@ -238,32 +240,26 @@ def routed_results(rows: Sequence[Labelled], scores: Sequence[float], conf: Conf
     }  # fmt: skip
 
 
-def classifier_scores(rows: Sequence[Labelled]) -> list[float]:
+def classifier_scores(rows: Sequence[Labelled], embeddings: np.ndarray) -> list[float]:
     """The shipped difficulty classifier's score of each question (trained on RouteLLM's model pair, not ours)."""
     from router.artifact import DEFAULT_ARTIFACT_DIR, RouterArtifact
-    from router.embedding import Embedder
 
-    prompts = [r.prompt for r in rows]
-    return RouterArtifact.load(DEFAULT_ARTIFACT_DIR).score(Embedder.load().embed(prompts), prompts).tolist()
+    return RouterArtifact.load(DEFAULT_ARTIFACT_DIR).score(embeddings, [r.prompt for r in rows]).tolist()
 
 
 OWN_FOLDS = 5
 
 
-def own_classifier_scores(rows: Sequence[Labelled], folds: int = OWN_FOLDS) -> list[float]:
+def own_classifier_scores(rows: Sequence[Labelled], embeddings: np.ndarray, embedder_version: str,
+                          folds: int = OWN_FOLDS) -> list[float]:
     """Each question's score from a classifier trained on these tiers' own outcomes by `train_router` (what
     `sluice router train` does with these rows), out of fold: the k-th fifth is scored by a model that never saw it."""
     import tempfile
 
-    import numpy as np
-
     from router.data import TrainingRow
-    from router.embedding import Embedder
     from router.train import train_router
 
-    embedder = Embedder.load()
     prompts = [r.prompt for r in rows]
-    embeddings = embedder.embed(prompts)
     training = [TrainingRow(r.prompt, float(r.small_correct), float(r.large_correct)) for r in rows]
     fold_of = np.random.default_rng(0).permutation(len(rows)) % folds
     scores = np.zeros(len(rows))
@@ -271,7 +267,7 @@ def own_classifier_scores(rows: Sequence[Labelled], folds: int = OWN_FOLDS) -> l
         fit, held = np.flatnonzero(fold_of != fold), np.flatnonzero(fold_of == fold)
         with tempfile.TemporaryDirectory() as tmp:
             artifact = train_router([training[i] for i in fit], Path(tmp), embeddings=embeddings[fit],
-                                    embedder_version=embedder.version)
+                                    embedder_version=embedder_version)
             scores[held] = artifact.score(embeddings[held], [prompts[i] for i in held])
     return scores.tolist()
 
@@ -363,14 +359,17 @@ def cascade_benchmark(labels: Path) -> dict[str, Any]:
     """Part (b): figures for the JSON (and the printed tables). The top level is the path of complete answers
     (non-streamed requests, `answer_confidence`); `streams` the same policies with `stream_confidence`."""
     from router.data import TrainingDataError
+    from router.embedding import Embedder
 
     tiers = load_settings(environ={}).tiers
     rows = load_labelled(labels, tiers)
     if len(rows) < 4:
         raise SystemExit(f"{labels}: {len(rows)} labelled rows with small-tier logprobs; label more first")
-    shipped = classifier_scores(rows)
+    embedder = Embedder.load()
+    embeddings = embedder.embed([r.prompt for r in rows])  # once, for both classifiers
+    shipped = classifier_scores(rows, embeddings)
     try:
-        own: list[float] | str = own_classifier_scores(rows)
+        own: list[float] | str = own_classifier_scores(rows, embeddings, embedder.version)
     except TrainingDataError as exc:
         own = str(exc)
     figures = {

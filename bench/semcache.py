@@ -73,7 +73,8 @@ def quality(data: Path, matcher: Matcher, split: str) -> dict[str, Any]:
 
     pairs, described = eval_pairs(data, matcher, split)
     labels = np.array([p.label for p in pairs])
-    vectors = embed_all(Embedder.load(precision=EMBEDDING_PRECISION), [t for p in pairs for t in (p.text_a, p.text_b)])
+    embedder = Embedder.load(precision=EMBEDDING_PRECISION)
+    vectors = embed_all(embedder, [t for p in pairs for t in (p.text_a, p.text_b)])
     cosine = np.array([float(vectors[p.text_a] @ vectors[p.text_b]) for p in pairs])
     shown = np.flatnonzero(cosine >= matcher.floor)  # only these reach the matcher, as in the cache
     scores = np.zeros(len(pairs), dtype=np.float32)
@@ -85,6 +86,7 @@ def quality(data: Path, matcher: Matcher, split: str) -> dict[str, Any]:
     cos_threshold, cos_fhr, cos_recall = pick_threshold(cosine, labels, ours_fhr)
     ref_threshold, ref_fhr, ref_recall = pick_threshold(cosine, labels, TARGET_FHR)
     return {
+        "embedder": embedder.version,
         "pairs": len(pairs),
         "positives": int(labels.sum()),
         "negatives": int((1 - labels).sum()),
@@ -422,12 +424,10 @@ def main(argv: list[str] | None = None) -> None:
     EMBEDDING_PRECISION = args.embedding_precision
     if not args.data.exists():
         sys.exit(f"no pair file at {args.data}: pass --data (the QQP pairs live in ../shared/data/semcache)")
-    from router.embedding import Embedder
-
     matcher = Matcher.load(args.matcher)
-    figures: dict[str, Any] = {"cpu": cpu_model(), "targets": TARGETS,
-                               "embedder": Embedder.load(precision=EMBEDDING_PRECISION).version}
+    figures: dict[str, Any] = {"cpu": cpu_model(), "targets": TARGETS}
     figures["quality"] = quality(args.data, matcher, args.split)
+    figures["embedder"] = figures["quality"]["embedder"]
     print_quality(figures["quality"])
     if not args.quality_only:
         sizes = [int(s) for s in args.sizes.split(",")]

@@ -20,6 +20,7 @@ from router.artifact import OperatingPoint
 
 QUALITY_TARGETS = tuple(round(0.80 + 0.01 * i, 2) for i in range(21))  # 0.80 … 1.00, stored with each artifact
 CHARS_PER_TOKEN = 4.0  # rough prompt-token estimate when a training file carries no token counts
+TAU_CANDIDATES = 51  # τ candidates: quantiles of the confidences
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +57,11 @@ def outcome(
     return to_large, ~to_large & (confidence < tau)
 
 
+def _quality(served_large: np.ndarray, small: np.ndarray, large: np.ndarray) -> float:
+    """Mean score of the answers served: large's where it answered, small's elsewhere."""
+    return float(np.where(served_large, large, small).mean())
+
+
 def _grid(
     scores: np.ndarray,
     small: np.ndarray,
@@ -71,13 +77,13 @@ def _grid(
     cost_large = np.full(n, 10.0) if cost_large is None else cost_large
     taus: list[float | None] = [None]
     if confidence is not None:
-        taus += [float(t) for t in _candidates(confidence, 51)[:-1]]
+        taus += [float(t) for t in _candidates(confidence, TAU_CANDIDATES)[:-1]]
     points = []
     for tau in taus:
         for threshold in _candidates(scores, grid):
             to_large, escalated = outcome(scores, threshold, tau, confidence)
             served_large = to_large | escalated
-            quality = float(np.where(served_large, large, small).mean())
+            quality = _quality(served_large, small, large)
             cost = float(np.where(to_large, cost_large, cost_small + np.where(escalated, cost_large, 0.0)).sum())
             points.append((cost, float(served_large.mean()), quality, float(threshold), float(escalated.mean()), tau))
     return points
@@ -119,9 +125,9 @@ def _stream_tau(scores: np.ndarray, threshold: float, small: np.ndarray, large: 
     """The lowest τ on the stream confidences that keeps quality ≥ bar at this threshold; None without them."""
     if stream_confidence is None:
         return None
-    for tau in _candidates(stream_confidence, 51)[:-1]:
+    for tau in _candidates(stream_confidence, TAU_CANDIDATES)[:-1]:
         to_large, escalated = outcome(scores, threshold, float(tau), stream_confidence)
-        if float(np.where(to_large | escalated, large, small).mean()) >= bar:
+        if _quality(to_large | escalated, small, large) >= bar:
             return float(tau)
     return float(np.nextafter(stream_confidence.max(), np.inf))  # escalate every small answer
 

@@ -167,11 +167,16 @@ class ResponseCache:
     # -- internals ------------------------------------------------------------------------------
 
     async def _vector_to_keep(self, lookup: Lookup) -> np.ndarray | None:
-        """The question's embedding for the semantic tier: the lookup's, or computed now when the lookup was
-        skipped (`Cache-Control: no-cache`) and no router embedded the request."""
+        """The question's embedding for the semantic tier (computed now when the lookup was skipped by
+        `Cache-Control: no-cache` and no router embedded the request); None for an exact-only entry."""
         assert lookup.policy is not None and lookup.key is not None
         if lookup.policy.mode != "semantic" or not lookup.key.semantic:
             return None
+        return await self._query_vector(lookup)
+
+    async def _query_vector(self, lookup: Lookup) -> np.ndarray:
+        """The question's embedding: the router's when it computed one, else computed once here."""
+        assert lookup.key is not None
         if lookup.vector is None:
             embedder, _ = await self._load_models()
             lookup.vector = (await embedder.embed_async([lookup.key.query]))[0]
@@ -197,9 +202,8 @@ class ResponseCache:
         if exact_only or lookup.policy.mode != "semantic" or not lookup.key.semantic:
             return False
         embedder, matcher = await self._load_models()
-        if lookup.vector is None:
-            lookup.vector = (await embedder.embed_async([lookup.key.query]))[0]
-        found = await self._nearest(lookup.key.scope, lookup.vector, embedder.dim, matcher.floor)
+        vector = await self._query_vector(lookup)
+        found = await self._nearest(lookup.key.scope, vector, embedder.dim, matcher.floor)
         if not found:
             return False
         probabilities = await matcher.score_async([lookup.key.query] * len(found), [c.text for c in found])

@@ -257,7 +257,7 @@ def _operating_point(out: Path, val: list[Pair], target_fhr: float, confidence: 
     a, b = embedder.embed([p.text_a for p in val]), embedder.embed([p.text_b for p in val])
     cosine = (a * b).sum(axis=1)
     labels = np.array([p.label for p in val])
-    low_floor = math.floor(float(np.quantile(cosine[labels == 1], 0.01)) * 20) / 20
+    low_floor = _percentile_floor(cosine[labels == 1])
     matcher = Matcher.load(out, threshold=0.5)
     shown = np.flatnonzero(cosine >= low_floor)
     probabilities = matcher.score_many([val[i].text_a for i in shown], [val[i].text_b for i in shown])
@@ -299,9 +299,12 @@ def serving_floor(cosine: np.ndarray, labels: np.ndarray, accepted: np.ndarray, 
     the rule accepts lie below it (in steps of 0.05), never under `floor`. Raising it only removes hits, so
     the false-hit bound holds; it costs ~1% of the hits and spares most lookups the matcher's call."""
     kept = cosine[accepted & (labels == 1)]
-    if len(kept) == 0:
-        return floor
-    return max(floor, math.floor(float(np.quantile(kept, 0.01)) * 20) / 20)
+    return max(floor, _percentile_floor(kept)) if len(kept) else floor
+
+
+def _percentile_floor(cosines: np.ndarray) -> float:
+    """The cosine 1% of `cosines` lie below, rounded down to a step of 0.05."""
+    return math.floor(float(np.quantile(cosines, 0.01)) * 20) / 20
 
 
 def _floored(n: int, shown: np.ndarray, scores: np.ndarray) -> np.ndarray:

@@ -144,7 +144,7 @@ class Matcher:
         return float(self.session.run(None, feed)[0][0, 0])
 
     async def score_async(self, queries: Sequence[str], candidates: Sequence[str]) -> np.ndarray:
-        """`score` off the event loop; concurrent callers share one batch (one forward pass for a burst)."""
+        """`score` off the event loop; concurrent callers share one hop off it (each pair still runs alone)."""
         return await self._batcher.submit(list(zip(queries, candidates, strict=True)))
 
     def score_many(self, queries: Sequence[str], candidates: Sequence[str], batch: int = 256) -> np.ndarray:

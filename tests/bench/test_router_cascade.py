@@ -123,6 +123,6 @@ def test_a_classifier_trained_on_the_tiers_own_outcomes_scores_each_question_out
         return Scored(trained_on[-1])
 
     monkeypatch.setattr(router.train, "train_router", fake_train)
-    scores = own_classifier_scores(rows)
+    scores = own_classifier_scores(rows, np.zeros((len(rows), 384), dtype=np.float32), "test-embedder")
     assert len(trained_on) == OWN_FOLDS and all(len(t) == 32 for t in trained_on)
     assert sorted(scores.count(float(k)) for k in range(1, OWN_FOLDS + 1)) == [8] * OWN_FOLDS  # each row once
