@@ -5,11 +5,14 @@
 Workload: GSM8K test questions (/work/shared/data/gsm8k) as chat prompts, greedy, `--output-tokens`
 tokens each unless the model stops first. One engine holds both models (the tier's shipped
 precision, `quantization=auto`; prefix caching off so that no run profits from another); each
-configuration runs the same prompts at batch 1 (one after another) and batch 4 (together):
+configuration runs the same prompts at batch 1 (one after another) and batch 4 (together), the three
+interleaved group by group so that the machine's drift during the run weighs on each alike:
 
   plain        the target alone, one token per sequence per step;
-  speculative  the drafter proposes k tokens, the target verifies them in one forward (k adapted,
-               at most `--num-speculative-tokens`).
+  speculative  the drafter proposes k tokens, the target verifies them in one forward (at most
+               `--num-speculative-tokens`; each round drafts while another draft pays, as shipped);
+  fixed k      the same, every round drafting the k the running acceptance rate alone suggests
+               (`speculative_adaptive_drafts = false`, the rule before adaptive drafts).
 
 Reported per batch size: decode tokens/s (output tokens after each request's first, over the time
 after its first token), end-to-end tokens/s, the drafter's acceptance rate, mean tokens per target
@@ -34,7 +37,7 @@ from bench.engine import GSM8K_DIR
 from engines.large.spec import SPEC as LARGE
 from engines.llm_engine import LLMEngine
 from engines.sampling_params import SamplingParams
-from engines.speculative import SpeculativeStats
+from engines.speculative import CONFIDENCE_BINS, SpeculativeStats, Speculator
 
 GSM8K_TEST = GSM8K_DIR / "test.jsonl"
 INSTRUCTION = "Solve this math problem step by step, then give the final answer after '####'."
@@ -76,7 +79,38 @@ def run(engine: LLMEngine, prompts: list[list[int]], batch: int, output_tokens: 
         "decode_tokens_per_s": decode_tokens / decode_seconds * batch,
         "end_to_end_tokens_per_s": total_tokens / elapsed,
         "seconds": elapsed,
+        "decode_tokens": decode_tokens, "decode_seconds": decode_seconds, "total_tokens": total_tokens,
     }
+
+
+CONFIGURATIONS = ("plain", "fixed_k", "speculative")
+
+
+def run_interleaved(engine: LLMEngine, speculator: Speculator, prompts: list[list[int]], batch: int,
+                    output_tokens: int) -> tuple[dict[str, dict[str, Any]], dict[str, SpeculativeStats]]:
+    """Each group of `batch` prompts under every configuration in turn, the order rotating from group to group,
+    so that a drift of this machine's speed during the run weighs on all three
+    alike instead of on whichever ran last."""
+    stats = {"fixed_k": SpeculativeStats(), "speculative": SpeculativeStats()}
+    parts: dict[str, list[dict[str, Any]]] = {name: [] for name in CONFIGURATIONS}
+    for index, first in enumerate(range(0, len(prompts), batch)):
+        shift = index % len(CONFIGURATIONS)
+        for name in CONFIGURATIONS[shift:] + CONFIGURATIONS[:shift]:
+            engine.speculator = None if name == "plain" else speculator
+            if name != "plain":
+                speculator.adaptive_drafts, speculator.stats = name == "speculative", stats[name]
+            parts[name].append(run(engine, prompts[first:first + batch], batch, output_tokens))
+    engine.speculator = speculator
+    merged = {}
+    for name, runs in parts.items():
+        decode_seconds = sum(part["decode_seconds"] for part in runs)
+        merged[name] = {
+            "outputs": [output for part in runs for output in part["outputs"]],
+            "decode_tokens_per_s": sum(part["decode_tokens"] for part in runs) / decode_seconds * batch,
+            "end_to_end_tokens_per_s": sum(part["total_tokens"] for part in runs) / sum(part["seconds"]
+                                                                                          for part in runs),
+        }
+    return merged, stats
 
 
 def rss_gb() -> float:
@@ -89,7 +123,7 @@ def main() -> None:
     parser.add_argument("--drafter", default="small")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--output-tokens", type=int, default=96)
-    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--num-speculative-tokens", type=int, default=6)
     parser.add_argument("--batch-sizes", default="1,4")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--data", type=Path, default=GSM8K_TEST)
@@ -110,12 +144,9 @@ def main() -> None:
     results: dict[str, Any] = {}
     rows = []
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
-        engine.speculator = None
-        plain = run(engine, prompts, batch, args.output_tokens)
-        engine.speculator = speculator
-        speculator.stats = SpeculativeStats()
-        speculative = run(engine, prompts, batch, args.output_tokens)
-        stats = speculator.stats
+        measured, all_stats = run_interleaved(engine, speculator, prompts, batch, args.output_tokens)
+        plain, fixed_k, speculative = (measured[name] for name in CONFIGURATIONS)
+        fixed_k_stats, stats = all_stats["fixed_k"], all_stats["speculative"]
         print(f"batch {batch}: plain {plain['decode_tokens_per_s']:.2f} tok/s, speculative "
               f"{speculative['decode_tokens_per_s']:.2f} tok/s, acceptance {stats.acceptance_rate:.0%}", flush=True)
         identical = sum(a == b for a, b in zip(plain["outputs"], speculative["outputs"], strict=True))
@@ -135,14 +166,28 @@ def main() -> None:
             "plain_ms_per_step": 1000 * batch / plain["decode_tokens_per_s"],
             "greedy_outputs_identical": f"{identical}/{len(prompts)}",
             "first_divergence": first_divergences(plain["outputs"], speculative["outputs"]),
+            # Does the drafter's probability for its own token predict acceptance (what adaptive drafts rely on)?
+            "acceptance_by_drafter_probability": [
+                {"drafter_probability_from": edge, "judged": judged, "accepted": accepted,
+                 "acceptance_rate": accepted / judged if judged else None}
+                for edge, judged, accepted in zip(CONFIDENCE_BINS, stats.judged_by_confidence,
+                                                  stats.accepted_by_confidence, strict=True)],
+            "fixed_k_speculative_decode_tokens_per_s": fixed_k["decode_tokens_per_s"],
+            "fixed_k_speculative_over_plain_decode": fixed_k["decode_tokens_per_s"] / plain["decode_tokens_per_s"],
+            "fixed_k_acceptance_rate": fixed_k_stats.acceptance_rate,
+            "fixed_k_mean_drafts_per_round": fixed_k_stats.num_draft_tokens / max(fixed_k_stats.num_rounds * batch, 1),
+            "fixed_k_greedy_outputs_identical":
+                f"{sum(a == b for a, b in zip(plain['outputs'], fixed_k['outputs'], strict=True))}/{len(prompts)}",
         }
+        figures = results[f"batch_{batch}"]
         rows.append([batch, plain["decode_tokens_per_s"], speculative["decode_tokens_per_s"], f"{ratio:.2f}x",
-                     f"{stats.acceptance_rate:.0%}", results[f"batch_{batch}"]["tokens_per_target_forward"],
-                     f"{identical}/{len(prompts)}"])
+                     f"{stats.acceptance_rate:.0%}", figures["mean_drafts_per_round"],
+                     figures["tokens_per_target_forward"], f"{identical}/{len(prompts)}",
+                     f"{figures['fixed_k_speculative_over_plain_decode']:.2f}x"])
     print_table(f"Speculative decoding: {args.target} with drafter {args.drafter}, GSM8K prompts, greedy, "
                 f"{args.output_tokens} tokens",
-                ["batch", "plain tok/s", "speculative tok/s", "ratio", "acceptance", "tokens/target fwd",
-                 "identical"], rows)
+                ["batch", "plain tok/s", "speculative tok/s", "ratio", "acceptance", "drafts/round",
+                 "tokens/target fwd", "identical", "fixed-k ratio"], rows)
     write_results("speculative", {
         "cpu": _cpu_model(), "load_average_at_end": os.getloadavg(), "torch_threads": torch.get_num_threads(),
         "target": args.target, "drafter": args.drafter, "precision": engine.precision(),

@@ -17,14 +17,18 @@ list). After a fully accepted round the drafter lags by one token (it never ran 
 catches up in its next first forward; blocks are offered to the prefix cache only once both caches
 hold them, so a prefix shared later is whole for the drafter too.
 
-k adapts to the acceptance rate: with per-draft acceptance probability α (a running average of what
-the target accepted) and drafter / target cost ratio r, a round of k drafts emits (1 - α^(k+1)) / (1 - α)
-tokens per sequence in k drafter steps and one verification over k + 1 rows per sequence, whose extra rows
-are not free where the target's products are bound by arithmetic beyond a row (`best_num_drafts`); each round
-uses the k in [1, num_speculative_tokens] that maximises tokens per unit of time, and none (a plain step) when
-no k beats plain decoding — a batch too large, drafts rejected too often. While rounds are declined the
-drafter does not follow decode steps, and α drifts back towards its optimistic prior, so rounds are tried
-again. r is the ratio of the models' weight bytes (a decode forward streams its weights), not a timing, so
+Round lengths adapt. With per-draft acceptance probability α (a running average of what the target
+accepted) and drafter / target cost ratio r, a round of k drafts emits (1 - α^(k+1)) / (1 - α) tokens per
+sequence in k drafter steps and one verification over k + 1 rows per sequence, whose extra rows are not free
+where the target's products are bound by arithmetic beyond a row (`best_num_drafts`). When no k beats plain
+decoding — a batch too large, drafts rejected too often — the round is declined: a plain step. While rounds
+are declined the drafter does not follow decode steps, and α drifts back towards its optimistic prior, so
+rounds are tried again. A round that runs drafts while one more draft pays (`worth_another_draft`), up to
+num_speculative_tokens: the drafter's probability for its own token predicts the target's acceptance
+(`SpeculativeStats.accepted_by_confidence`; `bench.speculative` reports it), so rounds run long through
+confident stretches and stop at a guess. (With
+`speculative_adaptive_drafts` off, every round drafts the best k for α alone.) r is the ratio of the
+models' weight bytes (a decode forward streams its weights), not a timing, so
 that k, and with it a seeded sampled request's draws, depends only on tokens and the configuration. It does
 depend on the other requests in the engine (α and the batch are shared): with speculation on, a seed
 reproduces a request's samples for the same sequence of requests, no longer whatever the batch.
@@ -33,7 +37,8 @@ reproduces a request's samples for the same sequence of requests, no longer what
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from bisect import bisect_right
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,6 +54,11 @@ _ALPHA_PRIOR = 0.8  # optimistic start: k begins high and settles as rounds are 
 # Each declined round moves α this much of the way back to the prior, so that speculation that stopped paying
 # (a run of rejected drafts, a large batch) is tried again after some tens of plain steps.
 _DECLINED_WEIGHT = 0.02
+# A round runs only when the cost model promises this much over a plain step. The model leaves out what a round
+# costs beyond forwards (the drafter's rows cost more than the target's, sampling per row): at batch 4 on AVX2,
+# rounds it put at +4 % lost 13-19 % against plain decoding (BENCHMARKS.md, 2026-12-04 late).
+MIN_MODELLED_GAIN = 1.15
+CONFIDENCE_BINS = (0.0, 0.5, 0.9, 0.99)  # lower edges of SpeculativeStats' confidence bins
 
 
 @dataclass
@@ -60,6 +70,10 @@ class SpeculativeStats:
     num_emitted_tokens: int = 0  # accepted drafts plus one target token per sequence and round
     draft_seconds: float = 0.0  # time in drafter forwards (and draft sampling)
     verify_seconds: float = 0.0  # time in target forwards
+    # Drafts judged and accepted by the drafter's probability for its own token (adaptive drafts only), in
+    # bins [0, 0.5), [0.5, 0.9), [0.9, 0.99), [0.99, 1]: how well that probability predicts acceptance.
+    judged_by_confidence: list[int] = field(default_factory=lambda: [0] * len(CONFIDENCE_BINS))
+    accepted_by_confidence: list[int] = field(default_factory=lambda: [0] * len(CONFIDENCE_BINS))
 
     @property
     def acceptance_rate(self) -> float:
@@ -115,7 +129,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
 def best_num_drafts(alpha: float, cost_ratio: float, max_drafts: int, batch_size: int = 1,
                     extra_row_cost: float = 0.0) -> int:
     """The k in [1, max_drafts] that maximises expected tokens per unit of time, or 0 when no round beats a
-    plain step.
+    plain step by `MIN_MODELLED_GAIN`.
 
     Time is counted in one-row target forwards: a forward over n rows costs f(n) = 1 + extra_row_cost · (n - 1)
     (the weights stream once; the rows' arithmetic comes on top, which bounds int8 products on AVX2 beyond a
@@ -133,7 +147,25 @@ def best_num_drafts(alpha: float, cost_ratio: float, max_drafts: int, batch_size
         return expected_tokens * plain / (k * cost_ratio * plain + forward(batch_size * (k + 1)))
 
     best = max(range(1, max_drafts + 1), key=speedup)
-    return best if speedup(best) > 1 else 0
+    return best if speedup(best) > MIN_MODELLED_GAIN else 0
+
+
+def worth_another_draft(survival: list[float], expected_tokens: float, num_drafts: int, alpha: float,
+                        cost_ratio: float, extra_row_cost: float = 0.0) -> bool:
+    """Whether drafting one more token raises the round's expected tokens per unit of time.
+
+    `survival[i]`: the probability that sequence i's drafts so far are all accepted (the product of the
+    drafter's probabilities for its drafted tokens); `expected_tokens`: what the round emits so far in
+    expectation (one target token per sequence plus the sum of survivals after each draft). Time in one-row
+    target forwards as in `best_num_drafts`: one more draft costs a drafter forward and one verification row
+    per sequence, and adds α · survival[i] tokens to sequence i. It pays when that marginal rate beats the
+    round's rate so far.
+    """
+    batch_size = len(survival)
+    plain = 1 + extra_row_cost * (batch_size - 1)
+    per_draft = cost_ratio * plain + extra_row_cost * batch_size
+    round_time = plain + num_drafts * per_draft
+    return alpha * sum(survival) / per_draft > expected_tokens / round_time
 
 
 def _for_sampling(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -151,14 +183,19 @@ def weight_bytes(model: torch.nn.Module) -> int:
 class Speculator:
     """The drafter of one engine: its model runner (own KV cache, the target's block tables) and k's adaptation."""
 
-    def __init__(self, runner: ModelRunner, max_drafts: int, cost_ratio: float, extra_row_cost: float = 0.0) -> None:
+    def __init__(self, runner: ModelRunner, max_drafts: int, cost_ratio: float, extra_row_cost: float = 0.0,
+                 adaptive_drafts: bool = True) -> None:
         if max_drafts < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
         self.runner = runner
         self.max_drafts = max_drafts
+        # True: a round drafts up to max_drafts while another draft pays (`worth_another_draft`); False: each
+        # round drafts the k that `best_num_drafts` expects from α alone.
+        self.adaptive_drafts = adaptive_drafts
         self.cost_ratio = cost_ratio  # drafter forward / target forward, in weight bytes streamed
         self.extra_row_cost = extra_row_cost  # the target's, see best_num_drafts
         self.stats = SpeculativeStats()
+        self._confidence: list[list[float]] = []  # the last round's drafter probabilities, per sequence and draft
         self.declined = False  # the last round asked for was not worth running (k = 0)
         self._alpha = _ALPHA_PRIOR
 
@@ -180,12 +217,15 @@ class Speculator:
             self.runner.forward(spans)
 
     def num_drafts(self, seqs: list[Sequence], max_model_len: int) -> int:
-        """This round's k: the adapted one, capped so that no sequence runs past its length limits (0: no round)."""
+        """This round's most drafts, capped so that no sequence runs past its length limits (0: no round): the
+        adapted k, or with adaptive drafts `max_drafts` (the round itself stops where drafts stop paying)."""
         k = best_num_drafts(self._alpha, self.cost_ratio, self.max_drafts, len(seqs), self.extra_row_cost)
         self.declined = k == 0
         if self.declined:
             self._alpha += _DECLINED_WEIGHT * (_ALPHA_PRIOR - self._alpha)
             return 0
+        if self.adaptive_drafts:
+            k = self.max_drafts
         for seq in seqs:
             # The round computes positions up to num_tokens - 1 + k and emits up to k + 1 tokens.
             k = min(k, max_model_len - seq.num_tokens, seq.params.max_tokens - seq.num_output_tokens - 1)
@@ -199,6 +239,7 @@ class Speculator:
         """
         started = time.perf_counter()
         drafts, draft_probs = self._propose(seqs, k)
+        k = len(drafts[0])  # adaptive drafts may have stopped early
         drafted = time.perf_counter()
         spans = [TokenSpan([seq.token_ids[-1], *draft], seq.num_tokens - 1, seq.block_table, "all",
                            as_decode_rows=True)
@@ -215,28 +256,40 @@ class Speculator:
         return results
 
     def _propose(self, seqs: list[Sequence], k: int) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """k drafts per sequence (k drafter forwards) and, for sampled requests, the distributions they came from."""
+        """Up to k drafts per sequence, as many for each (one drafter forward per draft), and for sampled requests
+        the distributions they came from."""
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        survival, expected_tokens = [1.0] * len(seqs), float(len(seqs))
+        confidence: list[list[float]] = [[] for _ in seqs]
         # The drafter is one or two tokens behind (a fully accepted round's last draft was never fed back): decode
         # rows; after declined rounds, the tokens decoded meanwhile: a prefill chunk.
         behind = [seq.token_ids[seq.num_draft_computed_tokens:] for seq in seqs]
         spans = [TokenSpan(tokens, seq.num_draft_computed_tokens, seq.block_table, as_decode_rows=len(tokens) <= 2)
                  for seq, tokens in zip(seqs, behind, strict=True)]
         for j in range(k):
+            if j and self.adaptive_drafts and not worth_another_draft(
+                    survival, expected_tokens, j, self._alpha, self.cost_ratio, self.extra_row_cost):
+                break
             logits = _for_sampling(self.runner.forward(spans), seqs)
             for i, seq in enumerate(seqs):
                 if seq.params.greedy:
-                    token_id = int(logits[i].argmax())
+                    row = torch.softmax(logits[i].float(), dim=-1) if self.adaptive_drafts else logits[i]
+                    token_id = int(row.argmax())
                 else:
                     row = filtered_probs(logits[i:i + 1], [seq.params])[0]
                     token_id = int(torch.multinomial(row, 1, generator=seq.generator))
                     probs[i].append(row)
                 drafts[i].append(token_id)
+                if self.adaptive_drafts:
+                    confidence[i].append(float(row[token_id]))
+                    survival[i] *= confidence[i][-1]
+            expected_tokens += sum(survival)
             spans = [TokenSpan([draft[-1]], seq.num_tokens + j, seq.block_table) for seq, draft in zip(seqs, drafts,
                                                                                                        strict=True)]
-        for seq in seqs:
-            seq.num_draft_computed_tokens = seq.num_tokens - 1 + k  # the last draft was never fed back
+        for seq, draft in zip(seqs, drafts, strict=True):
+            seq.num_draft_computed_tokens = seq.num_tokens - 1 + len(draft)  # the last draft was never fed back
+        self._confidence = confidence
         return drafts, [torch.stack(rows) if rows else None for rows in probs]
 
     def _accept(self, seq: Sequence, draft: list[int], draft_probs: torch.Tensor | None,
@@ -265,6 +318,11 @@ class Speculator:
         stats.num_rounds += 1
         stats.num_draft_tokens += k * len(results)
         stats.num_tested_tokens += tested
+        for result, confidences in zip(results, self._confidence, strict=True):
+            for j, confidence in enumerate(confidences[:result.num_accepted + 1]):  # the drafts judged
+                index = bisect_right(CONFIDENCE_BINS, confidence) - 1
+                stats.judged_by_confidence[index] += 1
+                stats.accepted_by_confidence[index] += j < result.num_accepted
         stats.num_accepted_tokens += accepted
         stats.num_emitted_tokens += sum(len(result.token_ids) for result in results)
         self._alpha += _EMA_WEIGHT * (accepted / tested - self._alpha)

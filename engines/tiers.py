@@ -33,7 +33,7 @@ class TierSpec:
     # Speculative decoding: a drafter sharing the tokenizer (demo model name or path) proposing up to
     # `num_speculative_tokens` tokens per decode step (engines.speculative); None: off.
     speculative_draft: str | None = None
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 6
     served_model_name: str | None = None
     num_threads: int | None = None
 

@@ -89,7 +89,7 @@ def test_speculative_decoding_is_off_until_a_tier_names_a_drafter() -> None:
     assert settings.tiers["large"].speculative_draft == "small"
     assert settings.tiers["small"].speculative_draft is None
     assert engine_spec("large", settings.tiers["large"]).speculative_draft == "small"
-    assert engine_spec("large", settings.tiers["large"]).num_speculative_tokens == 4
+    assert engine_spec("large", settings.tiers["large"]).num_speculative_tokens == 6
     off = load_settings(environ={"SLUICE_TIERS__LARGE__SPECULATIVE_DRAFT": ""})
     assert engine_spec("large", off.tiers["large"]).speculative_draft is None
 

@@ -15,7 +15,7 @@ from engines.loader import Checkpoint
 from engines.model_runner import TokenSpan
 from engines.sampling_params import GrammarSpec, SamplingParams
 from engines.sequence import Sequence
-from engines.speculative import best_num_drafts, greedy_accept, rejection_sample
+from engines.speculative import best_num_drafts, greedy_accept, rejection_sample, worth_another_draft
 from engines.tiers import TierSpec
 from tests.engine.conftest import TinyModel, generated_ids, make_engine, run_to_completion
 
@@ -31,16 +31,27 @@ def drafter_of(model: TinyModel, noise: float) -> Checkpoint:
     return Checkpoint(config=model.checkpoint.config, tensors=tensors, tokenizer=model.checkpoint.tokenizer)
 
 
+def sharpened(model: TinyModel, factor: float) -> Checkpoint:
+    """The target with its logits scaled by `factor` (the final norm's weight): the same argmax everywhere, so every
+    greedy draft is accepted, with the drafter sure of its tokens (factor ≫ 1) or guessing (factor ≪ 1)."""
+    tensors = dict(model.checkpoint.tensors)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * factor
+    return dataclasses.replace(model.checkpoint, tensors=tensors)
+
+
 def speculative_engine(model: TinyModel, drafter: Checkpoint, **overrides: object) -> LLMEngine:
+    # Fixed k unless a test says otherwise: these tests need rounds of several drafts, which adaptive drafting
+    # would cut to one with a random tiny drafter (its distributions are nearly flat: it is never sure).
     settings: dict[str, object] = dict(model="tiny", dtype="float32", num_kv_blocks=64, block_size=4,
                                        max_num_seqs=8, max_num_batched_tokens=64, num_threads=1,
-                                       num_speculative_tokens=4)
+                                       num_speculative_tokens=4, speculative_adaptive_drafts=False)
     settings.update(overrides)
     engine = LLMEngine.from_checkpoint(model.checkpoint, EngineConfig(**settings), drafter=drafter)  # type: ignore[arg-type]
     # The drafter is the target's twin here, which never pays (a round would cost more than it emits): cost it
-    # as a third of the target, about what the demo pair's weights are, so that rounds run.
+    # as a third of the target, about what the demo pair's weights are, and its verification rows as free (the
+    # native int8 layers' cost would decline the rounds of three sequences), so that rounds run.
     assert engine.speculator is not None
-    engine.speculator.cost_ratio = 0.3
+    engine.speculator.cost_ratio, engine.speculator.extra_row_cost = 0.3, 0.0
     return engine
 
 
@@ -60,6 +71,44 @@ def test_greedy_output_is_token_identical_to_plain_decoding(tiny_model: TinyMode
     stats = engine.speculator.stats  # type: ignore[union-attr]
     # Both outcomes were exercised: some drafts were kept, some were rejected.
     assert 0 < stats.num_accepted_tokens < stats.num_tested_tokens
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_adaptive_rounds_run_long_behind_a_sure_drafter_and_stop_at_its_first_guess(tiny_qwen2: TinyModel,
+                                                                                   batch: int) -> None:
+    prompts = PROMPTS[:batch]
+    plain = generate_all(make_engine(tiny_qwen2), prompts, GREEDY)
+    drafts_per_round = {}
+    for name, factor in (("sure", 1000.0), ("guessing", 1e-3)):
+        engine = speculative_engine(tiny_qwen2, sharpened(tiny_qwen2, factor), speculative_adaptive_drafts=True)
+        assert generate_all(engine, prompts, GREEDY) == plain
+        stats = engine.speculator.stats  # type: ignore[union-attr]
+        assert stats.num_accepted_tokens == stats.num_tested_tokens  # the same argmax: every draft judged is kept
+        drafts_per_round[name] = stats.num_draft_tokens / (stats.num_rounds * batch)
+        # Each draft judged is counted by the drafter's probability: ≥ 0.99 when sure, < 0.5 when guessing.
+        in_its_bin = stats.judged_by_confidence[-1] if name == "sure" else stats.judged_by_confidence[0]
+        assert in_its_bin == sum(stats.judged_by_confidence) == stats.num_tested_tokens
+        assert stats.accepted_by_confidence == stats.judged_by_confidence
+    assert drafts_per_round["sure"] > 3  # up to num_speculative_tokens = 4, less where max_tokens cuts a round
+    assert drafts_per_round["guessing"] == 1
+
+
+def test_one_more_draft_pays_while_the_drafts_are_likely_kept_and_verification_rows_are_cheap() -> None:
+    sure, unsure = [0.99], [0.3]
+    assert worth_another_draft(sure, expected_tokens=1 + 0.99, num_drafts=1, alpha=0.87, cost_ratio=0.3,
+                               extra_row_cost=0.2)
+    assert not worth_another_draft(unsure, expected_tokens=1 + 0.3, num_drafts=1, alpha=0.87, cost_ratio=0.3,
+                                   extra_row_cost=0.2)
+    # Long confident rounds end too: each draft adds less to the round's rate than the last.
+    survival, expected, drafts = [1.0], 1.0, 0
+    while drafts < 100 and (drafts == 0 or worth_another_draft(survival, expected, drafts, 0.87, 0.3, 0.2)):
+        drafts, expected = drafts + 1, expected + 1.0
+    assert 3 <= drafts < 100
+    # The same confidence pays for fewer drafts when verification rows cost more or the drafter costs more.
+    assert not worth_another_draft(survival, 1 + 3.0, 3, 0.87, 0.3, extra_row_cost=0.5)
+    assert not worth_another_draft(survival, 1 + 3.0, 3, 0.87, cost_ratio=0.6, extra_row_cost=0.2)
+    # In a batch one sure sequence does not carry three that are already likely rejected.
+    assert not worth_another_draft([0.95, 0.05, 0.05, 0.05], 4 + 1.1, 1, 0.87, 0.3, 0.2)
 
 
 @pytest.mark.parametrize("quantization", ["w8a8", "int8"])
@@ -262,7 +311,7 @@ def test_a_drafter_with_another_vocabulary_is_refused(tiny_qwen2: TinyModel) -> 
 def test_a_drafter_declined_by_a_large_batch_lags_then_catches_up_and_the_output_is_unchanged(
     tiny_qwen2: TinyModel,
 ) -> None:
-    """Three sequences decline rounds (each verification row costing 0.3 of a forward); once two have finished,
+    """Three sequences decline rounds (each verification row costing 0.2 of a forward); once two have finished,
     the third speculates again: its drafter, which skipped the decode steps meanwhile, catches up first."""
     lengths = [40, 6, 6]
 
@@ -281,7 +330,7 @@ def test_a_drafter_declined_by_a_large_batch_lags_then_catches_up_and_the_output
     expected, _ = run(make_engine(tiny_qwen2))
     engine = speculative_engine(tiny_qwen2, drafter_of(tiny_qwen2, 0.02))
     assert engine.speculator is not None
-    engine.speculator.extra_row_cost = 0.3
+    engine.speculator.extra_row_cost = 0.2
     generated, lagged = run(engine)
     assert generated == expected
     assert lagged
