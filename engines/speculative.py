@@ -21,7 +21,8 @@ Round lengths adapt. With per-draft acceptance probability α (a running average
 accepted) and drafter / target cost ratio r, a round of k drafts emits (1 - α^(k+1)) / (1 - α) tokens per
 sequence in k drafter steps and one verification over k + 1 rows per sequence, whose extra rows are not free
 where the target's products are bound by arithmetic beyond a row (`best_num_drafts`). When no k beats plain
-decoding — a batch too large, drafts rejected too often — the round is declined: a plain step. While rounds
+decoding clearly (by `MIN_MODELLED_GAIN`) — a batch too large, drafts rejected too often — the round is
+declined: a plain step. While rounds
 are declined the drafter does not follow decode steps, and α drifts back towards its optimistic prior, so
 rounds are tried again. A round that runs drafts the best k for α. With `speculative_adaptive_drafts` it
 drafts instead while one more draft pays (`worth_another_draft`), up to num_speculative_tokens: the drafter's
