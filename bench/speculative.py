@@ -8,16 +8,17 @@ precision, `quantization=auto`; prefix caching off so that no run profits from a
 configuration runs the same prompts at batch 1 (one after another) and batch 4 (together), the three
 interleaved group by group so that the machine's drift during the run weighs on each alike:
 
-  plain        the target alone, one token per sequence per step;
-  fixed k      the drafter proposes k tokens, the target verifies them in one forward, every round
-               drafting the k the running acceptance rate suggests (at most `--num-speculative-tokens`;
-               the shipped rule);
-  speculative  the same with adaptive drafts (`speculative_adaptive_drafts`): each round drafts while
-               one more draft pays, judged by the drafter's probability for its own tokens.
+  plain            the target alone, one token per sequence per step;
+  speculative      the drafter proposes k tokens, the target verifies them in one forward, every round
+                   drafting the k the running acceptance rate suggests (at most
+                   `--num-speculative-tokens`; the shipped rule, under the JSON's `speculative_*` keys);
+  adaptive_drafts  the same with `speculative_adaptive_drafts`: each round drafts while one more draft
+                   pays, judged by the drafter's probability for its own tokens (`adaptive_drafts_*` keys).
 
 Reported per batch size: decode tokens/s (output tokens after each request's first, over the time
-after its first token), end-to-end tokens/s, the drafter's acceptance rate, mean tokens per target
-forward, and whether the greedy outputs are token-identical. Writes bench/results/speculative.json.
+after its first token) and its ratio to plain decoding, pooled and as the median of per-group paired
+ratios, end-to-end tokens/s, the drafter's acceptance rate, mean tokens per target forward, and whether
+the greedy outputs are token-identical. Writes bench/results/speculative.json.
 """
 
 from __future__ import annotations
@@ -91,8 +92,8 @@ CONFIGURATIONS = ("plain", "speculative", "adaptive_drafts")
 def run_interleaved(engine: LLMEngine, speculator: Speculator, prompts: list[list[int]], batch: int,
                     output_tokens: int) -> tuple[dict[str, dict[str, Any]], dict[str, SpeculativeStats]]:
     """Each group of `batch` prompts under every configuration in turn, the order rotating from group to group,
-    so that a drift of this machine's speed during the run weighs on all three
-    alike instead of on whichever ran last."""
+    so that a drift of this machine's speed during the run weighs on all three alike instead of on whichever ran
+    last."""
     stats = {"speculative": SpeculativeStats(), "adaptive_drafts": SpeculativeStats()}
     parts: dict[str, list[dict[str, Any]]] = {name: [] for name in CONFIGURATIONS}
     for index, first in enumerate(range(0, len(prompts), batch)):

@@ -128,6 +128,12 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
     return emitted
 
 
+def forward_cost(rows: int, extra_row_cost: float) -> float:
+    """A forward over `rows` decode rows, in one-row forwards: the weights stream once, each extra row adds
+    `extra_row_cost` (its arithmetic)."""
+    return 1 + extra_row_cost * (rows - 1)
+
+
 def best_num_drafts(alpha: float, cost_ratio: float, max_drafts: int, batch_size: int = 1,
                     extra_row_cost: float = 0.0) -> int:
     """The k in [1, max_drafts] that maximises expected tokens per unit of time, or 0 when no round beats a
@@ -140,13 +146,10 @@ def best_num_drafts(alpha: float, cost_ratio: float, max_drafts: int, batch_size
     """
     alpha = min(max(alpha, 0.0), 0.999)
 
-    def forward(rows: int) -> float:
-        return 1 + extra_row_cost * (rows - 1)
-
     def speedup(k: int) -> float:
         expected_tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
-        plain = forward(batch_size)
-        return expected_tokens * plain / (k * cost_ratio * plain + forward(batch_size * (k + 1)))
+        plain = forward_cost(batch_size, extra_row_cost)
+        return expected_tokens * plain / (k * cost_ratio * plain + forward_cost(batch_size * (k + 1), extra_row_cost))
 
     best = max(range(1, max_drafts + 1), key=speedup)
     return best if speedup(best) > MIN_MODELLED_GAIN else 0
@@ -164,7 +167,7 @@ def worth_another_draft(survival: list[float], expected_tokens: float, num_draft
     round's rate so far.
     """
     batch_size = len(survival)
-    plain = 1 + extra_row_cost * (batch_size - 1)
+    plain = forward_cost(batch_size, extra_row_cost)
     per_draft = cost_ratio * plain + extra_row_cost * batch_size
     round_time = plain + num_drafts * per_draft
     return alpha * sum(survival) / per_draft > expected_tokens / round_time
@@ -197,7 +200,6 @@ class Speculator:
         self.cost_ratio = cost_ratio  # drafter forward / target forward, in weight bytes streamed
         self.extra_row_cost = extra_row_cost  # the target's, see best_num_drafts
         self.stats = SpeculativeStats()
-        self._confidence: list[list[float]] = []  # the last round's drafter probabilities, per sequence and draft
         self.declined = False  # the last round asked for was not worth running (k = 0)
         self._alpha = _ALPHA_PRIOR
 
@@ -240,7 +242,7 @@ class Speculator:
         the caller appends `Verified.token_ids`.
         """
         started = time.perf_counter()
-        drafts, draft_probs = self._propose(seqs, k)
+        drafts, draft_probs, confidences = self._propose(seqs, k)
         k = len(drafts[0])  # adaptive drafts may have stopped early
         drafted = time.perf_counter()
         spans = [TokenSpan([seq.token_ids[-1], *draft], seq.num_tokens - 1, seq.block_table, "all",
@@ -252,14 +254,15 @@ class Speculator:
                    for seq, draft, probs, rows in zip(seqs, drafts, draft_probs, logits, strict=True)]
         for seq, result in zip(seqs, results, strict=True):
             self._roll_back(seq, len(result.token_ids), block_manager)
-        self._learn(results, k)
+        self._learn(results, k, confidences)
         self.stats.draft_seconds += drafted - started
         self.stats.verify_seconds += verified_at - drafted
         return results
 
-    def _propose(self, seqs: list[Sequence], k: int) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """Up to k drafts per sequence, as many for each (one drafter forward per draft), and for sampled requests
-        the distributions they came from."""
+    def _propose(self, seqs: list[Sequence], k: int
+                 ) -> tuple[list[list[int]], list[torch.Tensor | None], list[list[float]]]:  # fmt: skip
+        """Up to k drafts per sequence, as many for each (one drafter forward per draft); for sampled requests the
+        distributions they came from; with adaptive drafts the drafter's probability of each draft (else empty)."""
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         survival, expected_tokens = [1.0] * len(seqs), float(len(seqs))
@@ -291,8 +294,7 @@ class Speculator:
                                                                                                        strict=True)]
         for seq, draft in zip(seqs, drafts, strict=True):
             seq.num_draft_computed_tokens = seq.num_tokens - 1 + len(draft)  # the last draft was never fed back
-        self._confidence = confidence
-        return drafts, [torch.stack(rows) if rows else None for rows in probs]
+        return drafts, [torch.stack(rows) if rows else None for rows in probs], confidence
 
     def _accept(self, seq: Sequence, draft: list[int], draft_probs: torch.Tensor | None,
                 logits: torch.Tensor) -> Verified:
@@ -313,15 +315,15 @@ class Speculator:
         # The emitted tokens are appended after this: blocks they fill are offered in the next round.
         block_manager.cache_computed_blocks(seq)
 
-    def _learn(self, results: list[Verified], k: int) -> None:
+    def _learn(self, results: list[Verified], k: int, confidences: list[list[float]]) -> None:
         stats = self.stats
         accepted = sum(result.num_accepted for result in results)
         tested = sum(min(result.num_accepted + 1, k) for result in results)
         stats.num_rounds += 1
         stats.num_draft_tokens += k * len(results)
         stats.num_tested_tokens += tested
-        for result, confidences in zip(results, self._confidence, strict=True):
-            for j, confidence in enumerate(confidences[:result.num_accepted + 1]):  # the drafts judged
+        for result, drafted in zip(results, confidences, strict=True):
+            for j, confidence in enumerate(drafted[:result.num_accepted + 1]):  # the drafts judged
                 index = bisect_right(CONFIDENCE_BINS, confidence) - 1
                 stats.judged_by_confidence[index] += 1
                 stats.accepted_by_confidence[index] += j < result.num_accepted
