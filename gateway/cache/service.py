@@ -3,7 +3,8 @@
 Exact tier: the entry whose key is the hash of scope + query. Semantic tier: the scope's nearest
 cached questions by embedding (cosine ≥ the matcher's floor; searched in Redis 8's vector sets, else in
 this replica's index), read together with the new question by the matcher; the best one at or above the
-matcher's threshold is read from the store and served.
+matcher's threshold is read from the store and served. A question too long for the matcher to read whole
+beside a candidate is served by the exact tier only: a verdict on a cut text would miss a difference after the cut.
 Identical misses in this replica wait for the first one (single flight) and are then served from the
 cache. When the store fails the cache is bypassed for `retry_after_s` and requests are served as if
 it were off.
@@ -15,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -118,13 +119,15 @@ class ResponseCache:
             return Lookup("off")
         if self.clock() < self._down_until:
             return Lookup("bypass")
-        versions = "exact"
+        versions, matcher = "exact", None
         if policy.mode == "semantic":
             embedder, matcher = await self._load_models()
             versions = f"{embedder.version}+{matcher.version}"
         key = cache_key(request, tenant=tenant, feature=feature, endpoint=endpoint, tier=tier, versions=versions)
         if key is None:
             return Lookup("off")
+        if matcher is not None and key.semantic and not matcher.reads_whole(key.query):
+            key = replace(key, semantic=False)  # the matcher could judge only a cut text: exact tier only
         lookup = Lookup("miss", key, ScopeRef(key.scope, tenant, feature), policy, write, embedding)
         try:
             if read and await self._find(lookup):

@@ -22,6 +22,9 @@ from router.batching import MicroBatcher
 MATCHER_FORMAT = 1
 # The shipped artifact; `sluice cache train-matcher` rebuilds it.
 MATCHER_DIR = Path(__file__).resolve().parent / "matcher"
+# Longer queries are exact-only without being tokenized (a long prompt would cost milliseconds to count):
+# far beyond what fits the matcher's few dozen tokens whatever the text.
+MAX_QUERY_CHARS = 4096
 
 
 def pick_threshold(
@@ -110,6 +113,17 @@ class Matcher:
         floor = float(meta.get("cosine_floor", 0.5))
         return cls(session, tok, chosen, version, meta, floor, meta.get("combine"))
 
+    @property
+    def max_length(self) -> int:
+        return int(self.tokenizer.truncation["max_length"])  # type: ignore[attr-defined]
+
+    def reads_whole(self, query: str) -> bool:
+        """Whether the matcher can read this query and a candidate of a token or more without cutting either:
+        [CLS] query [SEP] candidate [SEP] within `max_length`. A longer query is never served semantically."""
+        if len(query) > MAX_QUERY_CHARS:
+            return False
+        return len(self.tokenizer.encode(query, add_special_tokens=False).ids) + 4 <= self.max_length  # type: ignore[attr-defined]
+
     def rule_score(self, probabilities: np.ndarray, cosines: np.ndarray) -> np.ndarray:
         """What the threshold applies to, for candidates at or above the floor."""
         if not self.combine:
@@ -125,7 +139,8 @@ class Matcher:
         dynamic quantisation), so a pair scored beside others — or padded to a longer neighbour — gets another
         probability, enough to cross the threshold (BENCHMARKS.md). Alone, a pair's score depends on the pair
         only, whatever a lookup's other candidates or the concurrent lookups are, and is the score its threshold
-        was chosen on."""
+        was chosen on. A pair longer than the matcher reads scores 0: a verdict on cut texts would miss a
+        difference after the cut (two long prompts that share their first few dozen tokens)."""
         encodings = [self.tokenizer.encode(query, candidate) for query, candidate in zip(queries, candidates,
                                                                                          strict=True)]
         # Pairs run side by side (onnxruntime releases the GIL; one intra-op thread each): a lookup's two
@@ -136,6 +151,8 @@ class Matcher:
         return (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
 
     def _logit(self, encoding: Any) -> float:
+        if encoding.overflowing:
+            return -np.inf
         feed = {
             "input_ids": np.array([encoding.ids], dtype=np.int64),
             "attention_mask": np.array([encoding.attention_mask], dtype=np.int64),

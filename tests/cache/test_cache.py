@@ -105,6 +105,19 @@ async def test_earlier_turns_are_part_of_the_scope(store, make_cache):
     assert (await get(cache, other)).status == "miss"
 
 
+async def test_a_long_question_is_served_only_by_the_exact_tier(store, make_cache):
+    """Two long prompts that share what the models read (the embedder's 256 tokens, the matcher's few dozen)
+    and differ after it would look the same to both: a question the matcher cannot read whole is exact-only."""
+    policy = ("You are the support assistant of ACME Corp. Answer the customer's question using only the policy "
+              "below. Be brief and polite, and never promise refunds that the policy does not allow. ") + " ".join(
+        f"Section {i}: orders placed on a business day ship within {i % 5 + 1} days, and returns are accepted for "
+        f"{10 + i} days when the item is unused." for i in range(30))
+    cache = make_cache(store)
+    await put(cache, ask(f"{policy} Question: Can I return an opened laptop?"), "No.")
+    assert (await get(cache, ask(f"{policy} Question: How do I change my delivery address?"))).status == "miss"
+    assert (await get(cache, ask(f"{policy} Question: Can I return an opened laptop?"))).status == "exact"
+
+
 async def test_only_deterministic_requests_are_eligible_unless_the_feature_opts_in(store, make_cache):
     cache = make_cache(store)
     sampled = ask("How do I learn Python quickly?", temperature=0.7)

@@ -118,3 +118,18 @@ def test_a_pairs_score_does_not_depend_on_what_it_is_scored_beside(matcher: Matc
     alone = matcher.score([query], [duplicate])[0]
     assert matcher.score([query, query], [duplicate, unrelated])[0] == alone
     assert matcher.score([query, query, query], [unrelated, unrelated, duplicate])[2] == alone
+
+
+def test_a_pair_longer_than_the_matcher_reads_is_never_a_match(matcher: Matcher):
+    """Cut to the matcher's length, two long questions that differ only at the end would read the same: such
+    a pair scores 0, and a query that leaves no room for a candidate is not one the matcher can judge."""
+    preamble = ("I bought a laptop from your online store three weeks ago and since yesterday it does not charge at "
+                "all, not even overnight with the original cable")
+    first, second = f"{preamble}, even with another charger. Can I get a refund?", f"{preamble}. Can I get it repaired?"
+    assert matcher.tokenizer.encode(first, second).overflowing  # the pair does not fit whole
+    assert matcher.score([first], [second])[0] == 0.0
+    question = "How do I get into Harvard?"
+    assert matcher.score([question], ["How can I get admitted to Harvard?"])[0] > 0.5  # a pair that fits is judged
+    assert matcher.reads_whole(question)
+    assert not matcher.reads_whole(" ".join([preamble] * 3))
+    assert not matcher.reads_whole("a" * 5000)
