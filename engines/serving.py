@@ -36,15 +36,14 @@ from engines.api.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
-    DeltaFunctionCall,
     DeltaMessage,
-    DeltaToolCall,
     TokenLogprob,
     ToolCall,
     TopLogprob,
     Usage,
     new_id,
     now,
+    tool_call_deltas,
 )
 from engines.api.rules import Decoding, check_token_ids, decoding, max_tokens_for
 from engines.outputs import EngineOverloaded, EngineStepFailed, RequestOutput
@@ -449,7 +448,7 @@ class OpenAIServing:
                 index=call.index,
                 delta=DeltaMessage(role="assistant" if first else None,
                                    content=(content or None) if new_calls else content,
-                                   tool_calls=_call_deltas(new_calls, first_call) or None),
+                                   tool_calls=tool_call_deltas(new_calls, first_call) or None),
                 finish_reason=reply.finish_reason(output.finish_reason) if output.finished else None,
                 logprobs=(
                     ChoiceLogprobs(content=self._chat_logprobs(output.logprobs, top)) if request.logprobs else None
@@ -532,15 +531,6 @@ class OpenAIServing:
             yield Completion(id=response_id, created=created, model=self.model_name, choices=[choice])
         usage = _usage(calls, states)
         yield Completion(id=response_id, created=created, model=self.model_name, choices=[], usage=usage)
-
-
-def _call_deltas(calls: Sequence[ToolCall], first_index: int) -> list[DeltaToolCall]:
-    """Whole calls as OpenAI-style stream deltas (id, type and name with the complete arguments)."""
-    return [
-        DeltaToolCall(index=first_index + i, id=call.id, type="function",
-                      function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments))
-        for i, call in enumerate(calls)
-    ]
 
 
 def is_usage_chunk(chunk: ChatCompletionChunk | Completion) -> bool:

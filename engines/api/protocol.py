@@ -266,6 +266,33 @@ class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
     function: DeltaFunctionCall | None = None
 
 
+def tool_call_deltas(calls: list[ToolCall], first_index: int = 0) -> list[DeltaToolCall]:
+    """Whole calls as OpenAI-style stream deltas (id, type and name with the complete arguments)."""
+    return [
+        DeltaToolCall(index=first_index + i, id=call.id, type=call.type,
+                      function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments))
+        for i, call in enumerate(calls)
+    ]
+
+
+def joined_tool_calls(deltas: list[DeltaToolCall]) -> list[ToolCall]:
+    """The calls a stream's tool-call deltas amount to, whether each call came whole or in fragments: the
+    fragments of a call share its index, the first carries its id, type and name, the arguments come in pieces."""
+    parts: dict[int, dict[str, Any]] = {}
+    for delta in deltas:
+        part = parts.setdefault(delta.index, {"id": None, "type": None, "name": None, "arguments": []})
+        part["id"] = part["id"] or delta.id
+        part["type"] = part["type"] or delta.type
+        if delta.function is not None:
+            part["name"] = part["name"] or delta.function.name
+            part["arguments"].append(delta.function.arguments or "")
+    return [
+        ToolCall(id=part["id"] or "", type=part["type"] or "function",
+                 function=FunctionCall(name=part["name"] or "", arguments="".join(part["arguments"])))
+        for _, part in sorted(parts.items())
+    ]
+
+
 class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None

@@ -1,8 +1,9 @@
 """Cached answers and streams: an answer kept from a stream, and a kept answer replayed as a stream.
 
 An entry always holds the plain JSON answer (chat.completion / text_completion). A streamed miss is
-kept by assembling its chunks; a streamed hit replays the answer as server-sent events: the role, the
-text, the finish reason, the usage chunk when the client asked for it, then [DONE].
+kept by assembling its chunks, tool calls included; a streamed hit replays the answer as server-sent
+events: the role, the text, the tool calls, the finish reason, the usage chunk when the client asked
+for it, then [DONE].
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from engines.api.protocol import (
     CompletionChoice,
     DeltaMessage,
     Usage,
+    joined_tool_calls,
     sse_event,
+    tool_call_deltas,
 )
 
 Chunk = ChatCompletionChunk | Completion
@@ -38,7 +41,9 @@ def assemble(chunks: list[Chunk], usage: Usage | None) -> bytes | None:
     first = chunks[0]
     if isinstance(first, ChatCompletionChunk):
         text = "".join(ch.delta.content or "" for ch in choices)  # type: ignore[union-attr]
-        message = AssistantMessage(content=text)
+        calls = joined_tool_calls([call for ch in choices for call in ch.delta.tool_calls or []])  # type: ignore[union-attr]
+        # With tool calls and no text besides, content is null, as in a JSON answer.
+        message = AssistantMessage(content=text if text or not calls else None, tool_calls=calls or None)
         answer: ChatCompletion | Completion = ChatCompletion(
             id=first.id,
             created=first.created,
@@ -69,6 +74,9 @@ def replay(body: bytes, endpoint: str, include_usage: bool) -> list[bytes]:
             events.append(_chat_chunk(chat, choice.index, DeltaMessage(role="assistant", content="")))
             if choice.message.content:
                 events.append(_chat_chunk(chat, choice.index, DeltaMessage(content=choice.message.content)))
+            if choice.message.tool_calls:
+                deltas = tool_call_deltas(choice.message.tool_calls)
+                events.append(_chat_chunk(chat, choice.index, DeltaMessage(tool_calls=deltas)))
             events.append(_chat_chunk(chat, choice.index, DeltaMessage(), choice.finish_reason))
         if include_usage:
             events.append(

@@ -6,6 +6,7 @@ shape; replies are kept to a few dozen tokens."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 import jsonschema
@@ -38,8 +39,7 @@ WEATHER = {
 ASK = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
 
 
-@pytest.fixture(scope="module")
-def sdk() -> Iterator[openai.OpenAI]:
+def _serve(cache: str) -> Iterator[openai.OpenAI]:
     try:
         resolve_model("small")
     except FileNotFoundError as exc:
@@ -50,10 +50,20 @@ def sdk() -> Iterator[openai.OpenAI]:
         server=msgspec.structs.replace(base.server, allow_anonymous=True),
         database=msgspec.structs.replace(base.database, url="sqlite+aiosqlite:///:memory:"),
         tiers={"small": TierConfig(model="small", kv_cache_mb=64, max_num_seqs=4, max_model_len=2048)},
-        policies={"default": PolicyConfig(allowed_tiers=["small"], cache="off")},
+        policies={"default": PolicyConfig(allowed_tiers=["small"], cache=cache)},
     )
     with served_on(create_app(settings), loopback_socket(), wait_s=30) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="local", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def sdk() -> Iterator[openai.OpenAI]:
+    yield from _serve(cache="off")
+
+
+@pytest.fixture(scope="module")
+def cached_sdk() -> Iterator[openai.OpenAI]:
+    yield from _serve(cache="exact")
 
 
 def test_a_named_tool_choice_returns_a_parsed_tool_call(sdk: openai.OpenAI) -> None:
@@ -81,6 +91,26 @@ def test_a_required_tool_call_streams_as_tool_call_deltas(sdk: openai.OpenAI) ->
     assert deltas[0].id and deltas[0].function.name == "get_weather"
     arguments = "".join(d.function.arguments or "" for d in deltas)
     jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
+
+
+def test_a_tool_call_answered_from_the_cache_keeps_its_calls_as_json_and_as_a_stream(cached_sdk: openai.OpenAI) -> None:
+    ask = {"model": "sluice-small", "messages": ASK, "tools": [WEATHER], "max_tokens": 40, "temperature": 0,
+           "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+
+    def streamed() -> tuple[str | None, list[tuple[str, str]]]:
+        raw = cached_sdk.chat.completions.with_raw_response.create(stream=True, **ask)
+        deltas = [d for c in raw.parse() for choice in c.choices for d in (choice.delta.tool_calls or [])]
+        return raw.headers.get("x-sluice-cache"), [(d.function.name or "", d.function.arguments or "")
+                                                   for d in deltas if d.function]
+
+    status, original = streamed()  # kept from the stream, in the background
+    assert status == "miss" and original and original[0][0] == "get_weather"
+    time.sleep(0.5)
+    raw = cached_sdk.chat.completions.with_raw_response.create(**ask)
+    choice = raw.parse().choices[0]
+    assert raw.headers.get("x-sluice-cache") == "exact" and choice.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []] == original
+    assert streamed() == ("exact", original)
 
 
 def test_a_conversation_with_a_tool_call_and_its_answer_is_served(sdk: openai.OpenAI) -> None:
