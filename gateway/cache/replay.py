@@ -2,7 +2,7 @@
 
 An entry always holds the plain JSON answer (chat.completion / text_completion). A streamed miss is
 kept by assembling its chunks, tool calls included; a streamed hit replays the answer as server-sent
-events: the role, the text, the tool calls, the finish reason, the usage chunk when the client asked
+events: the role, the text and tool calls with their logprobs, the finish reason, the usage chunk when the client asked
 for it, then [DONE].
 """
 
@@ -17,6 +17,7 @@ from engines.api.protocol import (
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
+    ChoiceLogprobs,
     Completion,
     CompletionChoice,
     DeltaMessage,
@@ -71,12 +72,12 @@ def replay(body: bytes, endpoint: str, include_usage: bool) -> list[bytes]:
         chat = msgspec.json.decode(body, type=ChatCompletion)
         events = []
         for choice in chat.choices:
+            message = choice.message
             events.append(_chat_chunk(chat, choice.index, DeltaMessage(role="assistant", content="")))
-            if choice.message.content:
-                events.append(_chat_chunk(chat, choice.index, DeltaMessage(content=choice.message.content)))
-            if choice.message.tool_calls:
-                deltas = tool_call_deltas(choice.message.tool_calls)
-                events.append(_chat_chunk(chat, choice.index, DeltaMessage(tool_calls=deltas)))
+            answer = DeltaMessage(content=message.content or None,
+                                  tool_calls=tool_call_deltas(message.tool_calls) if message.tool_calls else None)
+            if answer.content or answer.tool_calls or choice.logprobs:
+                events.append(_chat_chunk(chat, choice.index, answer, logprobs=choice.logprobs))
             events.append(_chat_chunk(chat, choice.index, DeltaMessage(), choice.finish_reason))
         if include_usage:
             events.append(
@@ -107,6 +108,7 @@ def replay(body: bytes, endpoint: str, include_usage: bool) -> list[bytes]:
     return [*events, SSE_DONE]
 
 
-def _chat_chunk(chat: ChatCompletion, index: int, delta: DeltaMessage, finish: str | None = None) -> bytes:
-    choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish)
+def _chat_chunk(chat: ChatCompletion, index: int, delta: DeltaMessage, finish: str | None = None,
+                logprobs: ChoiceLogprobs | None = None) -> bytes:
+    choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)
     return sse_event(ChatCompletionChunk(id=chat.id, created=chat.created, model=chat.model, choices=[choice]))

@@ -7,12 +7,16 @@ import json
 import msgspec
 
 from engines.api.protocol import (
+    AssistantMessage,
+    ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
+    ChoiceLogprobs,
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
+    TokenLogprob,
     Usage,
     joined_tool_calls,
 )
@@ -82,3 +86,13 @@ def test_text_and_usage_replay_as_they_were_streamed():
 def test_a_stream_that_cannot_be_kept_whole_is_not_kept():
     assert assemble([], USAGE) is None
     assert assemble(UPSTREAM_TOOL_STREAM, None) is None  # no usage to account a hit by
+
+
+def test_an_answer_kept_with_logprobs_replays_them_in_its_stream():
+    logprobs = ChoiceLogprobs(content=[TokenLogprob(token="Hi", logprob=-0.25, bytes=[72, 105], top_logprobs=[])])
+    answer = ChatCompletion(id="c1", created=1, model="small", usage=USAGE, choices=[
+        ChatChoice(index=0, message=AssistantMessage(content="Hi"), finish_reason="stop", logprobs=logprobs)])
+    chunks = replayed_chunks(msgspec.json.encode(answer))
+    replayed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0].get("logprobs")]
+    assert replayed == [msgspec.to_builtins(logprobs)]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "Hi"
