@@ -38,14 +38,22 @@ from router.train import split_indices, train_router
 
 ROUTERS = ("ours", "random", "tfidf_lr", "oracle")
 CACHED_TRAIN_ONLY = False  # --cached-train-only
+EMBED_MAX_TOKENS: int | None = None  # --embed-max-tokens (None: the model's own limit, as served)
 
 
 def _embeddings(prompts: list[str]) -> tuple[np.ndarray, str]:
     from router.embed_cache import embed_cached
+
+    embedder = _embedder(threads=2)
+    return embed_cached(embedder, prompts), embedder.version
+
+
+def _embedder(**options: Any) -> Any:
     from router.embedding import Embedder
 
-    embedder = Embedder.load(threads=2)
-    return embed_cached(embedder, prompts), embedder.version
+    if EMBED_MAX_TOKENS is not None:
+        options["max_tokens"] = EMBED_MAX_TOKENS
+    return Embedder.load(**options)
 
 
 def tfidf_lr_scores(train: list[TrainingRow], test: list[TrainingRow]) -> np.ndarray:
@@ -196,7 +204,7 @@ def part_overhead(n: int = 300) -> dict[str, Any]:
     the embedder as the gateway loads it (int8 on a CPU), and the float32 graph as the baseline in the same run."""
     from router.artifact import DEFAULT_ARTIFACT_DIR, RouterArtifact
     from router.datasets import routellm_rows
-    from router.embedding import DEFAULT_THREADS, Embedder
+    from router.embedding import DEFAULT_THREADS
 
     try:
         rows = routellm_rows()
@@ -205,8 +213,8 @@ def part_overhead(n: int = 300) -> dict[str, Any]:
     except FileNotFoundError:
         prompts = [f"Question {i}: what is {i} times {i + 7}, and why?" for i in range(n)]
     artifact = RouterArtifact.load(DEFAULT_ARTIFACT_DIR)
-    shipped = _overhead(Embedder.load(), artifact, prompts)  # as the gateway loads it
-    baseline = _overhead(Embedder.load(precision="float32"), artifact, prompts)
+    shipped = _overhead(_embedder(), artifact, prompts)  # as the gateway loads it
+    baseline = _overhead(_embedder(precision="float32"), artifact, prompts)
     result = {
         "prompts": len(prompts),
         **shipped,
@@ -261,9 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cached-train-only", action="store_true",
                         help="train ours only on training rows already in the embedding cache (slow CPUs); the "
                         "held-out rows are always all embedded, and the JSON says how many rows ours trained on")
+    parser.add_argument("--embed-max-tokens", type=int, default=None,
+                        help="an experiment: cut prompts to this many tokens before embedding them, in (a) and "
+                        "(c) (default: the model's 256, as the gateway serves; the shipped classifier was trained "
+                        "on full prompts, so (c)'s classifier time is unchanged, (a) retrains)")
     args = parser.parse_args(argv)
-    global CACHED_TRAIN_ONLY
+    global CACHED_TRAIN_ONLY, EMBED_MAX_TOKENS
     CACHED_TRAIN_ONLY = args.cached_train_only
+    EMBED_MAX_TOKENS = args.embed_max_tokens
     GENERALISATION[:] = args.generalisation
     LABELS[:] = [args.labels]
     figures: dict[str, Any] = {}
@@ -283,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": " ".join(sys.argv),
         "machine": {"cpu": cpu_model(), "python": platform.python_version()},
+        "embed_max_tokens": EMBED_MAX_TOKENS or "the model's own (256)",
         **figures,
     }
     out = Path(args.out)

@@ -144,10 +144,14 @@ class Embedder:
 
     @classmethod
     def load(cls, cache_dir: Path | None = None, *, threads: int = DEFAULT_THREADS,
-             precision: str | None = None) -> Embedder:
+             precision: str | None = None, max_tokens: int = MAX_TOKENS) -> Embedder:
         """Open (exporting on first use) the ONNX model. `threads`: onnxruntime intra-op threads. Two
         cut a long text's embedding by about a fifth (a short one's not at all); they do not spin between
-        calls, so idle they leave the cores to the engines. `precision`: int8 or float32 (default: by device)."""
+        calls, so idle they leave the cores to the engines. `precision`: int8 or float32 (default: by device).
+        `max_tokens`: where texts are cut (the model's 256; fewer only for experiments, e.g. `bench/router.py
+        --embed-max-tokens`: the version then names it, so such vectors never mix with the served ones)."""
+        if not 2 < max_tokens <= MAX_TOKENS:
+            raise ValueError(f"max_tokens must be in (2, {MAX_TOKENS}], got {max_tokens}")
         providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in ort.get_available_providers()]
         precision = precision or default_precision(providers)
         if precision not in PRECISIONS:
@@ -165,8 +169,9 @@ class Embedder:
         session = ort.InferenceSession(str(onnx_path), options, providers=providers)
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         tokenizer.no_padding()
-        tokenizer.enable_truncation(MAX_TOKENS)
-        return cls(session, tokenizer, f"{MODEL_NAME}@{digest}-{precision}", precision)
+        tokenizer.enable_truncation(max_tokens)
+        version = f"{MODEL_NAME}@{digest}-{precision}" + (f"-max{max_tokens}" if max_tokens != MAX_TOKENS else "")
+        return cls(session, tokenizer, version, precision)
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """Embeddings of `texts`, shape (len(texts), 384). Blocking: call from a worker thread (or use

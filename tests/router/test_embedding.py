@@ -146,3 +146,14 @@ def test_the_export_is_reused_and_named_by_the_weights_and_precision(tmp_path: P
     mtime = exported[0].stat().st_mtime_ns
     second = Embedder.load(tmp_path)
     assert exported[0].stat().st_mtime_ns == mtime and second.version == first.version == embedder.version
+
+
+def test_texts_cut_shorter_for_an_experiment_are_named_apart_from_the_served_vectors(models_dir: Path,
+                                                                                      embedder: Embedder) -> None:
+    cut = Embedder.load(models_dir, max_tokens=8)
+    long = "one two three four five six seven eight nine ten eleven twelve"
+    assert cut.version == f"{embedder.version}-max8"
+    assert cut.count_tokens([long]) == 8 < embedder.count_tokens([long])
+    assert np.array_equal(cut.embed([long]), embedder.embed(["one two three four five six"]))  # + [CLS], [SEP]
+    with pytest.raises(ValueError, match="max_tokens"):
+        Embedder.load(models_dir, max_tokens=512)
