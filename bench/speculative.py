@@ -134,12 +134,15 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,4")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--data", type=Path, default=GSM8K_TEST)
+    parser.add_argument("--quantization", default=None,
+                        help="the large tier's weights (default: its shipped `auto`), e.g. int8 or w8a8")
     args = parser.parse_args()
 
     load_started = time.perf_counter()
     # The large tier's shipped settings (precision, KV cache), with the drafter named here.
     spec = LARGE.replace(model=args.target, speculative_draft=args.drafter, kv_cache_mb=256,
-                         num_speculative_tokens=args.num_speculative_tokens, num_threads=args.threads)
+                         num_speculative_tokens=args.num_speculative_tokens, num_threads=args.threads,
+                         **({"quantization": args.quantization} if args.quantization else {}))
     engine = LLMEngine(dataclasses.replace(spec.engine_config(), enable_prefix_caching=False))
     print(f"loaded {args.target} + drafter {args.drafter} in {time.perf_counter() - load_started:.0f}s, "
           f"peak RSS {rss_gb():.1f} GB, precision {engine.precision()}")
