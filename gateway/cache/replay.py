@@ -2,8 +2,8 @@
 
 An entry always holds the plain JSON answer (chat.completion / text_completion). A streamed miss is
 kept by assembling its chunks, tool calls included; a streamed hit replays the answer as server-sent
-events: the role, the text and tool calls with their logprobs, the finish reason, the usage chunk when the client asked
-for it, then [DONE].
+events: the role, the text and tool calls with their logprobs, the finish reason, the usage chunk when
+the client asked for it, then [DONE].
 """
 
 from __future__ import annotations
