@@ -22,18 +22,17 @@ accepted) and drafter / target cost ratio r, a round of k drafts emits (1 - α^(
 sequence in k drafter steps and one verification over k + 1 rows per sequence, whose extra rows are not free
 where the target's products are bound by arithmetic beyond a row (`best_num_drafts`). When no k beats plain
 decoding clearly (by `MIN_MODELLED_GAIN`) — a batch too large, drafts rejected too often — the round is
-declined: a plain step. While rounds
-are declined the drafter does not follow decode steps, and α drifts back towards its optimistic prior, so
-rounds are tried again. A round that runs drafts the best k for α. With `speculative_adaptive_drafts` it
-drafts instead while one more draft pays (`worth_another_draft`), up to num_speculative_tokens: the drafter's
-probability for its own token predicts the target's acceptance (`SpeculativeStats.accepted_by_confidence`;
-`bench.speculative` reports it), so rounds run long through confident stretches and stop at a guess. That
-emits more tokens per target forward for a few more drafts, which on AVX2 measured within noise of the α rule
-(BENCHMARKS.md), hence off by default. r is the ratio of the models' weight bytes (a decode forward streams
-its weights), not a timing, so
-that k, and with it a seeded sampled request's draws, depends only on tokens and the configuration. It does
-depend on the other requests in the engine (α and the batch are shared): with speculation on, a seed
-reproduces a request's samples for the same sequence of requests, no longer whatever the batch.
+declined: a plain step. While rounds are declined the drafter does not follow decode steps, and α drifts back
+towards its optimistic prior, so rounds are tried again. A round that runs drafts the best k for α. With
+`speculative_adaptive_drafts` it drafts instead while one more draft pays (`worth_another_draft`), up to
+num_speculative_tokens: the drafter's probability for its own token predicts the target's acceptance
+(`SpeculativeStats.accepted_by_confidence`; `bench.speculative` reports it), so rounds run long through
+confident stretches and stop at a guess. That emits more tokens per target forward for a few more drafts,
+which on AVX2 measured within noise of the α rule (BENCHMARKS.md), hence off by default. r is the ratio of
+the models' weight bytes (a decode forward streams its weights), not a timing, so that k, and with it a
+seeded sampled request's draws, depends only on tokens and the configuration. It does depend on the other
+requests in the engine (α and the batch are shared): with speculation on, a seed reproduces a request's
+samples for the same sequence of requests, no longer whatever the batch.
 """
 
 from __future__ import annotations
