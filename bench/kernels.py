@@ -4,9 +4,10 @@ For the shapes of the small demo model (Qwen2.5-0.5B: gate/up 896→9728, down 4
 896→151936) at decode-sized and prefill-sized row counts: float32 `nn.Linear` (the baseline), w8a8
 (`W8A8Linear`: int8 weights and per-row int8 activations, `torch._int_mm`) and int8 weight-only
 (`Int8Linear`: `_weight_int8pack_mm`, bfloat16 activations), plus whether the CPU has the
-instructions `auto` looks for. Both layers run decode-sized inputs (up to 8 rows for w8a8, 48 for int8)
-through their CPU kernel (`w8a8_gemv`, `int8_gemv`) where this CPU has it, so their 1- and 8-row figures
-(and int8's 32-row one) are the kernels'.
+instructions `auto` looks for; on CPUs with AMX, w8a8 on AMX tiles too (`TiledW8A8Linear`, what `auto`
+runs there; its own streamed table at 1 to 32 rows against `w8a8_gemv` and `torch._int_mm`). Both layers
+run decode-sized inputs (up to 8 rows for w8a8, 48 for int8) through their CPU kernel (`w8a8_gemv`,
+`int8_gemv`) where this CPU has it, so their 1- and 8-row figures (and int8's 32-row one) are the kernels'.
 
 Decode GEMVs (second table): the kernel of the mode `auto` picks here (w8a8 with AVX-512 VNNI, else int8
 weight-only) against its PyTorch op (`torch._int_mm`, `_weight_int8pack_mm`: the same layer with
@@ -37,12 +38,13 @@ from bench.common import print_table, write_results
 from bench.engine import memory_bandwidth
 from engines.attention import AttentionMetadata, paged_attention
 from engines.cpu import has_int8_dot_product, has_native_bf16
-from engines.cpu_kernels import int8_gemv, paged_decode_attention, w8a8_gemv
-from engines.quantization import Int8Linear, W8A8Linear, resolve_quantization
+from engines.cpu_kernels import int8_gemv, paged_decode_attention, w8a8_amx, w8a8_gemv
+from engines.quantization import Int8Linear, TiledW8A8Linear, W8A8Linear, resolve_quantization
 
 SHAPES = {"gate_up 896→9728": (896, 9728), "down 4864→896": (4864, 896), "lm_head 896→151936": (896, 151936)}
 ROWS = (1, 8, 32, 128, 512)
 GEMV_ROWS = (1, 2, 4, 8)
+AMX_ROWS = (1, 2, 4, 8, 16, 32)  # a speculative verification is k + 1 rows a sequence; batched decode, one each
 STREAMED_BYTES = 256 << 20  # weights cycled per timing: well past any last-level cache here
 HEAD_LAYOUTS = {"small 14/2 heads × 64": (14, 2, 64), "large 12/2 heads × 128": (12, 2, 128)}
 ATTENTION_BATCHES = ((1, 300), (4, 500), (16, 900), (64, 900))  # (decode rows, context tokens each)
@@ -67,11 +69,14 @@ def measure(repeat: int) -> list[dict[str, Any]]:
         dense = nn.Linear(in_features, out_features, bias=False)
         w8a8 = W8A8Linear.from_linear(dense, torch.float32)
         int8 = Int8Linear.from_linear(dense, torch.float32)
+        amx = w8a8_amx()
+        tiled = None if amx is None else TiledW8A8Linear.from_linear(dense, torch.float32, amx)
         for rows in ROWS:
             x = torch.randn(rows, in_features)
             float32_ms = milliseconds(dense, x, repeat)
             w8a8_ms = milliseconds(w8a8, x, repeat)
             int8_ms = milliseconds(int8, x, repeat)
+            amx_ms = None if tiled is None else milliseconds(tiled, x, repeat)
             results.append(
                 {
                     "layer": name,
@@ -79,8 +84,10 @@ def measure(repeat: int) -> list[dict[str, Any]]:
                     "float32_ms": float32_ms,
                     "w8a8_ms": w8a8_ms,
                     "int8_weight_only_ms": int8_ms,
+                    "w8a8_amx_ms": amx_ms,
                     "float32_over_w8a8_x": float32_ms / w8a8_ms,
                     "float32_over_int8_weight_only_x": float32_ms / int8_ms,
+                    "float32_over_w8a8_amx_x": None if amx_ms is None else float32_ms / amx_ms,
                 }
             )
     return results
@@ -124,6 +131,41 @@ def measure_gemv(layer_type: type[Int8Linear], repeat: int) -> list[dict[str, An
                 "pytorch_weight_gb_s": weight_gb / streamed["pytorch"] * 1000,
                 "kernel_weight_gb_s": weight_gb / streamed["kernel"] * 1000,
                 "pytorch_over_kernel_x": streamed["pytorch"] / streamed["kernel"],
+            })  # fmt: skip
+    return results
+
+
+@torch.inference_mode()
+def measure_amx(repeat: int) -> list[dict[str, Any]]:
+    """w8a8 on AMX tiles (`TiledW8A8Linear`, what `auto` runs on AMX CPUs) against `w8a8_gemv` (up to its row
+    limit) and `torch._int_mm` on the same quantised weights, streamed from memory."""
+    kernel = w8a8_amx()
+    assert kernel is not None
+    torch.manual_seed(0)
+    results = []
+    for name, (in_features, out_features) in SHAPES.items():
+        dense = nn.Linear(in_features, out_features, bias=False)
+        count = max(1, STREAMED_BYTES // (in_features * out_features))
+        rows_major = [W8A8Linear.from_linear(dense, torch.float32) for _ in range(count)]
+        tiled = [TiledW8A8Linear.from_linear(dense, torch.float32, kernel) for _ in range(count)]
+        gemv = rows_major[0].gemv
+        for rows in AMX_ROWS:
+            x = torch.randn(rows, in_features)
+            timed: dict[str, float | None] = {}
+            for path, layers in (("amx", tiled), ("w8a8_gemv", rows_major), ("int_mm", rows_major)):
+                if path == "w8a8_gemv" and (gemv is None or rows > gemv.max_rows):
+                    timed[path] = None
+                    continue
+                for layer in rows_major:
+                    layer.gemv = gemv if path == "w8a8_gemv" else None
+                timed[path] = min(milliseconds(partial(run_all, layers), x, 1) for _ in range(repeat)) / count
+            weight_gb = in_features * out_features / 1e9
+            gemv_ms = timed["w8a8_gemv"]
+            results.append({
+                "layer": name, "rows": rows, "amx_ms": timed["amx"], "w8a8_gemv_ms": gemv_ms,
+                "int_mm_ms": timed["int_mm"], "amx_weight_gb_s": weight_gb / timed["amx"] * 1000,
+                "w8a8_gemv_over_amx_x": None if gemv_ms is None else gemv_ms / timed["amx"],
+                "int_mm_over_amx_x": timed["int_mm"] / timed["amx"],
             })  # fmt: skip
     return results
 
@@ -190,10 +232,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     print_table(
         f"Linear kernels, ms per call ({cpu['capability']}, int8 dot products {cpu['int8_dot_product']}, "
         f"{cpu['threads']} threads; auto → {cpu['auto_quantization']})",
-        ["layer", "rows", "float32", "w8a8", "int8 weight-only", "float32/w8a8 x", "float32/int8 x"],
+        ["layer", "rows", "float32", "w8a8", "int8 weight-only", "w8a8 AMX", "float32/w8a8 x", "float32/int8 x",
+         "float32/w8a8 AMX x"],
         [
-            [r["layer"], r["rows"], r["float32_ms"], r["w8a8_ms"], r["int8_weight_only_ms"],
-             r["float32_over_w8a8_x"], r["float32_over_int8_weight_only_x"]]
+            [r["layer"], r["rows"], r["float32_ms"], r["w8a8_ms"], r["int8_weight_only_ms"], r["w8a8_amx_ms"],
+             r["float32_over_w8a8_x"], r["float32_over_int8_weight_only_x"], r["float32_over_w8a8_amx_x"]]
             for r in results
         ],
     )  # fmt: skip
@@ -215,6 +258,17 @@ def main(argv: Sequence[str] | None = None) -> None:
                     "memory_bandwidth": bandwidth}  # fmt: skip
     else:
         print(f"{kernel_name} unavailable on this machine (its instructions or a C compiler missing): not timed")
+    if mode == "w8a8" and w8a8_amx() is not None:
+        amx = measure_amx(max(3, args.repeat // 2))
+        print_table(
+            "w8a8 on AMX tiles (what auto runs here), weights streamed from memory, ms per call",
+            ["layer", "rows", "AMX ms", "w8a8_gemv ms", "torch._int_mm ms", "AMX GB/s", "gemv/AMX x", "_int_mm/AMX x"],
+            [[r["layer"], r["rows"], r["amx_ms"], r["w8a8_gemv_ms"], r["int_mm_ms"], r["amx_weight_gb_s"],
+              r["w8a8_gemv_over_amx_x"], r["int_mm_over_amx_x"]] for r in amx],
+        )  # fmt: skip
+        figures |= {"w8a8_amx": amx}
+    else:
+        print("w8a8_amx unavailable on this machine (needs AMX-INT8 and a compiler with AMX intrinsics): not timed")
     if paged_decode_attention() is not None:
         attention = measure_decode_attention(max(3, args.repeat // 2))
         kv_dtype = "bfloat16" if has_native_bf16() else "float32"

@@ -1,9 +1,9 @@
 /* CPU kernels for decode steps of few rows, where PyTorch's per-op costs and the packed int8 GEMMs' one-row
  * paths leave most of the memory bandwidth unused. Loaded by engines/cpu_kernels.py.
  *
- * The library is built for AVX2 + FMA; the AVX-512 (F, BW, VNNI) kernels sit in their own target region,
- * so one build runs on every x86-64 CPU with AVX2 and the Python side calls each kernel only where the CPU
- * has its instructions.
+ * The library is built for AVX2 + FMA; the AVX-512 (F, BW, VNNI) and AMX kernels sit in their own target
+ * regions, so one build runs on every x86-64 CPU with AVX2 and the Python side calls each kernel only where
+ * the CPU has its instructions.
  *
  * Threads: OpenMP. Python has loaded torch's libgomp by the time this library is opened, so the two
  * share one runtime and one thread pool (same soname).
@@ -14,6 +14,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 
 
@@ -548,3 +550,141 @@ static inline __m128 hsum4_ps(const __m512 a, const __m512 b, const __m512 c, co
 #include "cpu_attention.inc"
 
 #pragma GCC pop_options
+
+#if __has_include(<amxtileintrin.h>)  /* GCC 11+, clang 12+: older compilers build the rest without AMX */
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")
+
+/* -- w8a8_amx ----------------------------------------------------------------------------------------
+ * W8A8Linear's product on AMX tiles, for any number of rows: out = (q(x) · wᵀ) · x_scale · w_scale (+ bias).
+ *
+ * `tdpbssd` multiplies a tile of 16 rows × 64 int8 of x by a tile of 64 × 16 int8 of w into 16 × 16 int32,
+ * exactly, so the result is `torch._int_mm`'s bit for bit at every row count (a row's logits do not depend
+ * on its batch mates, and speculative verification matches plain decoding). One instruction covers 16
+ * output features × 64 inputs, so a few rows cost little more than one: the weight stream, not the
+ * arithmetic, bounds a decode step of up to ~16 rows, where `w8a8_gemv` pays per row.
+ *
+ * The weight lives in tile order (`w8a8_amx_pack`): groups of AMX_GROUP output features, and in each group
+ * one 4 KiB block per 64 inputs holding the four B tiles of its 16-feature slices (row q of a B tile: the
+ * 16 features' inputs 4q..4q+3). A group's blocks are contiguous, so each thread reads one sequential
+ * stream; N and K are padded with zeros to multiples of 64. Threads split the groups; within a group every
+ * 16-row block of x passes over the group's weight (4 KiB per 64 inputs: it stays in L2 between blocks).
+ */
+#define AMX_GROUP 64
+#define AMX_K_CHUNK 64
+#define AMX_TILE_ROWS 16
+#define AMX_BLOCK_BYTES (AMX_GROUP * AMX_K_CHUNK)
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) amx_tile_config;
+
+/* Linux hands a process AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
+ * Returns 0 when granted. */
+int w8a8_amx_enable(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : -1; }
+
+/* w [N, K] int8 → packed [ceil(N / 64), ceil(K / 64), 4096] int8, zero-padded. */
+void w8a8_amx_pack(const int8_t *w, const int64_t N, const int64_t K, int8_t *packed) {
+    const int64_t groups = (N + AMX_GROUP - 1) / AMX_GROUP, chunks = (K + AMX_K_CHUNK - 1) / AMX_K_CHUNK;
+    memset(packed, 0, groups * chunks * AMX_BLOCK_BYTES);
+    for (int64_t n = 0; n < N; n++) {
+        const int64_t group = n / AMX_GROUP, slice = (n % AMX_GROUP) / 16, feature = n % 16;
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t chunk = k / AMX_K_CHUNK, quad = (k % AMX_K_CHUNK) / 4;
+            packed[(group * chunks + chunk) * AMX_BLOCK_BYTES + slice * 1024 + quad * 64 + feature * 4 + k % 4] =
+                w[n * K + k];
+        }
+    }
+}
+
+/* Tiles 0-3: C (rows × 16 int32, one per 16-feature slice); 4: A (rows × 64 int8); 5, 6: B (16 × 64). */
+static void amx_configure(const int rows) {
+    amx_tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette_id = 1;
+    for (int tile = 0; tile < 5; tile++) config.rows[tile] = (uint8_t)rows, config.colsb[tile] = 64;
+    for (int tile = 5; tile < 7; tile++) config.rows[tile] = 16, config.colsb[tile] = 64;
+    _tile_loadconfig(&config);
+}
+
+/* Row m of x as int8 (x / scale, rounded half to even like torch.round) padded with zeros to Kp. */
+static void quantize_row_int8(const float *x, const int64_t K, const int64_t Kp, int8_t *xq, float *x_scale) {
+    const int64_t full = K / 16 * 16;
+    const __mmask16 tail = (__mmask16)((1u << (K - full)) - 1);
+    __m512 amax16 = _mm512_setzero_ps();
+    for (int64_t k = 0; k < full; k += 16) amax16 = _mm512_max_ps(amax16, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+    if (tail) amax16 = _mm512_max_ps(amax16, _mm512_abs_ps(_mm512_maskz_loadu_ps(tail, x + full)));
+    const float scale = fmaxf(_mm512_reduce_max_ps(amax16), 1e-12f) / 127.f;
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    for (int64_t k = 0; k < full; k += 16)  /* cvtps rounds half to even (the default rounding mode) */
+        _mm_storeu_si128((__m128i *)(xq + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(x + k), scale16))));
+    if (tail)
+        _mm_mask_storeu_epi8(xq + full, tail, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(
+            _mm512_div_ps(_mm512_maskz_loadu_ps(tail, x + full), scale16))));
+    memset(xq + K, 0, Kp - K);
+    *x_scale = scale;
+}
+
+/* out rows [m0, m0 + rows) × the 64 features of `group` from the four C tiles, as W8A8Linear rescales. */
+static inline void amx_store_group(int32_t acc[4][AMX_TILE_ROWS * 16], const int rows, const int64_t m0,
+                                   const int64_t group, const float *x_scale, const float *w_scale,
+                                   const float *bias, float *out, const int64_t N) {
+    for (int slice = 0; slice < 4; slice++) {
+        const int64_t n0 = group * AMX_GROUP + slice * 16;
+        if (n0 >= N) break;
+        const __mmask16 valid = N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
+        const __m512 scale16 = _mm512_maskz_loadu_ps(valid, w_scale + n0);
+        const __m512 bias16 = bias ? _mm512_maskz_loadu_ps(valid, bias + n0) : _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++) {
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_loadu_si512((const void *)(acc[slice] + r * 16)));
+            __m512 y = _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(x_scale[m0 + r])), scale16);
+            if (bias) y = _mm512_add_ps(y, bias16);
+            _mm512_mask_storeu_ps(out + (m0 + r) * N + n0, valid, y);
+        }
+    }
+}
+
+/* x [rows, K] float32; packed from w8a8_amx_pack; w_scale [N] float32; bias [N] float32 or NULL;
+ * out [rows, N] float32; xq [rows, ceil(K / 64) * 64] int8 and x_scale [rows] are scratch. Returns 0. */
+int w8a8_amx(const float *x, const int64_t rows, const int64_t K, const int8_t *packed, const float *w_scale,
+             const float *bias, float *out, const int64_t N, int8_t *xq, float *x_scale, const int threads) {
+    const int64_t chunks = (K + AMX_K_CHUNK - 1) / AMX_K_CHUNK, Kp = chunks * AMX_K_CHUNK;
+    const int64_t groups = (N + AMX_GROUP - 1) / AMX_GROUP;
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for
+        for (int64_t m = 0; m < rows; m++) quantize_row_int8(x + m * K, K, Kp, xq + m * Kp, x_scale + m);
+        int64_t begin, end;
+        thread_share(groups, &begin, &end);
+        int32_t acc[4][AMX_TILE_ROWS * 16];
+        int configured_rows = 0;
+        for (int64_t group = begin; group < end; group++) {
+            const int8_t *weight = packed + group * chunks * AMX_BLOCK_BYTES;
+            for (int64_t m0 = 0; m0 < rows; m0 += AMX_TILE_ROWS) {
+                const int block_rows = (int)(rows - m0 < AMX_TILE_ROWS ? rows - m0 : AMX_TILE_ROWS);
+                if (block_rows != configured_rows) amx_configure(configured_rows = block_rows);
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                for (int64_t chunk = 0; chunk < chunks; chunk++) {
+                    const int8_t *block = weight + chunk * AMX_BLOCK_BYTES;
+                    _tile_loadd(4, xq + m0 * Kp + chunk * AMX_K_CHUNK, Kp);
+                    _tile_loadd(5, block, 64); _tile_dpbssd(0, 4, 5);
+                    _tile_loadd(6, block + 1024, 64); _tile_dpbssd(1, 4, 6);
+                    _tile_loadd(5, block + 2048, 64); _tile_dpbssd(2, 4, 5);
+                    _tile_loadd(6, block + 3072, 64); _tile_dpbssd(3, 4, 6);
+                }
+                _tile_stored(0, acc[0], 64); _tile_stored(1, acc[1], 64);
+                _tile_stored(2, acc[2], 64); _tile_stored(3, acc[3], 64);
+                amx_store_group(acc, block_rows, m0, group, x_scale, w_scale, bias, out, N);
+            }
+        }
+        if (configured_rows) _tile_release();
+    }
+    return 0;
+}
+
+#pragma GCC pop_options
+#else
+int w8a8_amx_enable(void) { return -1; }  /* this compiler has no AMX intrinsics */
+#endif

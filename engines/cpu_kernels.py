@@ -8,15 +8,17 @@ paged attention through PyTorch ops (gather the blocks, mask, SDPA) pays per-op 
 kilobytes of K/V it reads. For inputs of up to `max_rows` rows, `w8a8_gemv` (bit-identical to
 `_int_mm`; AVX-512 VNNI, the CPUs where `quantization = "auto"` picks w8a8) replaces the first and
 `int8_gemv` (AVX2, activations rounded to int16 per row, exact integer sums; the CPUs where `auto` picks int8)
-the second; `paged_decode_attention` (an AVX2 and an AVX-512 build; reads the cache in place through the
-block tables) the third, for every decode row of every step, so a row's result never depends on the batch size.
+the second; on CPUs with AMX, `w8a8_amx` replaces both `_int_mm` and `w8a8_gemv` at every row count (the
+same bits, the weight in tile order: `engines.quantization.TiledW8A8Linear`). `paged_decode_attention` (an
+AVX2 and an AVX-512 build; reads the cache in place through the block tables) replaces the third, for every
+decode row of every step, so a row's result never depends on the batch size.
 Beside them, the ~20 small PyTorch ops of a decode layer (norms, RoPE, KV store, SiLU, residuals) cost a third
 of a batch-1 step; `decode_layer_int8` runs a whole layer for a step's decode rows in one call on the AVX2
 kernels' arithmetic (`engines.models.llama.NativeDecoder`, where every product is int8 weight-only on float32).
 `python -m bench.kernels` times the GEMVs against the PyTorch ops, `python -m bench.engine --batch1-only`
 a decode step with the kernels against the PyTorch ops; BENCHMARKS.md has the figures.
 
-One library, built for AVX2 + FMA with the AVX-512 kernels in their own target region, needs a C compiler
+One library, built for AVX2 + FMA with the AVX-512 and AMX kernels in their own target regions, needs a C compiler
 (`cc`, or `$CC`). It is built on first use into `~/.cache/sluice/native/` under a name that hashes the
 source and flags, so an edited kernel is rebuilt and concurrent builds cannot see each other's
 half-written file. Where the compiler or a kernel's instructions are missing, its accessor returns None
@@ -46,6 +48,7 @@ INCLUDES = (Path(__file__).with_name("cpu_attention.inc"),)  # what SOURCE inclu
 CACHE_DIR = Path("~/.cache/sluice/native")
 REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma"})  # the library's baseline: `int8_gemv`
 AVX512_VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})  # `w8a8_gemv`, `paged_decode_attention`
+AMX_INT8_FLAGS = AVX512_VNNI_FLAGS | {"amx_tile", "amx_int8"}  # `w8a8_amx`
 # -ffp-contract=off: no a * b + c fused where the source does not say so — GCC would fuse in some inlined
 # copies of a kernel and not others, and a row's result would then depend on the batch it came in.
 COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -104,6 +107,56 @@ class W8A8Gemv:
         )
         if status != 0:
             raise ValueError(f"w8a8_gemv takes 1 to {self.max_rows} rows, got {rows}")
+        return out
+
+
+class W8A8Amx:
+    """`W8A8Linear`'s product, bit for bit, at any number of rows, on AMX tiles over a weight in tile order:
+    `pack(weight [N, K] int8)` → the tiled weight `[ceil(N / group), ceil(K / k_chunk), group * k_chunk]`
+    int8 (zero-padded); `(x [rows, K] float32, tiled, N, scales [N], bias [N] | None)` → `[rows, N]` float32.
+    A weight's row n is `rows(tiled, ids, K)`: a gather, never a second copy."""
+
+    group = 64  # output features per block of the tiled weight (AMX_GROUP)
+    k_chunk = 64  # inputs per block (AMX_K_CHUNK)
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._pack = library.w8a8_amx_pack
+        self._pack.restype = None
+        self._pack.argtypes = [_POINTER, _INT64, _INT64, _POINTER]
+        self._product = library.w8a8_amx
+        self._product.restype = ctypes.c_int
+        self._product.argtypes = [_POINTER, _INT64, _INT64, _POINTER, _POINTER, _POINTER, _POINTER, _INT64, _POINTER,
+                                  _POINTER, ctypes.c_int]
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        out_features, in_features = weight.shape
+        weight = weight.contiguous()
+        tiled = torch.empty(-(-out_features // self.group), -(-in_features // self.k_chunk),
+                            self.group * self.k_chunk, dtype=torch.int8)
+        self._pack(weight.data_ptr(), out_features, in_features, tiled.data_ptr())
+        return tiled
+
+    def rows(self, tiled: torch.Tensor, ids: torch.Tensor, in_features: int) -> torch.Tensor:
+        """Rows `ids` of the weight `tiled` was packed from, `[len(ids), in_features]` int8."""
+        groups, chunks, _ = tiled.shape
+        # Block layout: [slice of 16 features][quad of 4 inputs][feature][input in quad].
+        blocks = tiled.view(groups, chunks, 4, 16, 16, 4)
+        within = ids % self.group
+        picked = blocks[ids // self.group, :, within // 16, :, within % 16, :]  # [ids, chunks, quad, input in quad]
+        return picked.reshape(len(ids), chunks * self.k_chunk)[:, :in_features]
+
+    def __call__(
+        self, x: torch.Tensor, tiled: torch.Tensor, out_features: int, scales: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        rows, in_features = x.shape
+        assert tiled.shape[1] * self.k_chunk >= in_features and tiled.shape[0] * self.group >= out_features
+        x = x.contiguous()
+        out = torch.empty(rows, out_features)
+        scratch = torch.empty(rows, tiled.shape[1] * self.k_chunk, dtype=torch.int8)
+        row_scales = torch.empty(rows)
+        self._product(x.data_ptr(), rows, in_features, tiled.data_ptr(), scales.data_ptr(),
+                      None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, scratch.data_ptr(),
+                      row_scales.data_ptr(), torch.get_num_threads())
         return out
 
 
@@ -350,6 +403,19 @@ def w8a8_gemv() -> W8A8Gemv | None:
     """The w8a8 kernel, or None where this CPU or machine cannot run it."""
     library = _library()
     return None if library is None or not _has(AVX512_VNNI_FLAGS, "w8a8_gemv") else W8A8Gemv(library)
+
+
+@functools.cache
+def w8a8_amx() -> W8A8Amx | None:
+    """The AMX w8a8 kernel, or None where this CPU, kernel (Linux grants AMX state on request) or machine
+    cannot run it."""
+    library = _library()
+    if library is None or not _has(AMX_INT8_FLAGS, "w8a8_amx"):
+        return None
+    if library.w8a8_amx_enable() != 0:
+        logger.info("CPU kernel w8a8_amx not used: the OS did not grant AMX tile state")
+        return None
+    return W8A8Amx(library)
 
 
 @functools.cache

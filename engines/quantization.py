@@ -4,7 +4,8 @@ int8 (weight-only): per-output-channel symmetric scales, `aten._weight_int8pack_
 int4 (weight-only): group-wise asymmetric (scale + zero per group of 32/64/128 input columns), packed
 for `aten._weight_int4pack_mm_for_cpu` (tinygemm layout: w ≈ (q - 8) * scale + zero).
 w8a8: int8 weights as above and int8 activations with one scale per row, taken on the fly, the
-product in int32 through `torch._int_mm` (oneDNN; VNNI instructions where the CPU has them).
+product in int32 through `torch._int_mm` (oneDNN; VNNI instructions where the CPU has them), or on CPUs
+with AMX through `w8a8_amx` over the weight in tile order (`TiledW8A8Linear`: the same bits).
 
 The weight-only matmuls always run on bfloat16 activations (`COMPUTE_DTYPE`): with float32 ones the
 int8 kernel is unvectorised, several times slower. `activation_dtype` is the model's activation
@@ -35,7 +36,7 @@ import torch
 from torch import nn
 
 from engines.cpu import has_int8_dot_product
-from engines.cpu_kernels import Int8Gemv, W8A8Gemv, int8_gemv, w8a8_gemv
+from engines.cpu_kernels import Int8Gemv, W8A8Amx, W8A8Gemv, int8_gemv, w8a8_amx, w8a8_gemv
 
 QUANTIZATION_MODES = ("int8", "int4", "w8a8")
 CUDA_QUANTIZATION_MODES = ("int8", "fp8")
@@ -268,6 +269,49 @@ class W8A8Linear(Int8Linear):
         return out.to(self.activation_dtype).reshape(*x.shape[:-1], self.out_features)
 
 
+class TiledW8A8Linear(nn.Module):
+    """W8A8Linear on CPUs with AMX: the same quantised weight, scales and activations and the same result bits,
+    with the weight held in AMX tile order (the only copy) and every row count on `w8a8_amx`. A few rows cost
+    little more than one there (one tile instruction covers 16 output features), which is what a speculative
+    verification or a batched decode step needs; many rows (prefill) run faster than `torch._int_mm` too
+    (`python -m bench.kernels`)."""
+
+    def __init__(self, tiled_weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 in_features: int, out_features: int, activation_dtype: torch.dtype, kernel: W8A8Amx) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.activation_dtype = activation_dtype
+        self.kernel = kernel
+        self.register_buffer("weight", tiled_weight)
+        self.register_buffer("scales", scales.float())
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, activation_dtype: torch.dtype, kernel: W8A8Amx) -> TiledW8A8Linear:
+        weight_int8, scales = quantize_int8(linear.weight.detach())
+        return cls(kernel.pack(weight_int8), scales, linear.bias, linear.in_features, linear.out_features,
+                   activation_dtype, kernel)
+
+    def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The int8 weight's rows `ids`, `[len(ids), in_features]`."""
+        return self.kernel.rows(self.weight, ids, self.in_features)
+
+    def first_output_rows(self, num_rows: int) -> TiledW8A8Linear:
+        """The first `num_rows` output features, sharing the tiled weight (its leading blocks: a view)."""
+        blocks = self.weight[:-(-num_rows // self.kernel.group)]
+        bias = None if self.bias is None else self.bias[:num_rows]
+        return TiledW8A8Linear(blocks, self.scales[:num_rows], bias, self.in_features, num_rows,
+                               self.activation_dtype, self.kernel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float()
+        out = self.kernel(rows, self.weight, self.out_features, self.scales, self.bias)
+        return out.to(self.activation_dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
 class _CudaQuantizedLinear(nn.Module):
     """What the CUDA layers share: quantised weight rows with one scale each (`quantize`), a bias kept in the
     activation dtype, results returned in it."""
@@ -384,6 +428,8 @@ def first_output_rows(module: nn.Module, num_rows: int) -> nn.Module | None:
     if isinstance(module, RowDispatchLinear):
         packed = first_output_rows(module.packed, num_rows)
         return None if packed is None else RowDispatchLinear(packed, module.max_packed_rows)  # type: ignore[arg-type]
+    if isinstance(module, TiledW8A8Linear):
+        return module.first_output_rows(num_rows)
     if isinstance(module, Int8Linear | TritonInt8Linear):  # W8A8Linear too: each takes int8 rows, scales, bias
         bias = None if module.bias is None else module.bias[:num_rows]
         return type(module)(module.weight[:num_rows], module.scales[:num_rows], bias, module.activation_dtype)
@@ -403,11 +449,14 @@ class Int8Embedding(nn.Module):
     the embedding), so the two share one int8 table instead of the embedding staying in float32.
     """
 
-    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                 tiled_head: TiledW8A8Linear | None = None) -> None:
         super().__init__()
         self.register_buffer("weight", weight_int8)
         self.register_buffer("scales", scales)
         self.dtype = dtype
+        # A tied head in AMX tile order shares its weight: rows are gathered from the tiles.
+        self.tiled_head = None if tiled_head is None else (tiled_head.kernel, tiled_head.in_features)
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, dtype: torch.dtype,
@@ -415,13 +464,19 @@ class Int8Embedding(nn.Module):
         """Share the int8 table of `tied_head` (the embedding, quantised as a head) when it is int8, else
         quantise the embedding."""
         packed = tied_head.packed if isinstance(tied_head, RowDispatchLinear) else tied_head
+        if isinstance(packed, TiledW8A8Linear) and (packed.out_features, packed.in_features) == embedding.weight.shape:
+            return cls(packed.weight, packed.scales, dtype, tiled_head=packed)
         if isinstance(packed, Int8Linear | TritonInt8Linear) and packed.weight.shape == embedding.weight.shape:
             return cls(packed.weight, packed.scales, dtype)
         weight_int8, scales = quantize_int8(embedding.weight.detach())
         return cls(weight_int8, scales, dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.weight.index_select(0, input_ids).to(self.dtype)
+        if self.tiled_head is None:
+            rows = self.weight.index_select(0, input_ids).to(self.dtype)
+        else:
+            kernel, in_features = self.tiled_head
+            rows = kernel.rows(self.weight, input_ids, in_features).to(self.dtype)
         return rows * self.scales.index_select(0, input_ids).to(self.dtype).unsqueeze(1)
 
 
@@ -468,6 +523,9 @@ def _linear_modules(model: nn.Module, skip: Callable[[str], bool] | None) -> lis
 
 def _quantized(linear: nn.Linear, mode: str, activation_dtype: torch.dtype, group_size: int) -> nn.Module:
     if mode == "w8a8":
+        kernel = w8a8_amx()
+        if kernel is not None:
+            return TiledW8A8Linear.from_linear(linear, activation_dtype, kernel)
         return W8A8Linear.from_linear(linear, activation_dtype)
     if mode == "int4" and linear.out_features % INT4_OUT_FEATURES_MULTIPLE == 0:
         fitting = [size for size in INT4_GROUP_SIZES if size <= group_size and linear.in_features % size == 0]

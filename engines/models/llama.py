@@ -255,7 +255,7 @@ class LlamaForCausalLM(nn.Module):
             return 0
         self.lm_head = cut
         weight = head.packed.weight if isinstance(head, RowDispatchLinear) else head.weight
-        return (vocab_size - num_ids) * weight.shape[1] * weight.element_size()
+        return (vocab_size - num_ids) * head.in_features * weight.element_size()
 
     @torch.no_grad()
     def load_weights(self, tensors: MutableMapping[str, torch.Tensor], *, consume: bool = False,

@@ -13,11 +13,21 @@ from torch import nn
 
 from engines import cpu_kernels
 from engines.attention import AttentionMetadata, paged_attention
-from engines.cpu_kernels import PagedDecodeAttention, int8_gemv, w8a8_gemv
-from engines.quantization import Int8Linear, RowDispatchLinear, W8A8Linear
+from engines.cpu_kernels import PagedDecodeAttention, int8_gemv, w8a8_amx, w8a8_gemv
+from engines.quantization import (
+    Int8Embedding,
+    Int8Linear,
+    RowDispatchLinear,
+    TiledW8A8Linear,
+    W8A8Linear,
+    first_output_rows,
+)
 
 needs_kernel = pytest.mark.skipif(
     w8a8_gemv() is None, reason="the w8a8 kernel needs AVX-512 VNNI and a C compiler; this machine lacks one"
+)
+needs_amx = pytest.mark.skipif(
+    w8a8_amx() is None, reason="the AMX w8a8 kernel needs AMX-INT8 (e.g. Intel Sapphire Rapids); this CPU lacks it"
 )
 needs_library = pytest.mark.skipif(
     int8_gemv() is None, reason="the CPU decode kernels need AVX2, FMA and a C compiler; this machine lacks one"
@@ -60,6 +70,56 @@ def test_rows_beyond_the_kernel_go_to_int_mm_and_stay_exact() -> None:
     assert torch.equal(with_kernel(x), reference(x))
     with pytest.raises(ValueError, match="rows"):
         kernel(x, with_kernel.weight, with_kernel.weight_sum, with_kernel.scales, with_kernel.bias)
+
+
+def tiled_pair(in_features: int, out_features: int, bias: bool) -> tuple[TiledW8A8Linear, W8A8Linear]:
+    """One quantised layer in AMX tile order and as W8A8Linear forced onto `torch._int_mm`."""
+    kernel = w8a8_amx()
+    assert kernel is not None
+    torch.manual_seed(in_features + out_features)
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    reference = W8A8Linear.from_linear(linear, torch.float32)
+    reference.gemv = None
+    return TiledW8A8Linear.from_linear(linear, torch.float32, kernel), reference
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 4, 5, 16, 17, 37])  # 17, 37: a last block of fewer than 16 rows
+@pytest.mark.parametrize(("in_features", "bias"), [(256, False), (200, True), (4864 // 8, True)])  # 200, 608: padded
+@pytest.mark.parametrize("out_features", [128, 37])  # 37: one group, padded; 128: two, one per thread
+def test_the_amx_kernel_is_bit_identical_to_int_mm(rows: int, in_features: int, bias: bool, out_features: int) -> None:
+    tiled, reference = tiled_pair(in_features, out_features, bias)
+    x = torch.randn(rows, in_features) * torch.logspace(-3, 3, rows).unsqueeze(1)  # row scales far apart
+    x[0] = x[0].clamp(-100, 100)
+    x[0, :3] = torch.tensor([127.0, 2.5, -3.5])  # scale exactly 1: two values halfway, rounded half to even
+    out = torch.full((rows, out_features), float("nan"))
+    out.copy_(tiled(x))  # a fresh result, compared whole: an unwritten element would not be equal
+    assert torch.equal(out, reference(x))
+    assert torch.equal(tiled(torch.zeros(rows, in_features)), reference(torch.zeros(rows, in_features)))
+
+
+@needs_amx
+def test_a_row_gives_the_same_bits_alone_or_in_a_batch_on_amx() -> None:
+    tiled, _ = tiled_pair(896, 192, True)
+    x = torch.randn(21, 896)
+    together = tiled(x)
+    assert all(torch.equal(tiled(x[row : row + 1]), together[row : row + 1]) for row in range(21))
+
+
+@needs_amx
+def test_the_tiled_weight_is_the_only_copy_and_serves_rows_a_cut_head_and_a_tied_embedding() -> None:
+    tiled, reference = tiled_pair(200, 150, True)
+    assert tiled.weight.numel() == 192 * 256  # padded to whole tiles; no [N, K] weight beside it
+    ids = torch.tensor([0, 149, 64, 17, 17])
+    assert torch.equal(tiled.weight_rows(ids), reference.weight[ids])
+    cut = first_output_rows(tiled, 70)
+    assert isinstance(cut, TiledW8A8Linear) and cut.weight.data_ptr() == tiled.weight.data_ptr()
+    x = torch.randn(3, 200)
+    assert torch.equal(cut(x), reference(x)[:, :70])
+    embedding = nn.Embedding(150, 200)
+    shared = Int8Embedding.from_embedding(embedding, torch.float32, tied_head=tiled)
+    assert shared.weight.data_ptr() == tiled.weight.data_ptr()
+    assert torch.equal(shared(ids), Int8Embedding(reference.weight, reference.scales, torch.float32)(ids))
 
 
 def int16_rows_product(layer: Int8Linear, x: torch.Tensor, x_levels: int) -> torch.Tensor:
@@ -157,6 +217,7 @@ def test_a_cpu_without_avx2_keeps_the_pytorch_paths(monkeypatch: pytest.MonkeyPa
 def test_a_cpu_without_vnni_gets_the_avx2_kernels_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert cpu_kernels.w8a8_gemv.__wrapped__() is None
+    assert cpu_kernels.w8a8_amx.__wrapped__() is None
     assert cpu_kernels.int8_gemv.__wrapped__() is not None
     attention = cpu_kernels.paged_decode_attention.__wrapped__()
     assert attention is not None and attention.lanes == 8
