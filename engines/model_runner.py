@@ -95,7 +95,8 @@ class ModelRunner:
     @property
     def extra_row_cost(self) -> float:
         """What each decode row beyond the first adds to a forward, in one-row forwards (`best_num_drafts`):
-        the native layers' figure where they run, else 0 (not measured: extra rows taken as free)."""
+        the native layers' figure where they run, else 0 — near the truth on AMX tiles (16 rows cost ~1.06
+        one-row products, `python -m bench.kernels`), an underestimate for `w8a8_gemv` (~0.2 on a Zen 4)."""
         return self.native_decoder.EXTRA_ROW_COST if self.native_decoder is not None else 0.0
 
     def execute(self, batch: ScheduledBatch, should_yield: Callable[[], bool] | None = None
