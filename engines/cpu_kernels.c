@@ -259,6 +259,12 @@ static inline __m256 scale_pow2_256(const __m256 y, const __m256 n) {
 #undef PAGED_DECODE_ATTEND
 #undef PAGED_DECODE_ATTENTION
 
+/* The AMX kernel's pieces (defined in its target region at the end of this file) that the decode layer calls
+ * when its products are w8a8 on AMX tiles. */
+static void quantize_rows_int8(const float *x, const int64_t rows, const int64_t K, int8_t *xq, float *x_scale);
+static void w8a8_amx_share(const int8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
+                           const int8_t *packed, const float *w_scale, const float *bias, float *out, const int64_t N);
+
 /* -- decode_layer_int8 (AVX2) -----------------------------------------------------------------------
  * One Llama / Qwen2 decoder layer for a decode step's rows, in one call: RMSNorm, the q/k/v product, RoPE,
  * the new K/V into the paged cache, paged attention, the output product and residual, RMSNorm, gate/up,
@@ -269,9 +275,11 @@ static inline __m256 scale_pow2_256(const __m256 y, const __m256 n) {
  * so the rows keep their properties: each row's result is the same bits whatever else shares the call.
  * The element-wise steps are the PyTorch module's arithmetic in float32 (RMSNorm's sum of squares and
  * SiLU's exponential in another order and polynomial: a few ulp apart). Runs only where every product of
- * the layer is int8 weight-only with float32 activations (`engines.models.llama.native_decode_layer`).
+ * the layer is int8 weight-only with float32 activations, or (`w8a8_amx` in the shape) every product is w8a8 on
+ * AMX tiles — then `w8a8_amx`'s arithmetic, int8 rows and the weights in tile order
+ * (`engines.models.llama.LlamaForCausalLM.native_decoder`).
  */
-struct int8_linear {  /* an int8 weight-only projection: weight [out, in] int8, scale [out], bias [out] or NULL */
+struct int8_linear {  /* weight [out, in] int8 (or in tile order: w8a8_amx_pack), scale [out], bias [out] or NULL */
     const int8_t *weight;
     const float *scale, *bias;
 };
@@ -286,6 +294,7 @@ struct decoder_shape {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
     float rms_norm_eps, attention_scale;
     int32_t kv_bf16;
+    int32_t w8a8_amx;  /* products: 0 = int8 weight-only (`int8_gemv`), 1 = w8a8 on AMX tiles (`w8a8_amx`) */
 };
 
 struct decode_rows {  /* this step's decode rows, shared by every layer of the step */
@@ -305,9 +314,15 @@ static inline int64_t widest_input(const struct decoder_shape *s) {
     return widest > s->intermediate ? widest : s->intermediate;
 }
 
+/* Floats a quantised input row takes: int16 [widest], or int8 padded to whole AMX tiles. */
+static inline int64_t quantized_row_floats(const int64_t widest) {
+    const int64_t int16_floats = (widest + 1) / 2, int8_floats = (widest + 63) / 64 * 64 / 4;
+    return ALIGN_FLOATS(int16_floats > int8_floats ? int16_floats : int8_floats);
+}
+
 int64_t decode_layer_workspace_floats(const struct decoder_shape *s, const int64_t rows) {
     const int64_t widest = widest_input(s), qkv = (s->heads + 2 * s->kv_heads) * s->head_dim;
-    return rows * (ALIGN_FLOATS(widest) + ALIGN_FLOATS((widest + 1) / 2) + ALIGN_FLOATS(qkv)
+    return rows * (ALIGN_FLOATS(widest) + quantized_row_floats(widest) + ALIGN_FLOATS(qkv)
                    + ALIGN_FLOATS(2 * s->intermediate) + ALIGN_FLOATS(widest)) + ALIGN_FLOATS(rows);
 }
 
@@ -356,11 +371,24 @@ static void silu_mul_row(const float *gate, const float *up, const int64_t K, fl
     }
 }
 
-/* Every row's product through `int8_gemv`'s arithmetic, each thread its share of the output features, then a
+/* Rows [0, rows) of x quantised for the layer's products into xq (int16, or int8 padded to whole tiles), split
+ * among the team's threads; the `omp for` ends in a barrier. */
+static void quantize_inputs(const struct decoder_shape *s, const float *x, const int64_t rows, const int64_t K,
+                            void *xq, float *x_scale) {
+    if (s->w8a8_amx)
+        quantize_rows_int8(x, rows, K, xq, x_scale);
+    else
+        quantize_rows_int16(x, rows, K, xq, x_scale);
+}
+
+/* Every row's product through the layer's arithmetic, each thread its share of the output features, then a
  * barrier: the team reads `out` next. (Its input rows were quantised in an `omp for`, which ends in one.) */
-static void project(const int16_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
-                    const struct int8_linear *linear, float *out, const int64_t N) {
-    int8_gemv_share(xq, x_scale, rows, K, linear->weight, linear->scale, linear->bias, out, N);
+static void project(const struct decoder_shape *s, const void *xq, const float *x_scale, const int64_t rows,
+                    const int64_t K, const struct int8_linear *linear, float *out, const int64_t N) {
+    if (s->w8a8_amx)
+        w8a8_amx_share(xq, x_scale, rows, K, linear->weight, linear->scale, linear->bias, out, N);
+    else
+        int8_gemv_share(xq, x_scale, rows, K, linear->weight, linear->scale, linear->bias, out, N);
     #pragma omp barrier
 }
 
@@ -379,8 +407,8 @@ int decode_layer_int8(const struct decoder_layer *layer, const struct decoder_sh
     const int block_shift = __builtin_ctzll((unsigned long long)s->block_size);
     const int64_t widest = widest_input(s);
     float *h = step->workspace;  /* a product's float32 input rows, [rows, widest] */
-    int16_t *xq = (int16_t *)(h + rows * ALIGN_FLOATS(widest));  /* the same rows quantised, [rows, widest] */
-    float *qkv = h + rows * (ALIGN_FLOATS(widest) + ALIGN_FLOATS((widest + 1) / 2));
+    void *xq = h + rows * ALIGN_FLOATS(widest);  /* the same rows quantised: int16 [rows, widest] or int8 padded */
+    float *qkv = h + rows * (ALIGN_FLOATS(widest) + quantized_row_floats(widest));
     float *gate_up = qkv + rows * ALIGN_FLOATS(qkv_size);
     float *y = gate_up + rows * ALIGN_FLOATS(2 * inter);  /* a product's output rows or the packed q, [rows, widest] */
     float *x_scale = y + rows * ALIGN_FLOATS(widest);
@@ -388,11 +416,10 @@ int decode_layer_int8(const struct decoder_layer *layer, const struct decoder_sh
     #pragma omp parallel num_threads(threads)
     {
         #pragma omp for schedule(static)
-        for (int64_t m = 0; m < rows; m++) {
+        for (int64_t m = 0; m < rows; m++)
             rms_norm_row(x + m * hidden, layer->input_norm, hidden, s->rms_norm_eps, h + m * hidden);
-            quantize_row_int16(h + m * hidden, hidden, xq + m * hidden, x_scale + m);
-        }
-        project(xq, x_scale, rows, hidden, &layer->qkv, qkv, qkv_size);
+        quantize_inputs(s, h, rows, hidden, xq, x_scale);
+        project(s, xq, x_scale, rows, hidden, &layer->qkv, qkv, qkv_size);
         #pragma omp for schedule(static)
         for (int64_t m = 0; m < rows; m++) {
             float *row = qkv + m * qkv_size;
@@ -407,22 +434,21 @@ int decode_layer_int8(const struct decoder_layer *layer, const struct decoder_sh
         paged_decode_attend_avx2(y, layer->k_cache, layer->v_cache, s->kv_bf16, step->block_tables, step->max_blocks,
                                  step->context_lens, rows, s->heads, s->kv_heads, head_dim, block_shift,
                                  s->attention_scale, h, &status);
-        quantize_rows_int16(h, rows, q_size, xq, x_scale);
-        project(xq, x_scale, rows, q_size, &layer->o, y, hidden);
+        quantize_inputs(s, h, rows, q_size, xq, x_scale);
+        project(s, xq, x_scale, rows, q_size, &layer->o, y, hidden);
         #pragma omp for schedule(static)
         for (int64_t m = 0; m < rows; m++) {
             float *x_row = x + m * hidden;
             for (int64_t k = 0; k < hidden; k++) x_row[k] += y[m * hidden + k];
             rms_norm_row(x_row, layer->post_attention_norm, hidden, s->rms_norm_eps, h + m * hidden);
-            quantize_row_int16(h + m * hidden, hidden, xq + m * hidden, x_scale + m);
         }
-        project(xq, x_scale, rows, hidden, &layer->gate_up, gate_up, 2 * inter);
+        quantize_inputs(s, h, rows, hidden, xq, x_scale);
+        project(s, xq, x_scale, rows, hidden, &layer->gate_up, gate_up, 2 * inter);
         #pragma omp for schedule(static)
-        for (int64_t m = 0; m < rows; m++) {
+        for (int64_t m = 0; m < rows; m++)
             silu_mul_row(gate_up + m * 2 * inter, gate_up + m * 2 * inter + inter, inter, h + m * inter);
-            quantize_row_int16(h + m * inter, inter, xq + m * inter, x_scale + m);
-        }
-        project(xq, x_scale, rows, inter, &layer->down, y, hidden);
+        quantize_inputs(s, h, rows, inter, xq, x_scale);
+        project(s, xq, x_scale, rows, inter, &layer->down, y, hidden);
         #pragma omp for schedule(static)
         for (int64_t m = 0; m < rows; m++)
             for (int64_t k = 0; k < hidden; k++) x[m * hidden + k] += y[m * hidden + k];
@@ -646,45 +672,64 @@ static inline void amx_store_group(int32_t acc[4][AMX_TILE_ROWS * 16], const int
     }
 }
 
+/* Rows [0, rows) of x as int8 rows of ceil(K / 64) * 64 bytes in xq, split among the threads of the enclosing
+ * team (an orphaned `omp for`: its implicit barrier ends it). */
+static void quantize_rows_int8(const float *x, const int64_t rows, const int64_t K, int8_t *xq, float *x_scale) {
+    const int64_t Kp = (K + AMX_K_CHUNK - 1) / AMX_K_CHUNK * AMX_K_CHUNK;
+    #pragma omp for schedule(static)
+    for (int64_t m = 0; m < rows; m++) quantize_row_int8(x + m * K, K, Kp, xq + m * Kp, x_scale + m);
+}
+
+/* This thread's share of the output groups of q(x) · wᵀ: called by every thread of a team, no barrier. */
+static void w8a8_amx_share(const int8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
+                           const int8_t *packed, const float *w_scale, const float *bias, float *out, const int64_t N) {
+    const int64_t chunks = (K + AMX_K_CHUNK - 1) / AMX_K_CHUNK, Kp = chunks * AMX_K_CHUNK;
+    int64_t begin, end;
+    thread_share((N + AMX_GROUP - 1) / AMX_GROUP, &begin, &end);
+    int32_t acc[4][AMX_TILE_ROWS * 16];
+    int configured_rows = 0;
+    for (int64_t group = begin; group < end; group++) {
+        const int8_t *weight = packed + group * chunks * AMX_BLOCK_BYTES;
+        for (int64_t m0 = 0; m0 < rows; m0 += AMX_TILE_ROWS) {
+            const int block_rows = (int)(rows - m0 < AMX_TILE_ROWS ? rows - m0 : AMX_TILE_ROWS);
+            if (block_rows != configured_rows) amx_configure(configured_rows = block_rows);
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int64_t chunk = 0; chunk < chunks; chunk++) {
+                const int8_t *block = weight + chunk * AMX_BLOCK_BYTES;
+                _tile_loadd(4, xq + m0 * Kp + chunk * AMX_K_CHUNK, Kp);
+                _tile_loadd(5, block, 64); _tile_dpbssd(0, 4, 5);
+                _tile_loadd(6, block + 1024, 64); _tile_dpbssd(1, 4, 6);
+                _tile_loadd(5, block + 2048, 64); _tile_dpbssd(2, 4, 5);
+                _tile_loadd(6, block + 3072, 64); _tile_dpbssd(3, 4, 6);
+            }
+            _tile_stored(0, acc[0], 64); _tile_stored(1, acc[1], 64);
+            _tile_stored(2, acc[2], 64); _tile_stored(3, acc[3], 64);
+            amx_store_group(acc, block_rows, m0, group, x_scale, w_scale, bias, out, N);
+        }
+    }
+    if (configured_rows) _tile_release();
+}
+
 /* x [rows, K] float32; packed from w8a8_amx_pack; w_scale [N] float32; bias [N] float32 or NULL;
  * out [rows, N] float32; xq [rows, ceil(K / 64) * 64] int8 and x_scale [rows] are scratch. Returns 0. */
 int w8a8_amx(const float *x, const int64_t rows, const int64_t K, const int8_t *packed, const float *w_scale,
              const float *bias, float *out, const int64_t N, int8_t *xq, float *x_scale, const int threads) {
-    const int64_t chunks = (K + AMX_K_CHUNK - 1) / AMX_K_CHUNK, Kp = chunks * AMX_K_CHUNK;
-    const int64_t groups = (N + AMX_GROUP - 1) / AMX_GROUP;
     #pragma omp parallel num_threads(threads)
     {
-        #pragma omp for
-        for (int64_t m = 0; m < rows; m++) quantize_row_int8(x + m * K, K, Kp, xq + m * Kp, x_scale + m);
-        int64_t begin, end;
-        thread_share(groups, &begin, &end);
-        int32_t acc[4][AMX_TILE_ROWS * 16];
-        int configured_rows = 0;
-        for (int64_t group = begin; group < end; group++) {
-            const int8_t *weight = packed + group * chunks * AMX_BLOCK_BYTES;
-            for (int64_t m0 = 0; m0 < rows; m0 += AMX_TILE_ROWS) {
-                const int block_rows = (int)(rows - m0 < AMX_TILE_ROWS ? rows - m0 : AMX_TILE_ROWS);
-                if (block_rows != configured_rows) amx_configure(configured_rows = block_rows);
-                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                for (int64_t chunk = 0; chunk < chunks; chunk++) {
-                    const int8_t *block = weight + chunk * AMX_BLOCK_BYTES;
-                    _tile_loadd(4, xq + m0 * Kp + chunk * AMX_K_CHUNK, Kp);
-                    _tile_loadd(5, block, 64); _tile_dpbssd(0, 4, 5);
-                    _tile_loadd(6, block + 1024, 64); _tile_dpbssd(1, 4, 6);
-                    _tile_loadd(5, block + 2048, 64); _tile_dpbssd(2, 4, 5);
-                    _tile_loadd(6, block + 3072, 64); _tile_dpbssd(3, 4, 6);
-                }
-                _tile_stored(0, acc[0], 64); _tile_stored(1, acc[1], 64);
-                _tile_stored(2, acc[2], 64); _tile_stored(3, acc[3], 64);
-                amx_store_group(acc, block_rows, m0, group, x_scale, w_scale, bias, out, N);
-            }
-        }
-        if (configured_rows) _tile_release();
+        quantize_rows_int8(x, rows, K, xq, x_scale);
+        w8a8_amx_share(xq, x_scale, rows, K, packed, w_scale, bias, out, N);
     }
     return 0;
 }
 
 #pragma GCC pop_options
-#else
-int w8a8_amx_enable(void) { return -1; }  /* this compiler has no AMX intrinsics */
+#else  /* this compiler has no AMX intrinsics: the Python side never enables the AMX paths */
+int w8a8_amx_enable(void) { return -1; }
+static void quantize_rows_int8(const float *x, const int64_t rows, const int64_t K, int8_t *xq, float *x_scale) {
+    (void)x, (void)rows, (void)K, (void)xq, (void)x_scale;
+}
+static void w8a8_amx_share(const int8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
+                           const int8_t *packed, const float *w_scale, const float *bias, float *out, const int64_t N) {
+    (void)xq, (void)x_scale, (void)rows, (void)K, (void)packed, (void)w_scale, (void)bias, (void)out, (void)N;
+}
 #endif

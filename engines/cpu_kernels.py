@@ -14,7 +14,8 @@ AVX2 and an AVX-512 build; reads the cache in place through the block tables) re
 decode row of every step, so a row's result never depends on the batch size.
 Beside them, the ~20 small PyTorch ops of a decode layer (norms, RoPE, KV store, SiLU, residuals) cost a third
 of a batch-1 step; `decode_layer_int8` runs a whole layer for a step's decode rows in one call on the AVX2
-kernels' arithmetic (`engines.models.llama.NativeDecoder`, where every product is int8 weight-only on float32).
+kernels' arithmetic (`engines.models.llama.NativeDecoder`, where every product is int8 weight-only on float32,
+or w8a8 on AMX tiles).
 `python -m bench.kernels` times the GEMVs against the PyTorch ops, `python -m bench.engine --batch1-only`
 a decode step with the kernels against the PyTorch ops; BENCHMARKS.md has the figures.
 
@@ -307,6 +308,7 @@ class DecoderShape(ctypes.Structure):
         ("rms_norm_eps", ctypes.c_float),
         ("attention_scale", ctypes.c_float),
         ("kv_bf16", ctypes.c_int32),
+        ("w8a8_amx", ctypes.c_int32),  # the products: 0 = int8 weight-only, 1 = w8a8 on AMX tiles
     ]
 
 
@@ -325,12 +327,13 @@ class DecodeRows(ctypes.Structure):
     ]
 
 
-Projection = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # int8 weight [N, K], scales [N], bias [N] | None
+Projection = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # int8 weight [N, K] or tiled, scales, bias
 
 
 class DecodeLayerKernel:
     """A whole Llama / Qwen2 decoder layer for up to `max_rows` decode rows in one native call
-    (`decode_layer_int8`): int8 weight-only products (`int8_gemv`'s arithmetic), float32 activations, a
+    (`decode_layer_int8`): int8 weight-only products (`int8_gemv`'s arithmetic) or, with `w8a8_amx` in the
+    shape, w8a8 products on AMX tiles (`w8a8_amx`'s, the weights in tile order); float32 activations, a
     float32 or bfloat16 paged KV cache read and written in place. x [rows, hidden] is updated in place."""
 
     def __init__(self, library: ctypes.CDLL, attention: PagedDecodeAttention) -> None:

@@ -97,7 +97,7 @@ class ModelRunner:
         """What each decode row beyond the first adds to a forward, in one-row forwards (`best_num_drafts`):
         the native layers' figure where they run, else 0 — near the truth on AMX tiles (16 rows cost ~1.06
         one-row products, `python -m bench.kernels`), an underestimate for `w8a8_gemv` (~0.2 on a Zen 4)."""
-        return self.native_decoder.EXTRA_ROW_COST if self.native_decoder is not None else 0.0
+        return self.native_decoder.extra_row_cost if self.native_decoder is not None else 0.0
 
     def execute(self, batch: ScheduledBatch, should_yield: Callable[[], bool] | None = None
                 ) -> tuple[torch.Tensor, list[Sequence]]:  # fmt: skip

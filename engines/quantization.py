@@ -413,13 +413,16 @@ class RowDispatchLinear(nn.Module):
         return f"max_packed_rows={self.max_packed_rows}"
 
 
-def int8_gemv_operands(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """`(weight int8 [N, K], scales [N], bias [N] | None)` (float32) of a layer whose few-row products run on
-    `int8_gemv` with float32 activations, as the whole-layer decode kernel takes them; None for any other."""
+def native_operands(module: nn.Module) -> tuple[bool, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None:
+    """`(w8a8_amx, (weight int8, scales [N], bias [N] | None))` (float32) of a layer whose products the
+    whole-layer decode kernel can run: int8 weight-only on `int8_gemv` with float32 activations (weight [N, K],
+    False), or w8a8 on AMX tiles with float32 activations (the tiled weight, True); None for any other."""
     packed = module.packed if isinstance(module, RowDispatchLinear) else module
+    if type(packed) is TiledW8A8Linear and packed.activation_dtype == torch.float32:
+        return True, (packed.weight, packed.scales, packed.bias)
     if type(packed) is not Int8Linear or packed.gemv is None or packed.activation_dtype != torch.float32:
         return None
-    return packed.weight, packed.gemv_scales, packed.gemv_bias
+    return False, (packed.weight, packed.gemv_scales, packed.gemv_bias)
 
 
 def first_output_rows(module: nn.Module, num_rows: int) -> nn.Module | None:

@@ -16,7 +16,7 @@ from torch import nn
 from engines.attention import AttentionMetadata, StepYielded, as_blocks, paged_attention
 from engines.config import ModelConfig
 from engines.cpu_kernels import DecodeLayerKernel, DecoderLayerWeights, DecodeRows, DecoderShape, decode_layer
-from engines.quantization import RowDispatchLinear, first_output_rows, int8_gemv_operands
+from engines.quantization import RowDispatchLinear, first_output_rows, native_operands
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -187,25 +187,31 @@ class LlamaForCausalLM(nn.Module):
 
     def native_decoder(self, kv_caches: list[KVCache], block_size: int) -> NativeDecoder | None:
         """Every layer's operands for the whole-layer decode kernel, or None where the kernel or one of the
-        layers cannot take them (anything but int8 weight-only products on float32 activations)."""
+        layers cannot take them (anything but int8 weight-only products, or w8a8 products on AMX tiles, on
+        float32 activations, the same kind throughout)."""
         kernel, config = decode_layer(), self.config
         kv_dtype = kv_caches[0][0].dtype
         if kernel is None or not kernel.supports(config.hidden_size, config.num_attention_heads,
                                                  config.num_key_value_heads, config.head_dim,
                                                  config.intermediate_size, kv_dtype, block_size):
             return None
-        layers = []
+        layers, kinds = [], set()
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             attention, mlp = layer.self_attn, layer.mlp
-            projections = [int8_gemv_operands(module) for module in (attention.qkv_proj, attention.o_proj,
-                                                                     mlp.gate_up_proj, mlp.down_proj)]
+            products = [native_operands(module) for module in (attention.qkv_proj, attention.o_proj,
+                                                               mlp.gate_up_proj, mlp.down_proj)]
             norms = [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
-            if None in projections or any(norm.dtype != torch.float32 for norm in norms):
+            found = [product for product in products if product is not None]
+            if len(found) < len(products) or any(norm.dtype != torch.float32 for norm in norms):
                 return None
-            layers.append(kernel.layer(*norms, *projections, k_cache, v_cache))  # type: ignore[arg-type]
+            kinds.update(kind for kind, _ in found)
+            layers.append(kernel.layer(*norms, *(operands for _, operands in found), k_cache, v_cache))
+        if len(kinds) != 1:  # one kind of product throughout
+            return None
+        w8a8_amx = kinds.pop()
         shape = DecoderShape(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                              config.head_dim, config.intermediate_size, block_size, config.rms_norm_eps,
-                             config.head_dim ** -0.5, int(kv_dtype == torch.bfloat16))
+                             config.head_dim ** -0.5, int(kv_dtype == torch.bfloat16), int(w8a8_amx))
         return NativeDecoder(kernel, shape, layers, self.rope_cos, self.rope_sin)
 
     def move_to(self, device: torch.device) -> None:
@@ -325,15 +331,17 @@ class NativeDecoder:
     at batch 1 those cost a third of a step (BENCHMARKS.md). Built once per model runner by
     `LlamaForCausalLM.native_decoder`; `rows` prepares a step's decode rows."""
 
-    # Each row beyond the first adds about a fifth of a one-row forward: the int16 products (`vpmaddwd`) are
-    # bound by arithmetic, not by the weight stream, from two rows on. Both demo models, 1 to 8 rows, fit
-    # within 0.1 on the AVX2 EPYC (BENCHMARKS.md, 2026-12-04); speculation sizes its rounds with it.
-    EXTRA_ROW_COST = 0.2
+    # What each row beyond the first adds to a one-row forward; speculation sizes its rounds with it. int16
+    # products (`vpmaddwd`) are bound by arithmetic, not by the weight stream, from two rows on: about a fifth
+    # (both demo models, 1 to 8 rows, within 0.1 on the AVX2 EPYC, BENCHMARKS.md, 2026-12-04). On AMX tiles 16
+    # rows cost ~1.06 one-row products (`python -m bench.kernels`, BENCHMARKS.md, 2026-12-05).
+    INT16_EXTRA_ROW_COST, AMX_EXTRA_ROW_COST = 0.2, 0.0
 
     def __init__(self, kernel: DecodeLayerKernel, shape: DecoderShape,
                  layers: list[tuple[DecoderLayerWeights, list[torch.Tensor]]], rope_cos: torch.Tensor,
                  rope_sin: torch.Tensor) -> None:
         self.kernel, self.shape, self.layers = kernel, shape, layers
+        self.extra_row_cost = self.AMX_EXTRA_ROW_COST if shape.w8a8_amx else self.INT16_EXTRA_ROW_COST
         self.max_rows = kernel.max_rows
         self._rope_cos, self._rope_sin = rope_cos, rope_sin
 

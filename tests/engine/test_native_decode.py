@@ -1,13 +1,14 @@
 """Decode rows through whole native layers (`NativeDecoder` over `decode_layer_int8`): what the PyTorch modules
 compute, the same K/V written to the paged cache, each row the same bits whatever shares its step (other decode
-rows, a prefill chunk), and only where every product of the model is int8 weight-only on float32 activations."""
+rows, a prefill chunk), and only where every product of the model is int8 weight-only on float32 activations,
+or w8a8 on AMX tiles (on CPUs with AMX)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engines.cpu_kernels import decode_layer
+from engines.cpu_kernels import decode_layer, w8a8_amx
 from engines.llm_engine import LLMEngine
 from engines.model_runner import ModelRunner, TokenSpan
 from engines.models import llama
@@ -26,8 +27,12 @@ SEQUENCES = [
 ]
 
 
-def int8_engine(model: TinyModel, **overrides: object) -> LLMEngine:
-    return make_engine(model, quantization="int8", num_threads=2, **overrides)
+# The products the native layers take: int8 weight-only everywhere, w8a8 where the CPU has AMX tiles.
+NATIVE_QUANTIZATIONS = ["int8", *(["w8a8"] if w8a8_amx() is not None else [])]
+
+
+def native_engine(model: TinyModel, quantization: str = "int8", **overrides: object) -> LLMEngine:
+    return make_engine(model, quantization=quantization, num_threads=2, **overrides)
 
 
 def prefill(runner: ModelRunner, *indices: int) -> list[TokenSpan]:
@@ -47,10 +52,11 @@ def decode_slots(runner: ModelRunner, spans: list[TokenSpan]) -> list[torch.Tens
     return [cache.index_select(0, slots).float() for pair in runner.kv_caches for cache in pair]
 
 
+@pytest.mark.parametrize("quantization", NATIVE_QUANTIZATIONS)
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
-def test_native_layers_compute_the_modules_logits_and_write_their_kv(tiny_model: TinyModel,
-                                                                     kv_cache_dtype: str) -> None:
-    runner = int8_engine(tiny_model, kv_cache_dtype=kv_cache_dtype).runner
+def test_native_layers_compute_the_modules_logits_and_write_their_kv(tiny_model: TinyModel, kv_cache_dtype: str,
+                                                                     quantization: str) -> None:
+    runner = native_engine(tiny_model, quantization, kv_cache_dtype=kv_cache_dtype).runner
     assert runner.native_decoder is not None
     spans = prefill(runner, 0, 1, 2)
     native_logits = runner.forward(spans)
@@ -58,18 +64,22 @@ def test_native_layers_compute_the_modules_logits_and_write_their_kv(tiny_model:
     runner.native_decoder = None
     module_logits = runner.forward(spans)  # the same slots, written again by the modules
     # RMSNorm's sum and SiLU's exponential are a few ulp apart from torch's, which can move an activation across
-    # an int16 rounding boundary (1/8191 of its row's largest) or a K/V value across a bfloat16 one: small,
-    # where a wrong RoPE, norm, bias or residual is of the order of the logits themselves.
-    torch.testing.assert_close(native_logits, module_logits, rtol=0, atol=2e-3 * module_logits.abs().max().item())
+    # a rounding boundary (int16: 1/8191 of its row's largest; int8: 1/127) or a K/V value across a bfloat16
+    # one: small, where a wrong RoPE, norm, bias or residual is of the order of the logits themselves.
+    tolerance = 2e-3 if quantization == "int8" else 2e-2
+    torch.testing.assert_close(native_logits, module_logits, rtol=0,
+                               atol=tolerance * module_logits.abs().max().item())
     for native, module in zip(native_kv, decode_slots(runner, spans), strict=True):
         assert native.abs().max() > 0  # written (the cache starts as zeros)
         torch.testing.assert_close(native, module, rtol=1e-2, atol=1e-3 * module.abs().max().item())
 
 
+@pytest.mark.parametrize("quantization", NATIVE_QUANTIZATIONS)
 def test_a_decode_row_is_the_same_bits_alone_beside_other_rows_and_beside_a_prefill_chunk(
-    tiny_qwen2: TinyModel,
+    tiny_qwen2: TinyModel, quantization: str
 ) -> None:
-    runner = int8_engine(tiny_qwen2).runner
+    runner = native_engine(tiny_qwen2, quantization).runner
+    assert runner.native_decoder is not None
     first, second = prefill(runner, 0, 1)
     third_prompt, third_table = SEQUENCES[2]
     alone = runner.forward([first])
@@ -82,10 +92,12 @@ def test_a_decode_row_is_the_same_bits_alone_beside_other_rows_and_beside_a_pref
     assert torch.equal(chunk_logits, runner.forward([chunk])[0])
 
 
-def test_decoding_through_native_layers_gives_the_modules_tokens(tiny_model: TinyModel) -> None:
+@pytest.mark.parametrize("quantization", NATIVE_QUANTIZATIONS)
+def test_decoding_through_native_layers_gives_the_modules_tokens(tiny_model: TinyModel, quantization: str) -> None:
     outputs = []
     for native in (True, False):
-        engine = int8_engine(tiny_model)
+        engine = native_engine(tiny_model, quantization)
+        assert engine.runner.native_decoder is not None
         if not native:
             engine.runner.native_decoder = None
         for i, (prompt, _) in enumerate(SEQUENCES):
@@ -95,7 +107,7 @@ def test_decoding_through_native_layers_gives_the_modules_tokens(tiny_model: Tin
 
 
 def test_every_layer_of_a_step_runs_natively_once(tiny_llama: TinyModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    runner = int8_engine(tiny_llama).runner
+    runner = native_engine(tiny_llama).runner
     layers_run: list[int] = []
     run_layer = llama.PreparedDecodeRows.run_layer
 
@@ -110,10 +122,13 @@ def test_every_layer_of_a_step_runs_natively_once(tiny_llama: TinyModel, monkeyp
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"quantization": "w8a8"}, {"quantization": "int4"}, {"quantization": "int8", "dtype": "bfloat16"}],
-    ids=["float32", "w8a8", "int4", "int8-bfloat16-activations"],
+    [{}, {"quantization": "w8a8"}, {"quantization": "int4"}, {"quantization": "int8", "dtype": "bfloat16"},
+     {"quantization": "w8a8", "dtype": "bfloat16"}],
+    ids=["float32", "w8a8", "int4", "int8-bfloat16-activations", "w8a8-bfloat16-activations"],
 )
-def test_models_whose_products_are_not_int8_on_float32_keep_the_modules(tiny_qwen2: TinyModel,
-                                                                         overrides: dict[str, object]) -> None:
+def test_models_whose_products_the_native_layers_do_not_take_keep_the_modules(tiny_qwen2: TinyModel,
+                                                                              overrides: dict[str, object]) -> None:
+    if overrides == {"quantization": "w8a8"} and w8a8_amx() is not None:
+        pytest.skip("w8a8 on AMX tiles is taken natively on this CPU (tested above)")
     engine = make_engine(tiny_qwen2, **overrides)
     assert engine.runner.native_decoder is None
