@@ -72,3 +72,12 @@ def write_results(name: str, figures: dict[str, Any]) -> Path:
     path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
     print(f"\nwrote {path}")
     return path
+
+
+def run_without_amx() -> None:
+    """From here on, w8a8 layers are built as on CPUs with VNNI and no AMX (`W8A8Linear`, `w8a8_gemv`): for
+    benchmarks that measure that path on an AMX CPU, beside the one `auto` picks there."""
+    from engines import quantization
+
+    quantization.w8a8_amx = lambda: None  # type: ignore[assignment]
+

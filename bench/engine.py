@@ -67,7 +67,7 @@ from typing import Any
 
 import torch
 
-from bench.common import cpu_model, mean, percentile, print_table, write_results
+from bench.common import cpu_model, mean, percentile, print_table, run_without_amx, write_results
 from engines.config import EngineConfig, ModelConfig
 from engines.loader import Checkpoint, load_checkpoint
 from engines.registry import resolve_model
@@ -465,6 +465,7 @@ def run_batch1_only(checkpoint: Checkpoint, args: argparse.Namespace, model_path
             "model_path": str(model_path),
             "cpu": cpu_model(),
             "precision": llm_engine.precision(),
+            "w8a8_without_amx": args.without_amx,
             "threads": args.threads,
             "decode_tokens": args.batch1_tokens,
             "prompt_tokens": BATCH1_PROMPT_TOKENS,
@@ -787,7 +788,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="--batch1-only: alternating runs with and without the CPU decode kernels",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--without-amx", action="store_true",
+                        help="build w8a8 layers as on a CPU without AMX (VNNI kernels), on a CPU that has it")
     args = parser.parse_args(argv)
+    if args.without_amx:
+        run_without_amx()
     if args.batch1_tokens < DECODE_WARMUP_STEPS + 2:
         parser.error(f"--batch1-tokens must be at least {DECODE_WARMUP_STEPS + 2}: {DECODE_WARMUP_STEPS} warm-up steps "
                      "come first")  # fmt: skip

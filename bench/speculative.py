@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from bench.common import print_table, write_results
+from bench.common import print_table, run_without_amx, write_results
 from bench.engine import GSM8K_DIR
 from engines.large.spec import SPEC as LARGE
 from engines.llm_engine import LLMEngine
@@ -136,7 +136,11 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=GSM8K_TEST)
     parser.add_argument("--quantization", default=None,
                         help="the large tier's weights (default: its shipped `auto`), e.g. int8 or w8a8")
+    parser.add_argument("--without-amx", action="store_true",
+                        help="build w8a8 layers as on a CPU without AMX (VNNI kernels), on a CPU that has it")
     args = parser.parse_args()
+    if args.without_amx:
+        run_without_amx()
 
     load_started = time.perf_counter()
     # The large tier's shipped settings (precision, KV cache), with the drafter named here.
@@ -188,7 +192,7 @@ def main() -> None:
     write_results("speculative", {
         "cpu": _cpu_model(), "load_average_at_end": os.getloadavg(), "torch_threads": torch.get_num_threads(),
         "target": args.target, "drafter": args.drafter, "precision": engine.precision(),
-        "prompts": args.prompts, "output_tokens": args.output_tokens,
+        "w8a8_without_amx": args.without_amx, "prompts": args.prompts, "output_tokens": args.output_tokens,
         "max_num_speculative_tokens": args.num_speculative_tokens, "peak_rss_gb": rss_gb(), **results,
     })
 

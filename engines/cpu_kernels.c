@@ -259,11 +259,15 @@ static inline __m256 scale_pow2_256(const __m256 y, const __m256 n) {
 #undef PAGED_DECODE_ATTEND
 #undef PAGED_DECODE_ATTENTION
 
-/* The AMX kernel's pieces (defined in its target region at the end of this file) that the decode layer calls
- * when its products are w8a8 on AMX tiles. */
+/* The w8a8 kernels' pieces (defined in their target regions below) that the decode layer calls when its products
+ * are w8a8: on AMX tiles, or through `w8a8_gemv`'s VNNI dot products. */
 static void quantize_rows_int8(const float *x, const int64_t rows, const int64_t K, int8_t *xq, float *x_scale);
 static void w8a8_amx_share(const int8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
                            const int8_t *packed, const float *w_scale, const float *bias, float *out, const int64_t N);
+static void quantize_rows_uint8(const float *x, const int64_t rows, const int64_t K, uint8_t *xq, float *x_scale);
+static void w8a8_gemv_share(const uint8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
+                            const int8_t *w, const int32_t *w_sum, const float *w_scale, const float *bias, float *out,
+                            const int64_t N);
 
 /* -- decode_layer_int8 (AVX2) -----------------------------------------------------------------------
  * One Llama / Qwen2 decoder layer for a decode step's rows, in one call: RMSNorm, the q/k/v product, RoPE,
@@ -275,13 +279,16 @@ static void w8a8_amx_share(const int8_t *xq, const float *x_scale, const int64_t
  * so the rows keep their properties: each row's result is the same bits whatever else shares the call.
  * The element-wise steps are the PyTorch module's arithmetic in float32 (RMSNorm's sum of squares and
  * SiLU's exponential in another order and polynomial: a few ulp apart). Runs only where every product of
- * the layer is int8 weight-only with float32 activations, or (`w8a8_amx` in the shape) every product is w8a8 on
- * AMX tiles — then `w8a8_amx`'s arithmetic, int8 rows and the weights in tile order
- * (`engines.models.llama.LlamaForCausalLM.native_decoder`).
+ * the layer is of one kind (`products` in the shape) on float32 activations: int8 weight-only (`int8_gemv`'s
+ * arithmetic), w8a8 on AMX tiles (`w8a8_amx`'s, the weights in tile order) or w8a8 through VNNI dot products
+ * (`w8a8_gemv`'s) (`engines.models.llama.LlamaForCausalLM.native_decoder`).
  */
+enum layer_products { INT8_WEIGHT_ONLY = 0, W8A8_AMX = 1, W8A8_VNNI = 2 };
+
 struct int8_linear {  /* weight [out, in] int8 (or in tile order: w8a8_amx_pack), scale [out], bias [out] or NULL */
     const int8_t *weight;
     const float *scale, *bias;
+    const int32_t *weight_sum;  /* [out] Σₖ w[n, k] for W8A8_VNNI's unsigned activations; NULL otherwise */
 };
 
 struct decoder_layer {
@@ -294,7 +301,7 @@ struct decoder_shape {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
     float rms_norm_eps, attention_scale;
     int32_t kv_bf16;
-    int32_t w8a8_amx;  /* products: 0 = int8 weight-only (`int8_gemv`), 1 = w8a8 on AMX tiles (`w8a8_amx`) */
+    int32_t products;  /* enum layer_products */
 };
 
 struct decode_rows {  /* this step's decode rows, shared by every layer of the step */
@@ -371,24 +378,29 @@ static void silu_mul_row(const float *gate, const float *up, const int64_t K, fl
     }
 }
 
-/* Rows [0, rows) of x quantised for the layer's products into xq (int16, or int8 padded to whole tiles), split
- * among the team's threads; the `omp for` ends in a barrier. */
+/* Rows [0, rows) of x quantised for the layer's products into xq (int16; int8 padded to whole tiles; or int8
+ * shifted to uint8), split among the team's threads; the `omp for` ends in a barrier. */
 static void quantize_inputs(const struct decoder_shape *s, const float *x, const int64_t rows, const int64_t K,
                             void *xq, float *x_scale) {
-    if (s->w8a8_amx)
-        quantize_rows_int8(x, rows, K, xq, x_scale);
-    else
-        quantize_rows_int16(x, rows, K, xq, x_scale);
+    switch (s->products) {
+        case W8A8_AMX: quantize_rows_int8(x, rows, K, xq, x_scale); break;
+        case W8A8_VNNI: quantize_rows_uint8(x, rows, K, xq, x_scale); break;
+        default: quantize_rows_int16(x, rows, K, xq, x_scale);
+    }
 }
 
 /* Every row's product through the layer's arithmetic, each thread its share of the output features, then a
  * barrier: the team reads `out` next. (Its input rows were quantised in an `omp for`, which ends in one.) */
 static void project(const struct decoder_shape *s, const void *xq, const float *x_scale, const int64_t rows,
                     const int64_t K, const struct int8_linear *linear, float *out, const int64_t N) {
-    if (s->w8a8_amx)
-        w8a8_amx_share(xq, x_scale, rows, K, linear->weight, linear->scale, linear->bias, out, N);
-    else
-        int8_gemv_share(xq, x_scale, rows, K, linear->weight, linear->scale, linear->bias, out, N);
+    switch (s->products) {
+        case W8A8_AMX: w8a8_amx_share(xq, x_scale, rows, K, linear->weight, linear->scale, linear->bias, out, N); break;
+        case W8A8_VNNI:
+            w8a8_gemv_share(xq, x_scale, rows, K, linear->weight, linear->weight_sum, linear->scale, linear->bias, out,
+                            N);
+            break;
+        default: int8_gemv_share(xq, x_scale, rows, K, linear->weight, linear->scale, linear->bias, out, N);
+    }
     #pragma omp barrier
 }
 
@@ -510,6 +522,30 @@ static void quantize_rows(const float *x, const int64_t rows, const int64_t K, u
         const float scale = fmaxf(amax, 1e-12f) / 127.f;
         x_scale[m] = scale;
         for (int64_t k = 0; k < K; k++) xq[m * K + k] = (uint8_t)((int32_t)nearbyintf(x_row[k] / scale) + 128);
+    }
+}
+
+/* quantize_rows split among the threads of the enclosing team (an orphaned `omp for`: its barrier ends it). */
+static void quantize_rows_uint8(const float *x, const int64_t rows, const int64_t K, uint8_t *xq, float *x_scale) {
+    #pragma omp for schedule(static)
+    for (int64_t m = 0; m < rows; m++) quantize_rows(x + m * K, 1, K, xq + m * K, x_scale + m);
+}
+
+/* This thread's share of the output features for any number of rows, W8A8_MAX_ROWS at a time: called by every
+ * thread of a team, no barrier. */
+static void w8a8_gemv_share(const uint8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
+                            const int8_t *w, const int32_t *w_sum, const float *w_scale, const float *bias, float *out,
+                            const int64_t N) {
+    int64_t begin, end;
+    thread_share(N, &begin, &end);
+    for (int64_t m = 0; m < rows; m += W8A8_MAX_ROWS) {
+        const uint8_t *x_rows = xq + m * K;
+        float *rows_out = out + m * N;
+        switch (rows - m < W8A8_MAX_ROWS ? rows - m : W8A8_MAX_ROWS) {  /* constant counts: registers */
+#define ROWS(r) case r: dot_rows(r, x_rows, x_scale + m, K, w, w_sum, w_scale, bias, rows_out, N, begin, end); break;
+            ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#undef ROWS
+        }
     }
 }
 

@@ -15,7 +15,7 @@ decode row of every step, so a row's result never depends on the batch size.
 Beside them, the ~20 small PyTorch ops of a decode layer (norms, RoPE, KV store, SiLU, residuals) cost a third
 of a batch-1 step; `decode_layer_int8` runs a whole layer for a step's decode rows in one call on the AVX2
 kernels' arithmetic (`engines.models.llama.NativeDecoder`, where every product is int8 weight-only on float32,
-or w8a8 on AMX tiles).
+or w8a8: on AMX tiles, or through VNNI dot products).
 `python -m bench.kernels` times the GEMVs against the PyTorch ops, `python -m bench.engine --batch1-only`
 a decode step with the kernels against the PyTorch ops; BENCHMARKS.md has the figures.
 
@@ -29,6 +29,7 @@ and the caller keeps its PyTorch path.
 from __future__ import annotations
 
 import ctypes
+import enum
 import functools
 import hashlib
 import logging
@@ -274,9 +275,9 @@ class PagedDecodeAttention:
 
 
 class Int8Projection(ctypes.Structure):
-    """An int8 weight-only projection as `decode_layer_int8` reads it (`struct int8_linear`)."""
+    """An int8 projection as `decode_layer_int8` reads it (`struct int8_linear`)."""
 
-    _fields_ = [("weight", _POINTER), ("scale", _POINTER), ("bias", _POINTER)]
+    _fields_ = [("weight", _POINTER), ("scale", _POINTER), ("bias", _POINTER), ("weight_sum", _POINTER)]
 
 
 class DecoderLayerWeights(ctypes.Structure):
@@ -308,7 +309,7 @@ class DecoderShape(ctypes.Structure):
         ("rms_norm_eps", ctypes.c_float),
         ("attention_scale", ctypes.c_float),
         ("kv_bf16", ctypes.c_int32),
-        ("w8a8_amx", ctypes.c_int32),  # the products: 0 = int8 weight-only, 1 = w8a8 on AMX tiles
+        ("products", ctypes.c_int32),  # `LayerProducts`
     ]
 
 
@@ -327,13 +328,21 @@ class DecodeRows(ctypes.Structure):
     ]
 
 
-Projection = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # int8 weight [N, K] or tiled, scales, bias
+class LayerProducts(enum.IntEnum):
+    """How `decode_layer_int8` multiplies (`enum layer_products`): every product of a layer is one kind."""
+
+    INT8_WEIGHT_ONLY = 0  # `int8_gemv`'s arithmetic: int16 activations, weight [N, K]
+    W8A8_AMX = 1  # `w8a8_amx`'s: int8 activations, the weight in tile order
+    W8A8_VNNI = 2  # `w8a8_gemv`'s: int8 activations (shifted to uint8), weight [N, K] and its row sums
+
+
+# int8 weight ([N, K] or tiled), scales, bias, and the weight's row sums where the products are W8A8_VNNI
+Projection = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 class DecodeLayerKernel:
     """A whole Llama / Qwen2 decoder layer for up to `max_rows` decode rows in one native call
-    (`decode_layer_int8`): int8 weight-only products (`int8_gemv`'s arithmetic) or, with `w8a8_amx` in the
-    shape, w8a8 products on AMX tiles (`w8a8_amx`'s, the weights in tile order); float32 activations, a
+    (`decode_layer_int8`): int8 products of one kind (`LayerProducts`, in the shape) on float32 activations, a
     float32 or bfloat16 paged KV cache read and written in place. x [rows, hidden] is updated in place."""
 
     def __init__(self, library: ctypes.CDLL, attention: PagedDecodeAttention) -> None:
@@ -365,9 +374,10 @@ class DecodeLayerKernel:
         keep = [input_norm, post_attention_norm, k_cache, v_cache]
 
         def projection(operands: Projection) -> Int8Projection:
-            weight, scales, bias = operands
+            weight, scales, bias, weight_sum = operands
             keep.extend(tensor for tensor in operands if tensor is not None)
-            return Int8Projection(weight.data_ptr(), scales.data_ptr(), None if bias is None else bias.data_ptr())
+            return Int8Projection(weight.data_ptr(), scales.data_ptr(), None if bias is None else bias.data_ptr(),
+                                  None if weight_sum is None else weight_sum.data_ptr())
 
         for tensor in keep[:2]:
             assert tensor.dtype == torch.float32 and tensor.is_contiguous()

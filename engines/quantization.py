@@ -36,7 +36,16 @@ import torch
 from torch import nn
 
 from engines.cpu import has_int8_dot_product
-from engines.cpu_kernels import Int8Gemv, W8A8Amx, W8A8Gemv, int8_gemv, w8a8_amx, w8a8_gemv
+from engines.cpu_kernels import (
+    Int8Gemv,
+    LayerProducts,
+    Projection,
+    W8A8Amx,
+    W8A8Gemv,
+    int8_gemv,
+    w8a8_amx,
+    w8a8_gemv,
+)
 
 QUANTIZATION_MODES = ("int8", "int4", "w8a8")
 CUDA_QUANTIZATION_MODES = ("int8", "fp8")
@@ -413,16 +422,20 @@ class RowDispatchLinear(nn.Module):
         return f"max_packed_rows={self.max_packed_rows}"
 
 
-def native_operands(module: nn.Module) -> tuple[bool, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None:
-    """`(w8a8_amx, (weight int8, scales [N], bias [N] | None))` (float32) of a layer whose products the
-    whole-layer decode kernel can run: int8 weight-only on `int8_gemv` with float32 activations (weight [N, K],
-    False), or w8a8 on AMX tiles with float32 activations (the tiled weight, True); None for any other."""
+def native_operands(module: nn.Module) -> tuple[LayerProducts, Projection] | None:
+    """How the whole-layer decode kernel multiplies by this layer, and its operands (`Projection`, float32 scales
+    and bias), where it can: int8 weight-only on `int8_gemv`, w8a8 on AMX tiles or on `w8a8_gemv`, each with
+    float32 activations; None for any other layer."""
     packed = module.packed if isinstance(module, RowDispatchLinear) else module
-    if type(packed) is TiledW8A8Linear and packed.activation_dtype == torch.float32:
-        return True, (packed.weight, packed.scales, packed.bias)
-    if type(packed) is not Int8Linear or packed.gemv is None or packed.activation_dtype != torch.float32:
+    if getattr(packed, "activation_dtype", None) != torch.float32:
         return None
-    return False, (packed.weight, packed.gemv_scales, packed.gemv_bias)
+    if type(packed) is TiledW8A8Linear:
+        return LayerProducts.W8A8_AMX, (packed.weight, packed.scales, packed.bias, None)
+    if type(packed) is W8A8Linear and packed.gemv is not None:
+        return LayerProducts.W8A8_VNNI, (packed.weight, packed.scales, packed.bias, packed.weight_sum)
+    if type(packed) is Int8Linear and packed.gemv is not None:
+        return LayerProducts.INT8_WEIGHT_ONLY, (packed.weight, packed.gemv_scales, packed.gemv_bias, None)
+    return None
 
 
 def first_output_rows(module: nn.Module, num_rows: int) -> nn.Module | None:

@@ -8,6 +8,7 @@ quantization can swap them in place.
 from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +16,14 @@ from torch import nn
 
 from engines.attention import AttentionMetadata, StepYielded, as_blocks, paged_attention
 from engines.config import ModelConfig
-from engines.cpu_kernels import DecodeLayerKernel, DecoderLayerWeights, DecodeRows, DecoderShape, decode_layer
+from engines.cpu_kernels import (
+    DecodeLayerKernel,
+    DecoderLayerWeights,
+    DecodeRows,
+    DecoderShape,
+    LayerProducts,
+    decode_layer,
+)
 from engines.quantization import RowDispatchLinear, first_output_rows, native_operands
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -187,8 +195,8 @@ class LlamaForCausalLM(nn.Module):
 
     def native_decoder(self, kv_caches: list[KVCache], block_size: int) -> NativeDecoder | None:
         """Every layer's operands for the whole-layer decode kernel, or None where the kernel or one of the
-        layers cannot take them (anything but int8 weight-only products, or w8a8 products on AMX tiles, on
-        float32 activations, the same kind throughout)."""
+        layers cannot take them (anything but int8 products the kernel takes, `native_operands`, of one kind
+        throughout)."""
         kernel, config = decode_layer(), self.config
         kv_dtype = kv_caches[0][0].dtype
         if kernel is None or not kernel.supports(config.hidden_size, config.num_attention_heads,
@@ -208,10 +216,10 @@ class LlamaForCausalLM(nn.Module):
             layers.append(kernel.layer(*norms, *(operands for _, operands in found), k_cache, v_cache))
         if len(kinds) != 1:  # one kind of product throughout
             return None
-        w8a8_amx = kinds.pop()
+        products = kinds.pop()
         shape = DecoderShape(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                              config.head_dim, config.intermediate_size, block_size, config.rms_norm_eps,
-                             config.head_dim ** -0.5, int(kv_dtype == torch.bfloat16), int(w8a8_amx))
+                             config.head_dim ** -0.5, int(kv_dtype == torch.bfloat16), products)
         return NativeDecoder(kernel, shape, layers, self.rope_cos, self.rope_sin)
 
     def move_to(self, device: torch.device) -> None:
@@ -333,15 +341,18 @@ class NativeDecoder:
 
     # What each row beyond the first adds to a one-row forward; speculation sizes its rounds with it. int16
     # products (`vpmaddwd`) are bound by arithmetic, not by the weight stream, from two rows on: about a fifth
-    # (both demo models, 1 to 8 rows, within 0.1 on the AVX2 EPYC, BENCHMARKS.md, 2026-12-04). On AMX tiles 16
-    # rows cost ~1.06 one-row products (`python -m bench.kernels`, BENCHMARKS.md, 2026-12-05).
-    INT16_EXTRA_ROW_COST, AMX_EXTRA_ROW_COST = 0.2, 0.0
+    # (both demo models, 1 to 8 rows, within 0.1 on the AVX2 EPYC, BENCHMARKS.md, 2026-12-04); VNNI's w8a8
+    # about the same (~0.22 on a Zen 4, 2026-12-05). On AMX tiles 16 rows cost ~1.06 one-row products
+    # (`python -m bench.kernels`, BENCHMARKS.md, 2026-12-05).
+    EXTRA_ROW_COST: ClassVar[dict[LayerProducts, float]] = {
+        LayerProducts.INT8_WEIGHT_ONLY: 0.2, LayerProducts.W8A8_AMX: 0.0, LayerProducts.W8A8_VNNI: 0.2,
+    }
 
     def __init__(self, kernel: DecodeLayerKernel, shape: DecoderShape,
                  layers: list[tuple[DecoderLayerWeights, list[torch.Tensor]]], rope_cos: torch.Tensor,
                  rope_sin: torch.Tensor) -> None:
         self.kernel, self.shape, self.layers = kernel, shape, layers
-        self.extra_row_cost = self.AMX_EXTRA_ROW_COST if shape.w8a8_amx else self.INT16_EXTRA_ROW_COST
+        self.extra_row_cost = self.EXTRA_ROW_COST[LayerProducts(shape.products)]
         self.max_rows = kernel.max_rows
         self._rope_cos, self._rope_sin = rope_cos, rope_sin
 

@@ -1,14 +1,15 @@
 """Decode rows through whole native layers (`NativeDecoder` over `decode_layer_int8`): what the PyTorch modules
 compute, the same K/V written to the paged cache, each row the same bits whatever shares its step (other decode
-rows, a prefill chunk), and only where every product of the model is int8 weight-only on float32 activations,
-or w8a8 on AMX tiles (on CPUs with AMX)."""
+rows, a prefill chunk), and only where every product of the model is one kind the kernel takes on float32
+activations: int8 weight-only, or w8a8 (on AMX tiles, or through VNNI dot products)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engines.cpu_kernels import decode_layer, w8a8_amx
+from engines import quantization
+from engines.cpu_kernels import LayerProducts, decode_layer, w8a8_amx, w8a8_gemv
 from engines.llm_engine import LLMEngine
 from engines.model_runner import ModelRunner, TokenSpan
 from engines.models import llama
@@ -27,12 +28,21 @@ SEQUENCES = [
 ]
 
 
-# The products the native layers take: int8 weight-only everywhere, w8a8 where the CPU has AMX tiles.
-NATIVE_QUANTIZATIONS = ["int8", *(["w8a8"] if w8a8_amx() is not None else [])]
+# The products the native layers take on this CPU: int8 weight-only everywhere (AVX2), w8a8 on AMX tiles and
+# through VNNI dot products where the CPU has them (an AMX CPU runs the VNNI kernel too).
+PRODUCTS = ["int8", *(["w8a8-amx"] if w8a8_amx() is not None else []),
+            *(["w8a8-vnni"] if w8a8_gemv() is not None else [])]
 
 
-def native_engine(model: TinyModel, quantization: str = "int8", **overrides: object) -> LLMEngine:
-    return make_engine(model, quantization=quantization, num_threads=2, **overrides)
+@pytest.fixture(params=PRODUCTS)
+def products(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "w8a8-vnni":  # what a CPU with VNNI and no AMX builds
+        monkeypatch.setattr(quantization, "w8a8_amx", lambda: None)
+    return str(request.param)
+
+
+def native_engine(model: TinyModel, products: str = "int8", **overrides: object) -> LLMEngine:
+    return make_engine(model, quantization=products.split("-")[0], num_threads=2, **overrides)
 
 
 def prefill(runner: ModelRunner, *indices: int) -> list[TokenSpan]:
@@ -52,12 +62,14 @@ def decode_slots(runner: ModelRunner, spans: list[TokenSpan]) -> list[torch.Tens
     return [cache.index_select(0, slots).float() for pair in runner.kv_caches for cache in pair]
 
 
-@pytest.mark.parametrize("quantization", NATIVE_QUANTIZATIONS)
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
 def test_native_layers_compute_the_modules_logits_and_write_their_kv(tiny_model: TinyModel, kv_cache_dtype: str,
-                                                                     quantization: str) -> None:
-    runner = native_engine(tiny_model, quantization, kv_cache_dtype=kv_cache_dtype).runner
+                                                                     products: str) -> None:
+    runner = native_engine(tiny_model, products, kv_cache_dtype=kv_cache_dtype).runner
     assert runner.native_decoder is not None
+    expected = {"int8": LayerProducts.INT8_WEIGHT_ONLY, "w8a8-amx": LayerProducts.W8A8_AMX,
+                "w8a8-vnni": LayerProducts.W8A8_VNNI}[products]
+    assert runner.native_decoder.shape.products == expected
     spans = prefill(runner, 0, 1, 2)
     native_logits = runner.forward(spans)
     native_kv = decode_slots(runner, spans)
@@ -66,7 +78,7 @@ def test_native_layers_compute_the_modules_logits_and_write_their_kv(tiny_model:
     # RMSNorm's sum and SiLU's exponential are a few ulp apart from torch's, which can move an activation across
     # a rounding boundary (int16: 1/8191 of its row's largest; int8: 1/127) or a K/V value across a bfloat16
     # one: small, where a wrong RoPE, norm, bias or residual is of the order of the logits themselves.
-    tolerance = 2e-3 if quantization == "int8" else 2e-2
+    tolerance = 2e-3 if products == "int8" else 2e-2
     torch.testing.assert_close(native_logits, module_logits, rtol=0,
                                atol=tolerance * module_logits.abs().max().item())
     for native, module in zip(native_kv, decode_slots(runner, spans), strict=True):
@@ -74,11 +86,10 @@ def test_native_layers_compute_the_modules_logits_and_write_their_kv(tiny_model:
         torch.testing.assert_close(native, module, rtol=1e-2, atol=1e-3 * module.abs().max().item())
 
 
-@pytest.mark.parametrize("quantization", NATIVE_QUANTIZATIONS)
 def test_a_decode_row_is_the_same_bits_alone_beside_other_rows_and_beside_a_prefill_chunk(
-    tiny_qwen2: TinyModel, quantization: str
+    tiny_qwen2: TinyModel, products: str
 ) -> None:
-    runner = native_engine(tiny_qwen2, quantization).runner
+    runner = native_engine(tiny_qwen2, products).runner
     assert runner.native_decoder is not None
     first, second = prefill(runner, 0, 1)
     third_prompt, third_table = SEQUENCES[2]
@@ -92,11 +103,10 @@ def test_a_decode_row_is_the_same_bits_alone_beside_other_rows_and_beside_a_pref
     assert torch.equal(chunk_logits, runner.forward([chunk])[0])
 
 
-@pytest.mark.parametrize("quantization", NATIVE_QUANTIZATIONS)
-def test_decoding_through_native_layers_gives_the_modules_tokens(tiny_model: TinyModel, quantization: str) -> None:
+def test_decoding_through_native_layers_gives_the_modules_tokens(tiny_model: TinyModel, products: str) -> None:
     outputs = []
     for native in (True, False):
-        engine = native_engine(tiny_model, quantization)
+        engine = native_engine(tiny_model, products)
         assert engine.runner.native_decoder is not None
         if not native:
             engine.runner.native_decoder = None
@@ -128,7 +138,7 @@ def test_every_layer_of_a_step_runs_natively_once(tiny_llama: TinyModel, monkeyp
 )
 def test_models_whose_products_the_native_layers_do_not_take_keep_the_modules(tiny_qwen2: TinyModel,
                                                                               overrides: dict[str, object]) -> None:
-    if overrides == {"quantization": "w8a8"} and w8a8_amx() is not None:
-        pytest.skip("w8a8 on AMX tiles is taken natively on this CPU (tested above)")
+    if overrides == {"quantization": "w8a8"} and len(PRODUCTS) > 1:
+        pytest.skip("this CPU's w8a8 products are taken natively (tested above)")
     engine = make_engine(tiny_qwen2, **overrides)
     assert engine.runner.native_decoder is None
