@@ -362,12 +362,15 @@ class LLMEngine:
         return outputs
 
     def precision(self) -> dict[str, str]:
-        """Where and with which dtypes and quantisation this engine runs (`auto` settings resolved here)."""
+        """Where and with which dtypes and quantisation this engine runs (`auto` settings resolved here), and how a
+        decode step's layers run: one native call each (`native:` the products' kind) or PyTorch modules."""
+        native = self.runner.native_decoder
         return {
             "device": str(self.device),
             "dtype": self.config.dtype,
             "quantization": self.quantization or "none",
             "kv_cache_dtype": str(self.kv_cache_dtype).removeprefix("torch."),
+            "decode_layers": "modules" if native is None else f"native:{native.products.name.lower()}",
         }
 
     def stats(self) -> EngineStats:

@@ -352,7 +352,8 @@ class NativeDecoder:
                  layers: list[tuple[DecoderLayerWeights, list[torch.Tensor]]], rope_cos: torch.Tensor,
                  rope_sin: torch.Tensor) -> None:
         self.kernel, self.shape, self.layers = kernel, shape, layers
-        self.extra_row_cost = self.EXTRA_ROW_COST[LayerProducts(shape.products)]
+        self.products = LayerProducts(shape.products)
+        self.extra_row_cost = self.EXTRA_ROW_COST[self.products]
         self.max_rows = kernel.max_rows
         self._rope_cos, self._rope_sin = rope_cos, rope_sin
 
