@@ -723,6 +723,10 @@ static void w8a8_amx_share(const int8_t *xq, const float *x_scale, const int64_t
     int64_t begin, end;
     thread_share((N + AMX_GROUP - 1) / AMX_GROUP, &begin, &end);
     int32_t acc[4][AMX_TILE_ROWS * 16];
+    /* Other AMX users on this thread may keep their tile configuration between calls (onnxruntime's MLAS caches
+     * it per thread and reloads it only when it sees another): it is put back as it was (all zeros: none). */
+    amx_tile_config before;
+    _tile_storeconfig(&before);
     int configured_rows = 0;
     for (int64_t group = begin; group < end; group++) {
         const int8_t *weight = packed + group * chunks * AMX_BLOCK_BYTES;
@@ -743,7 +747,10 @@ static void w8a8_amx_share(const int8_t *xq, const float *x_scale, const int64_t
             amx_store_group(acc, block_rows, m0, group, x_scale, w_scale, bias, out, N);
         }
     }
-    if (configured_rows) _tile_release();
+    if (before.palette_id)
+        _tile_loadconfig(&before);
+    else if (configured_rows)
+        _tile_release();
 }
 
 /* x [rows, K] float32; packed from w8a8_amx_pack; w_scale [N] float32; bias [N] float32 or NULL;
