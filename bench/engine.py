@@ -443,11 +443,12 @@ def run_batch1_only(checkpoint: Checkpoint, args: argparse.Namespace, model_path
     print_batch1(f"{args.model}, median of {args.batch1_repeats}", figures)
     comparison = {}
     if "pytorch_paths" in median:
-        kept = " (products still on AMX tiles)" if tiled_products(llm_engine) else ""
+        keep_amx = tiled_products(llm_engine)
+        kept = " (products still on AMX tiles)" if keep_amx else ""
         print_batch1(f"{args.model} without the CPU decode kernels (PyTorch ops{kept}), median of "
                      f"{args.batch1_repeats}", median["pytorch_paths"])  # fmt: skip
         comparison = {
-            "pytorch_paths_keep_amx_products": tiled_products(llm_engine),
+            "pytorch_paths_keep_amx_products": keep_amx,
             "batch1_decode_pytorch_paths": median["pytorch_paths"],
             "kernels_over_pytorch_paths_x": figures["decode_tokens_per_s"]
             / median["pytorch_paths"]["decode_tokens_per_s"],

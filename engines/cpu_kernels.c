@@ -557,15 +557,7 @@ int w8a8_gemv(const float *x, const int64_t rows, const int64_t K, const int8_t 
     if (rows < 1 || rows > W8A8_MAX_ROWS) return -1;
     quantize_rows(x, rows, K, xq, x_scale);
     #pragma omp parallel num_threads(threads)
-    {
-        int64_t begin, end;
-        thread_share(N, &begin, &end);
-        switch (rows) {  /* a constant row count per case: the accumulators stay in registers */
-#define ROWS(r) case r: dot_rows(r, xq, x_scale, K, w, w_sum, w_scale, bias, out, N, begin, end); break;
-            ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
-#undef ROWS
-        }
-    }
+    w8a8_gemv_share(xq, x_scale, rows, K, w, w_sum, w_scale, bias, out, N);
     return 0;
 }
 
