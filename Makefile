@@ -11,7 +11,7 @@ TEST_REDIS_URL ?= redis://127.0.0.1:6379/0
 TEST_REDIS8_URL ?= redis://127.0.0.1:6380/0
 PYTEST_ARGS ?=
 
-.PHONY: run test venv models models-test services browser lint bench-engine bench-gateway bench-kernels gpu-wheels bench-step-thread bench-dashboard bench-structured bench-router router-default bench-semcache bench-quant-quality cache-matcher clean
+.PHONY: run test venv models models-test services browser lint bench-engine bench-gateway bench-kernels gpu-wheels bench-step-thread bench-dashboard bench-structured bench-router router-default bench-semcache bench-quant-quality bench-prefill cache-matcher clean
 
 run: venv models
 	SLUICE_SERVER__ALLOW_ANONYMOUS=$${SLUICE_SERVER__ALLOW_ANONYMOUS:-true} $(BIN)/sluice serve
@@ -78,6 +78,9 @@ bench-router: venv
 # models, GSM8K from ../shared/data (defaults: ~2.5 h on 2 cores; `--questions`, `--max-tokens` to shorten).
 bench-quant-quality: venv models
 	$(BIN)/sluice bench quant_quality --data ../shared/data/gsm8k
+
+bench-prefill: venv models
+	$(BIN)/sluice bench prefill --data ../shared/data/gsm8k
 
 # The shipped classifier (router/default) from RouteLLM's MMLU + GSM8K data in ../shared/data.
 router-default: venv

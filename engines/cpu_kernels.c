@@ -29,7 +29,7 @@ static inline void thread_share(const int64_t n, int64_t *begin, int64_t *end) {
 }
 
 /* -- int8_gemv (AVX2) ----------------------------------------------------------------------------------
- * int8 weight-only matmul for decode-sized inputs: out = (x · wᵀ) · w_scale (+ bias), float32 in and out.
+ * int8 weight-only matmul: out = (x · wᵀ) · w_scale (+ bias), float32 in and out, for decode steps and prefill.
  * Int8Linear's product (per-output-channel scales) with each row of x quantised to int16 on the fly (its
  * own scale max|x| / X_LEVELS, rounded half to even: 13 bits, where bfloat16 keeps 8) and the int8 weights
  * widened to int16 in registers: `vpmaddwd` multiplies and pairs them into int32, exactly. Against widening
@@ -39,14 +39,20 @@ static inline void thread_share(const int64_t n, int64_t *begin, int64_t *end) {
  * The sums are integers, so a row's result is the same bits whatever else shares the call: a speculative
  * verification step (k + 1 rows per sequence) gives the logits plain decoding does. Rows go in groups of
  * ROWS_TOGETHER over blocks of weight rows small enough to stay in L1 while every group passes over them:
- * the weights stream from memory once per call. Each thread takes a contiguous share of the output
+ * the weights stream from memory once per pass (below). Each thread takes a contiguous share of the output
  * features, so at one row it reads one sequential stream, which the hardware prefetchers follow (reading
  * several weight rows interleaved was ~40 % slower on 896-wide rows).
+ *
+ * Prefill chunks take the same path: rows pass in chunks whose int16 copies stay in L2 (X_CHUNK_BYTES) while
+ * the weight streams once per chunk. A row's product is then the same bits in a prefill chunk as in a decode
+ * step, and the int16 products (16 multiply-adds an instruction, exact) outrun float32 sgemm over a dequantised
+ * copy of the weight, which also spent more time writing that copy than multiplying (BENCHMARKS.md).
  *
  * Exactness bound: an int32 lane sums K / 8 products of |w| ≤ 128 and |q(x)| ≤ X_LEVELS, so K ≤ INT8_MAX_K
  * keeps every lane below 2³¹; the eight lanes are added in int64. K must be a multiple of 8.
  */
-#define INT8_MAX_ROWS 48  /* engines.quantization.PACKED_MAX_ROWS: beyond it, prefill-sized inputs take sgemm */
+#define DECODE_MAX_ROWS 48  /* decode_layer_int8's rows: a decode step's (speculative verification included) */
+#define X_CHUNK_BYTES (192 * 1024)  /* int16 rows of x per pass over the weight: under half of a Zen 3's L2 */
 #define INT8_MAX_K 16000
 #define X_LEVELS 8191
 #define ROWS_TOGETHER 8  /* 8 accumulators + 2 weight vectors in the 16 registers */
@@ -140,28 +146,42 @@ static void int8_gemv_share(const int16_t *xq, const float *x_scale, const int64
 }
 
 static inline int int8_gemv_takes(const int64_t rows, const int64_t K) {
-    return rows >= 1 && rows <= INT8_MAX_ROWS && K >= 8 && K <= INT8_MAX_K && K % 8 == 0;
+    return rows >= 1 && K >= 8 && K <= INT8_MAX_K && K % 8 == 0;
+}
+
+/* Rows per pass over the weight: a multiple of ROWS_TOGETHER whose int16 copies fill at most X_CHUNK_BYTES. */
+static inline int64_t rows_per_pass(const int64_t K) {
+    const int64_t fitting = X_CHUNK_BYTES / (K * (int64_t)sizeof(int16_t)) / ROWS_TOGETHER * ROWS_TOGETHER;
+    return fitting > ROWS_TOGETHER ? fitting : ROWS_TOGETHER;
 }
 
 /* x [rows, K] float32; w [N, K] int8; w_scale [N] float32; bias [N] float32 or NULL; out [rows, N]
- * float32. Returns 0; -1 if rows is not in [1, INT8_MAX_ROWS] or K is not a multiple of 8 in
- * [8, INT8_MAX_K]; -2 if scratch memory is not available. */
+ * float32. Returns 0; -1 if rows < 1 or K is not a multiple of 8 in [8, INT8_MAX_K]; -2 if scratch memory
+ * is not available. */
 int int8_gemv(const float *x, const int64_t rows, const int64_t K, const int8_t *w, const float *w_scale,
               const float *bias, float *out, const int64_t N, const int threads) {
     if (!int8_gemv_takes(rows, K)) return -1;
     int16_t *xq = malloc(rows * K * sizeof(int16_t));
-    if (!xq) return -2;
-    float x_scale[INT8_MAX_ROWS];
+    float *x_scale = malloc(rows * sizeof(float));
+    if (!xq || !x_scale) {
+        free(xq);
+        free(x_scale);
+        return -2;
+    }
+    const int64_t pass = rows_per_pass(K);
     #pragma omp parallel num_threads(threads)
     {
         quantize_rows_int16(x, rows, K, xq, x_scale);
-        int8_gemv_share(xq, x_scale, rows, K, w, w_scale, bias, out, N);
+        for (int64_t m = 0; m < rows; m += pass)  /* each thread writes only its own output features: no barrier */
+            int8_gemv_share(xq + m * K, x_scale + m, rows - m < pass ? rows - m : pass, K, w, w_scale, bias,
+                            out + m * N, N);
     }
     free(xq);
+    free(x_scale);
     return 0;
 }
 
-int int8_gemv_max_rows(void) { return INT8_MAX_ROWS; }
+int decode_layer_max_rows(void) { return DECODE_MAX_ROWS; }
 int int8_gemv_max_k(void) { return INT8_MAX_K; }
 int int8_gemv_x_levels(void) { return X_LEVELS; }
 
@@ -412,7 +432,9 @@ int decode_layer_int8(const struct decoder_layer *layer, const struct decoder_sh
     const int64_t rows = step->rows, hidden = s->hidden, head_dim = s->head_dim;
     const int64_t q_size = s->heads * head_dim, kv_size = s->kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
     const int64_t inter = s->intermediate;
-    if (!int8_gemv_takes(rows, hidden) || !int8_gemv_takes(rows, q_size) || !int8_gemv_takes(rows, inter)) return -1;
+    if (rows > DECODE_MAX_ROWS || !int8_gemv_takes(rows, hidden) || !int8_gemv_takes(rows, q_size)
+        || !int8_gemv_takes(rows, inter))
+        return -1;
     if (head_dim % 8 || head_dim > MAX_HEAD_DIM || s->heads % s->kv_heads || s->heads / s->kv_heads > MAX_GROUP)
         return -1;
     if (s->block_size < 1 || s->block_size & (s->block_size - 1) || inter % 8) return -1;

@@ -164,8 +164,8 @@ class W8A8Amx:
 
 class Int8Gemv:
     """`(x [rows, K] float32, weight [N, K] int8, scales [N] float32, bias [N] float32 | None)` →
-    `[rows, N]` float32 = (q(x) · weightᵀ) · scales + bias, for 1 ≤ rows ≤ `max_rows` and K a multiple of 8
-    up to `max_k`, where q(x) is each row x / s rounded half to even, s = max(max|x|, 1e-12) / `x_levels`
+    `[rows, N]` float32 = (q(x) · weightᵀ) · scales + bias, for any number of rows and K a multiple of 8 up to
+    `max_k`, where q(x) is each row x / s rounded half to even, s = max(max|x|, 1e-12) / `x_levels`
     (int16 levels; the integer sums are exact). Each row's result is the same bits whatever other rows
     share the call."""
 
@@ -173,7 +173,6 @@ class Int8Gemv:
         self._gemv = library.int8_gemv
         self._gemv.restype = ctypes.c_int
         self._gemv.argtypes = [_POINTER, _INT64, _INT64, _POINTER, _POINTER, _POINTER, _POINTER, _INT64, ctypes.c_int]
-        self.max_rows: int = library.int8_gemv_max_rows()
         self.max_k: int = library.int8_gemv_max_k()
         self.x_levels: int = library.int8_gemv_x_levels()
 
@@ -202,7 +201,7 @@ class Int8Gemv:
             raise MemoryError(f"int8_gemv: no scratch memory for {rows} rows of {in_features}")
         if status != 0:
             raise ValueError(
-                f"int8_gemv takes 1 to {self.max_rows} rows of a multiple of 8 features, 8 to {self.max_k}; "
+                f"int8_gemv takes one row or more of a multiple of 8 features, 8 to {self.max_k}; "
                 f"got {tuple(x.shape)}"
             )
         return out
@@ -353,7 +352,7 @@ class DecodeLayerKernel:
         self._workspace_floats.restype = _INT64
         self._workspace_floats.argtypes = [_POINTER, _INT64]
         self._attention = attention
-        self.max_rows: int = library.int8_gemv_max_rows()
+        self.max_rows: int = library.decode_layer_max_rows()
         self._max_k: int = library.int8_gemv_max_k()
 
     def supports(

@@ -16,10 +16,11 @@ chunks many); `python -m bench.kernels` times all three here, and BENCHMARKS.md 
 With int8 dot-product instructions (VNNI, AMX) w8a8 beats float32 at every row count while int8
 weight-only loses on many-row prefill chunks; on AVX2-only CPUs int8 weight-only wins only for
 few-row steps, and w8a8 is no faster than float32 beyond a few rows. Hence `auto`: w8a8 on CPUs
-with int8 dot-product instructions, else int8 weight-only for few-row steps, and for prefill chunks
-float32 sgemm over the int8 weights dequantised one layer at a time (`RowDispatchLinear`, built by
-`quantize_model(dequantize_many_rows=True)`): a transient float copy of one layer instead of a
-resident float copy of the model (4x the int8 weights), for a few percent of a prefill chunk's time.
+with int8 dot-product instructions, else int8 weight-only (`RowDispatchLinear`, built by
+`quantize_model(dequantize_many_rows=True)`): decode steps and prefill chunks alike through our
+`int8_gemv` (int16 activations, exact integer sums), or where that kernel cannot run, prefill chunks
+through float32 sgemm over the int8 weights dequantised one layer at a time (a transient float copy of
+one layer, never a resident float copy of the model).
 w8a8 costs some quality (perplexity and top-1 agreement with float32, in BENCHMARKS.md);
 `bench/engine.py` measures it in every run.
 
@@ -141,7 +142,7 @@ PACKED_K_MULTIPLE = 16
 class Int8Linear(nn.Module):
     """y = x @ (weight_int8 * scales)ᵀ + bias; matmul in bfloat16, result in `activation_dtype`.
 
-    Decode-sized inputs (up to `gemv.max_rows` rows) go through `int8_gemv` where this machine can run it:
+    Decode-sized inputs (up to `PACKED_MAX_ROWS` rows) go through `int8_gemv` where this machine can run it:
     the same quantised weight (the stored bfloat16 scales), activations rounded per row to int16 levels
     (finer than the packed kernel's bfloat16) and exact integer sums, streamed faster than the packed kernel
     manages at few rows (BENCHMARKS.md), and each row's result the same bits in any batch (speculative
@@ -178,9 +179,8 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.gemv is not None and rows.shape[0] <= self.gemv.max_rows:
-            out = self.gemv(rows.float(), self.weight, self.gemv_scales, self.gemv_bias)
-            return out.to(self.activation_dtype).reshape(*x.shape[:-1], self.out_features)
+        if self.gemv is not None and 0 < rows.shape[0] <= PACKED_MAX_ROWS:
+            return self.forward_gemv(x)
         rows = rows.to(COMPUTE_DTYPE)
         if self.in_features % PACKED_K_MULTIPLE:
             out = ((rows @ self.weight.to(COMPUTE_DTYPE).t()) * self.scales).to(self.activation_dtype)
@@ -189,6 +189,11 @@ class Int8Linear(nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def forward_gemv(self, x: torch.Tensor) -> torch.Tensor:
+        """The product through `int8_gemv`, any number of rows (at least one)."""
+        out = self.gemv(x.reshape(-1, self.in_features).float(), self.weight, self.gemv_scales, self.gemv_bias)
+        return out.to(self.activation_dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -399,11 +404,14 @@ class Fp8Linear(_CudaQuantizedLinear):
 
 
 class RowDispatchLinear(nn.Module):
-    """An int8 weight-only layer that runs few rows (decode) on the packed kernel and many (prefill) on sgemm.
+    """An int8 weight-only layer for float32 activations on CPUs without native bfloat16: few rows (decode) on
+    the packed kernel, many (prefill) through `int8_gemv` where this machine runs it, else on sgemm.
 
-    For many rows the int8 weight is dequantised to the activation dtype for that one call: sgemm over a
-    transient copy beats the packed kernel there, and no float copy of the weight stays resident. Both
-    paths compute with the same quantised weight; which one runs depends only on the number of rows.
+    `int8_gemv` gives a row the same bits in a prefill chunk as in a decode step and beat sgemm over the
+    dequantised weight 2.6–2.7× in prefill time on an AVX2 EPYC (BENCHMARKS.md, 2026-12-05). Without it,
+    the int8 weight is dequantised to the activation dtype for that one call: sgemm over a transient copy
+    beats the packed kernel there, and no float copy of the weight stays resident. Every path computes with
+    the same quantised weight; which one runs depends only on the number of rows.
     """
 
     def __init__(self, packed: Int8Linear, max_packed_rows: int = PACKED_MAX_ROWS) -> None:
@@ -416,6 +424,8 @@ class RowDispatchLinear(nn.Module):
         if x.numel() // self.in_features <= self.max_packed_rows:
             return self.packed(x)
         packed = self.packed
+        if packed.gemv is not None:
+            return packed.forward_gemv(x)
         return torch.nn.functional.linear(x, packed.dequantize(x.dtype), packed.bias)
 
     def extra_repr(self) -> str:

@@ -199,6 +199,7 @@ BENCHMARKS = {
     "capacity_sim": "bench.capacity_sim",
     "semcache": "bench.semcache",
     "quant_quality": "bench.quant_quality",
+    "prefill": "bench.prefill",
     "step_thread": "bench.step_thread",
     "capacity": "bench.capacity",
     "gpu": "bench.gpu",

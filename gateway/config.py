@@ -236,7 +236,7 @@ class RouterConfig(_Section):
         return None if self.embedding_precision == "auto" else self.embedding_precision
 
 
-def _default_tiers() -> dict[str, TierConfig]:
+def default_tiers() -> dict[str, TierConfig]:
     return {
         "small": TierConfig(
             model="small",
@@ -343,7 +343,7 @@ def _apply_env(data: dict[str, Any], environ: dict[str, str]) -> None:
 def _with_tier_defaults(data: dict[str, Any]) -> dict[str, Any]:
     """Without a `tiers` table both demo tiers exist; a table naming `small` or `large` starts from
     that tier's defaults (prices, SLOs), so overriding one key keeps the rest."""
-    defaults = {k: msgspec.to_builtins(v) for k, v in _default_tiers().items()}
+    defaults = {k: msgspec.to_builtins(v) for k, v in default_tiers().items()}
     tiers = data.setdefault("tiers", defaults)
     if tiers is not defaults and isinstance(tiers, dict):
         for name, tier in tiers.items():

@@ -15,6 +15,7 @@ from engines import cpu_kernels
 from engines.attention import AttentionMetadata, paged_attention
 from engines.cpu_kernels import PagedDecodeAttention, int8_gemv, w8a8_amx, w8a8_gemv
 from engines.quantization import (
+    PACKED_MAX_ROWS,
     Int8Embedding,
     Int8Linear,
     RowDispatchLinear,
@@ -195,14 +196,29 @@ def test_a_row_through_the_int8_kernel_is_the_same_bits_in_any_batch() -> None:
 
 
 @needs_library
-def test_the_int8_kernel_takes_few_rows_of_a_multiple_of_eight_features() -> None:
+def test_a_row_through_the_int8_kernel_is_the_same_bits_in_a_prefill_chunk() -> None:
+    """Prefill chunks on AVX2 take the kernel too (`RowDispatchLinear`): a token's product must not depend on
+    whether it was prefilled or decoded, across the kernel's passes over the weight (64 rows at 1536 features)."""
+    with_kernel, _ = layer_pair(Int8Linear, 1536, 37, True)
+    kernel = with_kernel.gemv
+    assert kernel is not None
+    x = torch.randn(203, 1536) * torch.logspace(-2, 2, 203).unsqueeze(1)
+    chunk = kernel(x, with_kernel.weight, with_kernel.gemv_scales, with_kernel.gemv_bias)
+    assert torch.equal(chunk, torch.cat([with_kernel(x[i : i + 1]) for i in range(len(x))]))
+    assert torch.equal(chunk, int16_rows_product(with_kernel, x, kernel.x_levels))
+
+
+@needs_library
+def test_the_int8_kernel_takes_rows_of_a_multiple_of_eight_features() -> None:
     kernel = int8_gemv()
     assert kernel is not None
     with_kernel, packed = layer_pair(Int8Linear, 64, 16, False)
-    many = torch.randn(kernel.max_rows + 1, 64)
-    assert torch.equal(with_kernel(many), packed(many))  # beyond the kernel's rows: the packed path
-    with pytest.raises(ValueError, match="rows"):
-        kernel(many, with_kernel.weight, with_kernel.gemv_scales, None)
+    many = torch.randn(PACKED_MAX_ROWS + 1, 64)
+    assert torch.equal(with_kernel(many), packed(many))  # the layer alone: beyond PACKED_MAX_ROWS, the packed path
+    with pytest.raises(ValueError, match="multiple of 8"):
+        kernel(torch.randn(2, 60), torch.zeros(16, 60, dtype=torch.int8), with_kernel.gemv_scales, None)
+    with pytest.raises(ValueError, match="one row or more"):
+        kernel(torch.randn(0, 64), with_kernel.weight, with_kernel.gemv_scales, None)
     odd = Int8Linear.from_linear(nn.Linear(60, 16), torch.float32)
     assert odd.gemv is None  # 60 features: not a multiple of 8, the packed kernel takes every call
     assert RowDispatchLinear(with_kernel).packed.gemv is kernel

@@ -10,7 +10,7 @@ from torch import nn
 
 from engines import quantization
 from engines.block_manager import BlockManager
-from engines.cpu_kernels import w8a8_amx
+from engines.cpu_kernels import int8_gemv, w8a8_amx
 from engines.llm_engine import build_model
 from engines.model_runner import ModelRunner
 from engines.quantization import (
@@ -146,10 +146,11 @@ def test_quantized_tiny_model_keeps_its_predictions(tmp_path: Path, mode: str) -
     assert relative_error(actual, expected) < (0.25 if mode == "int4" else 0.05)
 
 
-def test_row_dispatch_runs_many_rows_through_sgemm_on_the_dequantised_weight_and_few_on_the_packed_one(
+def test_row_dispatch_runs_many_rows_through_sgemm_on_the_dequantised_weight_where_the_int8_kernel_cannot(
     linear: nn.Linear,
 ) -> None:
     packed = Int8Linear.from_linear(linear, activation_dtype=torch.float32)
+    packed.gemv = None  # no AVX2 kernel on this machine
     dispatch = RowDispatchLinear(packed)
     many = torch.randn(2, PACKED_MAX_ROWS, 256)  # 2 * PACKED_MAX_ROWS rows: a prefill chunk
     with torch.no_grad():
@@ -159,6 +160,19 @@ def test_row_dispatch_runs_many_rows_through_sgemm_on_the_dequantised_weight_and
     out = dispatch(few)
     assert torch.equal(out, packed(few)) and out.dtype == torch.float32
     assert relative_error(out, linear(few).detach()) < 0.02
+
+
+@pytest.mark.skipif(int8_gemv() is None, reason="the int8 kernel needs AVX2, FMA and a C compiler")
+def test_row_dispatch_runs_prefill_chunks_through_the_int8_kernel_row_for_row_as_decode_steps(
+    linear: nn.Linear,
+) -> None:
+    dispatch = RowDispatchLinear(Int8Linear.from_linear(linear, activation_dtype=torch.float32))
+    prompt = torch.randn(3 * PACKED_MAX_ROWS + 5, 256)
+    with torch.no_grad():
+        prefilled = dispatch(prompt)
+        decoded = torch.cat([dispatch(prompt[i : i + 1]) for i in range(len(prompt))])
+        assert torch.equal(prefilled, decoded)
+        assert relative_error(prefilled, linear(prompt)) < 0.02
 
 
 def test_quantize_model_keeps_no_float_copy_of_any_weight() -> None:
@@ -203,7 +217,7 @@ def test_float32_model_with_row_dispatch_stays_close_to_hf_in_prefill_and_decode
     assert len(dispatching) == 4 * checkpoint.config.num_hidden_layers + 1  # qkv, o, gate_up, down; the head
     runner = ModelRunner(model, checkpoint.config, block_size, num_kv_blocks=32, kv_cache_dtype=torch.float32)
     manager = BlockManager(32, block_size, enable_prefix_caching=False)
-    prompt = [(7 * i + 3) % 500 for i in range(PACKED_MAX_ROWS + 12)]  # one chunk: the dense path
+    prompt = [(7 * i + 3) % 500 for i in range(PACKED_MAX_ROWS + 12)]  # one chunk: the many-row path
     seq = Sequence("s", prompt, SamplingParams(temperature=0))
     expected_steps = 3
     for step in range(expected_steps):

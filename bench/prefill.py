@@ -1,0 +1,170 @@
+"""Prefill time per tier — the time to first token of a request alone — against the tier's TTFT SLO.
+
+`python -m bench.prefill [--models small large] [--prompt-tokens 200 600] [--repeats 3] [--threads N]
+[--data DIR]`
+
+Each demo model's engine is built from its shipped spec (`quantization = "auto"`, prefix caching off so that
+no repeat profits from another). A prompt is GSM8K test questions as one chat message, cut to exactly
+`--prompt-tokens` tokens; a request of it alone runs to its first token (`max_tokens=1`). Configurations,
+alternated repeat by repeat so that the machine's drift weighs on each alike:
+
+  shipped            the engine as `make run` builds it: on CPUs without int8 dot products (AVX2), int8
+                     weight-only layers whose prefill chunks go through `int8_gemv` (int16 activations,
+                     exact integer sums); elsewhere w8a8 (unchanged by this path);
+  dequantised_sgemm  the same engine with its int8 weight-only layers' prefill chunks through float32 sgemm
+                     over the weight dequantised per call: the path before 2026-12-05 (only where the model
+                     has such layers: `RowDispatchLinear`, on AVX2 CPUs);
+  float32            float32 weights throughout (another engine of the same checkpoint; `--no-float32`
+                     skips it): what the time is without quantisation.
+
+Reported per model and prompt length: the best and the median TTFT of `--repeats` runs, the ratio of the
+previous path's median to the shipped one's, and whether the shipped median is within the tier's
+`slo_ttft_p99_ms` (gateway/config.py). Writes bench/results/prefill.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import cpu_model, print_table, write_results
+from bench.engine import GSM8K_DIR
+from engines.llm_engine import LLMEngine
+from engines.quantization import Int8Linear, RowDispatchLinear
+from engines.sampling_params import SamplingParams
+from gateway.config import default_tiers
+
+
+def prompt_of(engine: LLMEngine, questions: list[str], tokens: int) -> list[int]:
+    """GSM8K questions as one user message, repeated as needed, cut to exactly `tokens` token ids."""
+    text = " ".join(questions)
+    while True:
+        ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        if len(ids) >= tokens:
+            return ids[:tokens]
+        text = f"{text} {text}"
+
+
+def time_to_first_token(engine: LLMEngine, prompt: list[int], request_id: str) -> float:
+    engine.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=1))
+    started = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return time.perf_counter() - started
+
+
+def kernel_prefill_layers(engine: LLMEngine) -> list[Int8Linear]:
+    """The int8 weight-only layers whose prefill chunks go through `int8_gemv` (none on CPUs with int8 dot
+    products, where `auto` builds w8a8 layers)."""
+    return [m.packed for m in engine.model.modules() if isinstance(m, RowDispatchLinear) and m.packed.gemv is not None]
+
+
+@contextmanager
+def dequantised_sgemm(engine: LLMEngine) -> Iterator[None]:
+    """The engine with those layers' prefill chunks on sgemm over the dequantised weight (their kernel detached)."""
+    layers = [(packed, packed.gemv) for packed in kernel_prefill_layers(engine)]
+    for packed, _ in layers:
+        packed.gemv = None
+    try:
+        yield
+    finally:
+        for packed, gemv in layers:
+            packed.gemv = gemv
+
+
+def measure(engine: LLMEngine, prompts: dict[int, list[int]], repeats: int, with_previous: bool
+            ) -> dict[int, dict[str, list[float]]]:  # fmt: skip
+    times: dict[int, dict[str, list[float]]] = {n: {"shipped": [], "dequantised_sgemm": []} for n in prompts}
+    time_to_first_token(engine, prompts[min(prompts)], "warm-up")
+    for repeat in range(repeats):
+        for n, prompt in prompts.items():
+            order = ["shipped", "dequantised_sgemm"] if repeat % 2 == 0 else ["dequantised_sgemm", "shipped"]
+            for name in order:
+                if name == "shipped":
+                    times[n][name].append(time_to_first_token(engine, prompt, f"{n}-{repeat}-{name}"))
+                elif with_previous:
+                    with dequantised_sgemm(engine):
+                        times[n][name].append(time_to_first_token(engine, prompt, f"{n}-{repeat}-{name}"))
+    return times
+
+
+def model_figures(model: str, args: argparse.Namespace, questions: list[str], slo_ms: float) -> dict[str, Any]:
+    import importlib
+
+    spec = importlib.import_module(f"engines.{model}.spec").SPEC.replace(num_threads=args.threads)
+    config = dataclasses.replace(spec.engine_config(), enable_prefix_caching=False)
+    engine = LLMEngine(config)
+    prompts = {n: prompt_of(engine, questions, n) for n in args.prompt_tokens}
+    has_previous_path = bool(kernel_prefill_layers(engine))
+    times = measure(engine, prompts, args.repeats, has_previous_path)
+    figures: dict[str, Any] = {"precision": engine.precision(), "slo_ttft_p99_ms": slo_ms,
+                               "previous_path_applies": has_previous_path, "prompts": {}}
+    del engine
+    gc.collect()
+    float32_times: dict[int, list[float]] = {}
+    if args.float32:
+        reference = LLMEngine(dataclasses.replace(config, quantization=None))
+        time_to_first_token(reference, prompts[min(prompts)], "warm-up")
+        float32_times = {n: [time_to_first_token(reference, p, f"f{n}-{r}") for r in range(args.repeats)]
+                         for n, p in prompts.items()}
+        del reference
+        gc.collect()
+    for n in prompts:
+        entry: dict[str, Any] = {}
+        for name, values in [*times[n].items(), ("float32", float32_times.get(n, []))]:
+            if values:
+                entry[f"{name}_ttft_ms_median"] = 1000 * statistics.median(values)
+                entry[f"{name}_ttft_ms_best"] = 1000 * min(values)
+        if "dequantised_sgemm_ttft_ms_median" in entry:
+            entry["speedup_vs_dequantised_sgemm"] = (entry["dequantised_sgemm_ttft_ms_median"]
+                                                     / entry["shipped_ttft_ms_median"])
+        if "float32_ttft_ms_median" in entry:
+            entry["speedup_vs_float32"] = entry["float32_ttft_ms_median"] / entry["shipped_ttft_ms_median"]
+        entry["shipped_within_slo"] = entry["shipped_ttft_ms_median"] <= slo_ms
+        entry["shipped_prompt_tokens_per_s"] = n / (entry["shipped_ttft_ms_median"] / 1000)
+        figures["prompts"][str(n)] = entry
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["small", "large"], help="demo tiers (engines/<name>/spec.py)")
+    parser.add_argument("--prompt-tokens", nargs="+", type=int, default=[200, 600])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="engine threads (default: the spec's)")
+    parser.add_argument("--no-float32", dest="float32", action="store_false", help="skip the float32 engine")
+    parser.add_argument("--data", type=Path, default=GSM8K_DIR, help="directory of GSM8K's test.jsonl")
+    args = parser.parse_args()
+    test = args.data / "test.jsonl"
+    if not test.is_file():
+        raise SystemExit(f"{test} not found: the benchmark builds its prompts from GSM8K (see ../shared/data)")
+    questions = [json.loads(line)["question"] for line in test.read_text().splitlines()[:40]]
+    tiers = default_tiers()  # the shipped SLOs
+    figures: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "models": {}}
+    rows = []
+    for model in args.models:
+        slo_ms = tiers[model].slo_ttft_p99_ms if model in tiers else float("nan")
+        result = model_figures(model, args, questions, slo_ms)
+        figures["models"][model] = result
+        for n, entry in result["prompts"].items():
+            rows.append([model, n, entry["shipped_ttft_ms_median"], entry.get("dequantised_sgemm_ttft_ms_median", "–"),
+                         entry.get("speedup_vs_dequantised_sgemm", "–"), entry.get("float32_ttft_ms_median", "–"),
+                         slo_ms, "yes" if entry["shipped_within_slo"] else "NO"])
+    print_table(f"Prefill: TTFT of a request alone, median of {args.repeats} (ms); CPU: {cpu_model()}",
+                ["tier", "prompt tokens", "shipped", "dequantised sgemm (before)", "ratio", "float32", "SLO p99",
+                 "within SLO"], rows)
+    write_results("prefill", figures)
+
+
+if __name__ == "__main__":
+    main()
