@@ -11,7 +11,7 @@ TEST_REDIS_URL ?= redis://127.0.0.1:6379/0
 TEST_REDIS8_URL ?= redis://127.0.0.1:6380/0
 PYTEST_ARGS ?=
 
-.PHONY: run test venv models models-test services browser lint bench-engine bench-gateway bench-kernels gpu-wheels bench-step-thread bench-dashboard bench-structured bench-router router-default bench-semcache bench-quant-quality bench-prefill cache-matcher clean
+.PHONY: run test venv models models-test services browser lint bench-engine bench-gateway bench-kernels gpu-wheels bench-step-thread bench-dashboard bench-structured bench-router router-labels router-default bench-semcache bench-quant-quality bench-prefill cache-matcher clean
 
 run: venv models
 	SLUICE_SERVER__ALLOW_ANONYMOUS=$${SLUICE_SERVER__ALLOW_ANONYMOUS:-true} $(BIN)/sluice serve
@@ -85,6 +85,13 @@ bench-prefill: venv models
 # The shipped classifier (router/default) from RouteLLM's MMLU + GSM8K data in ../shared/data.
 router-default: venv
 	$(BIN)/sluice router build-default
+
+# Both demo tiers' answers to 300 GSM8K train questions (~33 min on 2 cores, resumable): rows to tune a copy of
+# the default on (`sluice router build-default --cascade-labels`, or `sluice router tune`).
+ROUTER_LABELS ?= var/labels/gsm8k_train.jsonl
+
+router-labels: venv models
+	$(BIN)/sluice router label --dataset gsm8k --n 300 --split train --out $(ROUTER_LABELS)
 
 QQP_PAIRS ?= ../shared/data/semcache/qqp_pairs.jsonl.gz
 

@@ -407,8 +407,8 @@ class RowDispatchLinear(nn.Module):
     """An int8 weight-only layer for float32 activations on CPUs without native bfloat16: few rows (decode) on
     the packed kernel, many (prefill) through `int8_gemv` where this machine runs it, else on sgemm.
 
-    `int8_gemv` gives a row the same bits in a prefill chunk as in a decode step and beat sgemm over the
-    dequantised weight 2.6–2.7× in prefill time on an AVX2 EPYC (BENCHMARKS.md, 2026-12-05). Without it,
+    `int8_gemv` gives a row the same bits in a prefill chunk as in a decode step, and cut the time to first
+    token against sgemm over the dequantised weight (`make bench-prefill`, BENCHMARKS.md). Without it,
     the int8 weight is dequantised to the activation dtype for that one call: sgemm over a transient copy
     beats the packed kernel there, and no float copy of the weight stays resident. Every path computes with
     the same quantised weight; which one runs depends only on the number of rows.

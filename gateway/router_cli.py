@@ -131,8 +131,26 @@ def cmd_build_default(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else DEFAULT_ARTIFACT_DIR
     shutil.rmtree(out, ignore_errors=True)  # one shipped version, no history
     args.no_db = True
-    _train(train_rows, out, 0.95, args)
+    artifact = _train(train_rows, out, 0.95, args)
+    if args.cascade_labels:
+        _tune_on_our_tiers(artifact, Path(args.cascade_labels), args)
     return 0
+
+
+def _tune_on_our_tiers(artifact: Any, labels: Path, args: argparse.Namespace) -> None:
+    """The operating points re-tuned on the demo tiers' own answers (`sluice router label`): thresholds that
+    mean something for these tiers, and the cascade's τs, which RouteLLM's rows (no logprobs of our small
+    tier) cannot give."""
+    from router.data import load_rows
+    from router.train import fingerprint
+
+    rows = load_rows(labels)
+    embeddings, _ = _embeddings([r.prompt for r in rows])
+    scores = artifact.score(embeddings, [r.prompt for r in rows])
+    tuned_on = {"source": f"{labels.name}: the demo tiers' answers (sluice router label)", "rows": len(rows),
+                "fingerprint": fingerprint(rows)}
+    chosen = _tune(artifact, rows, scores, 0.95, DEFAULT_OUTPUT_TOKENS, _settings(args), tuned_on)
+    print(f"tuned on {len(rows)} labelled rows of the demo tiers; at 0.95 of large-only quality: {chosen}")
 
 
 def _load_for_eval(args: argparse.Namespace) -> tuple[Any, list[Any], Any]:
@@ -149,29 +167,34 @@ def _load_for_eval(args: argparse.Namespace) -> tuple[Any, list[Any], Any]:
     return artifact, rows, artifact.score(embeddings, [r.prompt for r in rows])
 
 
-def cmd_tune(args: argparse.Namespace) -> int:
+def _tune(artifact: Any, rows: list[Any], scores: Any, quality_target: float, output_tokens: float,
+          settings: Any, tuned_on: Any) -> Any:
+    """Store the artifact's operating points (thresholds, and τs where the rows carry the small tier's
+    confidences) tuned on `rows`; return the one for `quality_target`."""
     import numpy as np
 
     from router.artifact import store_operating_points
     from router.confidence import DEFINITIONS
     from router.tune import operating_points, request_costs
 
-    artifact, rows, scores = _load_for_eval(args)
-
     def column(values: list[float | None]) -> np.ndarray | None:
         return None if any(v is None for v in values) else np.array(values, dtype=np.float64)
 
-    cost_small, cost_large = request_costs([r.prompt for r in rows], _prices(_settings(args)), args.output_tokens)
+    cost_small, cost_large = request_costs([r.prompt for r in rows], _prices(settings), output_tokens)
     points = operating_points(
         scores, np.array([r.small_score for r in rows]), np.array([r.large_score for r in rows]),
         cost_small=cost_small, cost_large=cost_large, confidence=column([r.small_confidence for r in rows]),
         stream_confidence=column([r.small_stream_confidence for r in rows]),
     )
-    store_operating_points(artifact.path, points, args.quality_target,
-                           {"tuned_on": str(args.data), "confidence": DEFINITIONS})
-    chosen = next(p for p in points if p.quality_target >= args.quality_target - 1e-9)
+    store_operating_points(artifact.path, points, quality_target, {"tuned_on": tuned_on, "confidence": DEFINITIONS})
+    return next(p for p in points if p.quality_target >= quality_target - 1e-9)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    artifact, rows, scores = _load_for_eval(args)
+    chosen = _tune(artifact, rows, scores, args.quality_target, args.output_tokens, _settings(args), str(args.data))
     print(f"operating point for {args.quality_target:.2f} of large-only quality: {chosen}")
-    print(f"stored {len(points)} operating points in {artifact.path}")
+    print(f"stored the operating points in {artifact.path}")
     return 0
 
 
@@ -250,6 +273,8 @@ def add_router_commands(sub: Any) -> None:
     build.add_argument("--out", default="", help="default: router/default")
     build.add_argument("--cached-train-only", action="store_true",
                        help="train only on rows whose embeddings are already cached (slow CPUs)")
+    build.add_argument("--cascade-labels", default="",
+                       help="the demo tiers' labelled answers (sluice router label): tune thresholds and τs on them")
     common(build, db=False)
     build.set_defaults(handler=cmd_build_default)
 

@@ -6,7 +6,8 @@ served; the bar is `quality_target` × the large-only quality on the same rows. 
 the candidate grid that meet the bar, the cheapest wins (ties: fewer large calls). Without confidences τ is None.
 
 Streams decide on another confidence (`router.confidence`): at the chosen threshold, `tau_stream` is the lowest τ
-on the rows' stream confidences that still meets the bar (the fewest escalations, so the cheapest).
+on the rows' stream confidences that still meets the bar (the fewest escalations, so the cheapest), or None where
+the threshold meets it without escalating.
 """
 
 from __future__ import annotations
@@ -122,8 +123,10 @@ def operating_points(
 
 def _stream_tau(scores: np.ndarray, threshold: float, small: np.ndarray, large: np.ndarray,
                 stream_confidence: np.ndarray | None, bar: float) -> float | None:
-    """The lowest τ on the stream confidences that keeps quality ≥ bar at this threshold; None without them."""
-    if stream_confidence is None:
+    """The lowest τ on the stream confidences that keeps quality ≥ bar at this threshold; None without them, and
+    None where the threshold alone keeps the bar: a τ that escalates nothing would still hold every routed small
+    stream back for its decision window."""
+    if stream_confidence is None or _quality(scores >= threshold, small, large) >= bar:
         return None
     for tau in _candidates(stream_confidence, TAU_CANDIDATES)[:-1]:
         to_large, escalated = outcome(scores, threshold, float(tau), stream_confidence)

@@ -78,3 +78,26 @@ def test_train_tune_eval_round_trip_records_in_the_database(
         return versions, runs
 
     assert asyncio.run(counts()) == (1, 1)
+
+
+@pytest.mark.timeout(600)
+def test_the_default_build_tunes_thresholds_and_taus_on_the_demo_tiers_labels_without_keeping_their_text(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import argparse
+
+    from gateway.router_cli import _tune_on_our_tiers
+
+    monkeypatch.chdir(tmp_path)
+    routellm, labels = tmp_path / "routellm.jsonl", tmp_path / "gsm8k_train.jsonl"
+    write_rows(routellm, synthetic.rows(60))
+    write_rows(labels, synthetic.rows(40))  # they carry the small tier's confidences, as `router label` writes them
+    out = tmp_path / "router"
+    assert main(["router", "train", "--data", str(routellm), "--out", str(out), "--no-db"]) == 0
+    artifact = RouterArtifact.load(out)
+    _tune_on_our_tiers(artifact, labels, argparse.Namespace(config=None))
+    tuned = RouterArtifact.load(out)
+    assert tuned.meta["tuned_on"]["rows"] == 40 and tuned.meta["tuned_on"]["source"].startswith("gsm8k_train.jsonl")
+    assert tuned.meta["confidence"]  # the definitions its τs were tuned on
+    assert tuned.meta["operating_points"] != artifact.meta["operating_points"]
+    assert synthetic.rows(40)[0].prompt not in (tuned.path / "meta.json").read_text()

@@ -50,6 +50,16 @@ def test_streams_get_the_lowest_tau_on_their_own_confidence_that_keeps_the_bar()
     assert tune(scores, small, large, quality_target=1.0, confidence=answer).tau_stream is None
 
 
+def test_streams_get_no_tau_where_the_threshold_alone_keeps_the_bar() -> None:
+    """A τ that escalates no stream would still hold every routed small stream back for its decision window."""
+    scores = np.array([0.1, 0.9, 0.5, 0.3, 0.7])
+    small = np.array([1, 0, 1, 1, 1])  # the one answer the small tier gets wrong is the one the classifier flags
+    large = np.array([1, 1, 1, 1, 1])
+    stream = np.array([0.5, 0.9, 0.8, 0.3, 0.4])
+    point = tune(scores, small, large, quality_target=1.0, confidence=stream, stream_confidence=stream)
+    assert 0.7 < point.threshold <= 0.9 and point.tau is None and point.tau_stream is None
+
+
 def test_costs_follow_tier_prices_and_prompt_length() -> None:
     prices = Prices(small_input=0.05, small_output=0.20, large_input=0.30, large_output=1.20)
     small, large = request_costs(["x" * 400], prices, output_tokens=100)  # 100 prompt tokens at 4 chars each
