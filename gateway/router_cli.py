@@ -133,11 +133,11 @@ def cmd_build_default(args: argparse.Namespace) -> int:
     args.no_db = True
     artifact = _train(train_rows, out, 0.95, args)
     if args.cascade_labels:
-        _tune_on_our_tiers(artifact, Path(args.cascade_labels), args)
+        tune_on_demo_tier_labels(artifact, Path(args.cascade_labels), args)
     return 0
 
 
-def _tune_on_our_tiers(artifact: Any, labels: Path, args: argparse.Namespace) -> None:
+def tune_on_demo_tier_labels(artifact: Any, labels: Path, args: argparse.Namespace) -> None:
     """The operating points re-tuned on the demo tiers' own answers (`sluice router label`): thresholds that
     mean something for these tiers, and the cascade's τs, which RouteLLM's rows (no logprobs of our small
     tier) cannot give."""

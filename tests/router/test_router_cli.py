@@ -86,7 +86,7 @@ def test_the_default_build_tunes_thresholds_and_taus_on_the_demo_tiers_labels_wi
 ) -> None:
     import argparse
 
-    from gateway.router_cli import _tune_on_our_tiers
+    from gateway.router_cli import tune_on_demo_tier_labels
 
     monkeypatch.chdir(tmp_path)
     routellm, labels = tmp_path / "routellm.jsonl", tmp_path / "gsm8k_train.jsonl"
@@ -95,7 +95,7 @@ def test_the_default_build_tunes_thresholds_and_taus_on_the_demo_tiers_labels_wi
     out = tmp_path / "router"
     assert main(["router", "train", "--data", str(routellm), "--out", str(out), "--no-db"]) == 0
     artifact = RouterArtifact.load(out)
-    _tune_on_our_tiers(artifact, labels, argparse.Namespace(config=None))
+    tune_on_demo_tier_labels(artifact, labels, argparse.Namespace(config=None))
     tuned = RouterArtifact.load(out)
     assert tuned.meta["tuned_on"]["rows"] == 40 and tuned.meta["tuned_on"]["source"].startswith("gsm8k_train.jsonl")
     assert tuned.meta["confidence"]  # the definitions its τs were tuned on
