@@ -3,10 +3,10 @@
 `python -m bench.prefill [--models small large] [--prompt-tokens 200 600] [--repeats 3] [--threads N]
 [--data DIR]`
 
-Each demo model's engine is built from its shipped spec (`quantization = "auto"`, prefix caching off so that
-no repeat profits from another). A prompt is GSM8K test questions as one chat message, cut to exactly
-`--prompt-tokens` tokens; a request of it alone runs to its first token (`max_tokens=1`). Configurations,
-alternated repeat by repeat so that the machine's drift weighs on each alike:
+Each demo model's engine is built from the spec `make run` serves it with (`engines.tiers.tier_spec`:
+`quantization = "auto"`), prefix caching off so that no repeat profits from another. A prompt is GSM8K test
+questions as one chat message, cut to exactly `--prompt-tokens` tokens; a request of it alone runs to its first
+token (`max_tokens=1`). Configurations, alternated repeat by repeat so that the machine's drift weighs on each alike:
 
   shipped            the engine as `make run` builds it: on CPUs without int8 dot products (AVX2), int8
                      weight-only layers whose prefill chunks go through `int8_gemv` (int16 activations,
@@ -38,10 +38,11 @@ from typing import Any
 import torch
 
 from bench.common import cpu_model, print_table, write_results
-from bench.engine import GSM8K_DIR
+from bench.engine import GSM8K_DIR, engine_config
 from engines.llm_engine import LLMEngine
 from engines.quantization import Int8Linear, RowDispatchLinear
 from engines.sampling_params import SamplingParams
+from engines.tiers import tier_spec
 from gateway.config import default_tiers
 
 
@@ -99,10 +100,7 @@ def measure(engine: LLMEngine, prompts: dict[int, list[int]], repeats: int, with
 
 
 def model_figures(model: str, args: argparse.Namespace, questions: list[str], slo_ms: float) -> dict[str, Any]:
-    import importlib
-
-    spec = importlib.import_module(f"engines.{model}.spec").SPEC.replace(num_threads=args.threads)
-    config = dataclasses.replace(spec.engine_config(), enable_prefix_caching=False)
+    config = dataclasses.replace(engine_config(tier_spec(model, model), args), enable_prefix_caching=False)
     engine = LLMEngine(config)
     prompts = {n: prompt_of(engine, questions, n) for n in args.prompt_tokens}
     has_previous_path = bool(kernel_prefill_layers(engine))
@@ -141,7 +139,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["small", "large"], help="demo tiers (engines/<name>/spec.py)")
     parser.add_argument("--prompt-tokens", nargs="+", type=int, default=[200, 600])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None, help="engine threads (default: the spec's)")
+    parser.add_argument("--threads", type=int, default=None, help="engine threads (default: physical cores)")
     parser.add_argument("--no-float32", dest="float32", action="store_false", help="skip the float32 engine")
     parser.add_argument("--data", type=Path, default=GSM8K_DIR, help="directory of GSM8K's test.jsonl")
     args = parser.parse_args()

@@ -145,8 +145,7 @@ def tune_on_demo_tier_labels(artifact: Any, labels: Path, args: argparse.Namespa
     from router.train import fingerprint
 
     rows = load_rows(labels)
-    embeddings, _ = _embeddings([r.prompt for r in rows])
-    scores = artifact.score(embeddings, [r.prompt for r in rows])
+    scores = _scores(artifact, rows)
     tuned_on = {"source": f"{labels.name}: the demo tiers' answers (sluice router label)", "rows": len(rows),
                 "fingerprint": fingerprint(rows)}
     chosen = _tune(artifact, rows, scores, 0.95, DEFAULT_OUTPUT_TOKENS, _settings(args), tuned_on)
@@ -163,8 +162,14 @@ def _load_for_eval(args: argparse.Namespace) -> tuple[Any, list[Any], Any]:
     if args.split == "test":
         _, test = split_indices(len(rows), seed=args.seed)
         rows = [rows[i] for i in test]
-    embeddings, _ = _embeddings([r.prompt for r in rows])
-    return artifact, rows, artifact.score(embeddings, [r.prompt for r in rows])
+    return artifact, rows, _scores(artifact, rows)
+
+
+def _scores(artifact: Any, rows: list[Any]) -> Any:
+    """The artifact's difficulty score of each row's prompt, embedded as the gateway embeds it."""
+    prompts = [r.prompt for r in rows]
+    embeddings, _ = _embeddings(prompts)
+    return artifact.score(embeddings, prompts)
 
 
 def _tune(artifact: Any, rows: list[Any], scores: Any, quality_target: float, output_tokens: float,
