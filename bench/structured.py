@@ -6,9 +6,11 @@
    array, so constrained and free rows decode the same number of tokens).
 3. Schema-valid rate: replies to `response_format: json_schema` requests that parse and validate.
 4. Tool-call parse rate on the fixed 50 prompts of bench/data/tool_prompts.jsonl: with
-   `tool_choice: "auto"` (the model's own `<tool_call>` blocks) and with `"required"` (forced).
+   `tool_choice: "auto"` (the model's own calls: `<tool_call>` blocks, or a reply that is only JSON calls)
+   and with `"required"` (forced).
 
     sluice bench structured [--max-tokens 64] [--batches 1 16] [--repeats 5]
+    sluice bench structured --model large --tools-only   # part 4 alone, for any model
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import jsonschema
 import torch
 
 from bench.common import cpu_model, print_table, write_results
+from engines import tool_calls
 from engines.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -34,6 +37,7 @@ from engines.api.protocol import (
     JSONSchemaFormat,
     ResponseFormat,
     Tool,
+    ToolCall,
 )
 from engines.config import EngineConfig
 from engines.llm_engine import AsyncLLMEngine, LLMEngine
@@ -201,21 +205,65 @@ async def validity(serving: OpenAIServing, max_tokens: int) -> dict[str, Any]:
 async def tool_rates(serving: OpenAIServing, tool_choice: str, max_tokens: int) -> dict[str, Any]:
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
 
-    async def one(row: dict[str, str]) -> tuple[bool, bool, bool]:
+    schemas = {tool.function.name: tool.function.parameters for tool in TOOLS}
+
+    def valid_arguments(call: ToolCall) -> bool:
+        try:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        except (ValueError, KeyError, jsonschema.ValidationError):
+            return False
+        return True
+
+    async def one(row: dict[str, str]) -> tuple[bool, bool, bool, bool]:
         request = ChatCompletionRequest(model="bench", messages=_user(row["prompt"]), tools=TOOLS,
                                         tool_choice=tool_choice, temperature=0, max_tokens=max_tokens)
         choice = (await serving.chat(request)).choices[0]
         calls = choice.message.tool_calls or []
-        attempted = bool(calls) or "<tool_call>" in (choice.message.content or "") or tool_choice == "required"
+        text = (choice.message.content or "").lstrip()
+        # A call in any form: read as calls, or a `<tool_call>` block or JSON reply that was not one.
+        attempted = (bool(calls) or "<tool_call>" in text or text[:1] in tool_calls.WHOLE_REPLY_OPENERS
+                     or tool_choice == "required")
         parsed = bool(calls) and all(isinstance(json.loads(c.function.arguments), dict) for c in calls)
         right = parsed and calls[0].function.name == row["expect"]
-        return attempted, parsed, right
+        return attempted, parsed, right, right and all(valid_arguments(call) for call in calls)
 
     results = await asyncio.gather(*(one(row) for row in rows))
-    attempted = sum(a for a, _, _ in results)
-    parsed = sum(p for _, p, _ in results)
+    attempted = sum(a for a, _, _, _ in results)
+    parsed = sum(p for _, p, _, _ in results)
     return {"prompts": len(rows), "attempted_tool_call": attempted, "parsed_tool_call": parsed,
-            "tool_call_parse_rate": parsed / max(1, attempted), "expected_function": sum(r for _, _, r in results)}
+            "tool_call_parse_rate": parsed / max(1, attempted), "expected_function": sum(r[2] for r in results),
+            "expected_function_with_schema_valid_arguments": sum(r[3] for r in results)}
+
+
+def through_serving(llm: LLMEngine, tool_max_tokens: int, with_validity: bool
+                    ) -> tuple[dict[str, Any] | None, dict[str, Any], dict[str, Any]]:  # fmt: skip
+    """Parts 3 and 4 through the OpenAI layer (schema validity only `with_validity`); prints their table."""
+    serving = OpenAIServing(AsyncLLMEngine(llm), "bench")
+
+    async def run() -> tuple[dict[str, Any] | None, dict[str, Any], dict[str, Any]]:
+        try:
+            return (await validity(serving, 96) if with_validity else None,
+                    await tool_rates(serving, "auto", tool_max_tokens),
+                    await tool_rates(serving, "required", tool_max_tokens))
+        finally:
+            await serving.engine.shutdown()
+
+    valid, auto, required = asyncio.run(run())
+    rows = [] if valid is None else [["schema-valid (of finished)",
+                                      f"{valid['valid_of_finished']}/{valid['finished_by_grammar']}",
+                                      valid["schema_valid_rate"]]]
+    for name, rates in (("auto", auto), ("required", required)):
+        rows.append([f"tool calls parsed, {name}", f"{rates['parsed_tool_call']}/{rates['attempted_tool_call']}",
+                     rates["tool_call_parse_rate"]])
+    for name, rates in (("auto", auto), ("required", required)):
+        rows.append([f"expected function, {name}", f"{rates['expected_function']}/{rates['prompts']}",
+                     rates["expected_function"] / rates["prompts"]])
+    for name, rates in (("auto", auto), ("required", required)):
+        valid_calls = rates["expected_function_with_schema_valid_arguments"]
+        rows.append([f"... and arguments valid against its schema, {name}", f"{valid_calls}/{rates['prompts']}",
+                     valid_calls / rates["prompts"]])
+    print_table("Schema validity and tool calls", ["measure", "count", "rate"], rows)
+    return valid, auto, required
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -227,12 +275,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--repeats", type=int, default=5, help="free/constrained run pairs per batch (median)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--tools-only", action="store_true",
+                        help="only part 4, tool calls (writes bench/results/structured_tools_<model>.json)")
     args = parser.parse_args(argv)
 
     config = EngineConfig(model=str(resolve_model(args.model)), dtype="float32", quantization="auto",
                           kv_cache_bytes=256 << 20, max_num_seqs=max(16, *args.batches),
                           max_num_batched_tokens=2048, max_model_len=4096, num_threads=args.threads)
     llm = LLMEngine(config)
+    if args.tools_only:
+        _, auto, required = through_serving(llm, args.tool_max_tokens, with_validity=False)
+        write_results(f"structured_tools_{Path(args.model).stem}", {
+            "model": args.model, "cpu_model": cpu_model(), "precision": llm.precision(),
+            "tool_max_tokens": args.tool_max_tokens, "tool_calls_auto": auto, "tool_calls_required": required})
+        return
     masks = mask_times(llm, args.batches)
     print_table("Grammar mask per decode step (ms)", ["batch", "llguidance fill", "xgrammar fill", "apply (numpy)"],
                 [[b, *masks[f"batch_{b}"].values()] for b in args.batches])
@@ -257,27 +313,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 [[b, d["free_tokens_per_s"], d["json_schema_tokens_per_s"], d["throughput_cost_pct"]]
                  for b, d in ((b, decode[f"batch_{b}"]) for b in args.batches)])
 
-    serving = OpenAIServing(AsyncLLMEngine(llm), "bench")
-
-    async def through_serving() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        try:
-            return (await validity(serving, 96), await tool_rates(serving, "auto", args.tool_max_tokens),
-                    await tool_rates(serving, "required", args.tool_max_tokens))
-        finally:
-            await serving.engine.shutdown()
-
-    valid, auto, required = asyncio.run(through_serving())
-    print_table("Schema validity and tool calls", ["measure", "count", "rate"], [
-        ["schema-valid (of finished)", f"{valid['valid_of_finished']}/{valid['finished_by_grammar']}",
-         valid["schema_valid_rate"]],
-        ["tool calls parsed, auto", f"{auto['parsed_tool_call']}/{auto['attempted_tool_call']}",
-         auto["tool_call_parse_rate"]],
-        ["tool calls parsed, required", f"{required['parsed_tool_call']}/{required['attempted_tool_call']}",
-         required["tool_call_parse_rate"]],
-        ["expected function, auto", f"{auto['expected_function']}/{auto['prompts']}", auto["expected_function"] / 50],
-        ["expected function, required", f"{required['expected_function']}/{required['prompts']}",
-         required["expected_function"] / 50],
-    ])
+    valid, auto, required = through_serving(llm, args.tool_max_tokens, with_validity=True)
     write_results("structured", {
         "model": args.model, "cpu_model": cpu_model(), "precision": llm.precision(),
         "max_tokens_decode": args.max_tokens,

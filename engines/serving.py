@@ -87,6 +87,7 @@ class ChatPlan:
     grammar_param: str | None = None
     tools: str | None = None
     parallel_tool_calls: bool = True
+    tool_names: frozenset[str] = frozenset()  # the request's tools, for replies that call them in plain JSON
 
 
 def _response_grammar(request: ChatCompletionRequest) -> GrammarSpec | None:
@@ -112,7 +113,8 @@ def chat_plan(request: ChatCompletionRequest, template_supports_tools: bool) -> 
     parallel = request.parallel_tool_calls is not False
     if forced := tool_calls.forced_tools(request):
         return ChatPlan(tool_calls.FORCED_PREFIX, tool_calls.forced_call_grammar(forced), "tools", "forced", parallel)
-    return ChatPlan(tools="auto", parallel_tool_calls=parallel)
+    names = frozenset(tool.function.name for tool in request.tools or [])
+    return ChatPlan(tools="auto", parallel_tool_calls=parallel, tool_names=names)
 
 
 class _Reply:
@@ -121,7 +123,7 @@ class _Reply:
     def __init__(self, plan: ChatPlan) -> None:
         self.plan = plan
         self.text = ""
-        self.parser = tool_calls.StreamParser()
+        self.parser = tool_calls.StreamParser(plan.tool_names)
         self.calls: list[ToolCall] = []
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -130,17 +132,21 @@ class _Reply:
         if self.plan.tools == "forced":
             self.text += text
             return "", []
-        content, calls = self.parser.feed(text)
-        if not self.plan.parallel_tool_calls:
-            calls = calls[: max(0, 1 - len(self.calls))]
-        self.calls.extend(calls)
-        return content, calls
+        return self._keep(*self.parser.feed(text))
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         if self.plan.tools == "forced":
             self.calls = tool_calls.parse_forced(self.text)
             return ("", self.calls) if self.calls else (self.text, [])
-        return self.parser.flush(), []
+        if self.plan.tools is None:
+            return "", []
+        return self._keep(*self.parser.flush())
+
+    def _keep(self, content: str, calls: list[ToolCall]) -> tuple[str, list[ToolCall]]:
+        if not self.plan.parallel_tool_calls:
+            calls = calls[: max(0, 1 - len(self.calls))]
+        self.calls.extend(calls)
+        return content, calls
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
         return "tool_calls" if self.calls and engine_reason == "stop" else engine_reason

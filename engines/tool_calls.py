@@ -5,6 +5,12 @@ Qwen2.5 (and every Hermes-style template) asks the model to answer a tool call a
 itself names that format, so a model whose template shows `<tool_call>` gets this parser (as vLLM's
 `hermes` parser). A model whose template does not render `tools` refuses them.
 
+Models do not always use the tags: the demo tiers' 1.5B coder model answers every prompt of
+`bench/data/tool_prompts.jsonl` with the call as plain JSON in a ```json fence (BENCHMARKS.md). A reply
+that is nothing but calls to the request's own tools, written as JSON (bare or in one fence), is read as
+those calls too (`whole_reply_calls`), as vLLM's `llama3_json` parser reads a bare JSON reply; anything
+else in the reply keeps it text.
+
 `tool_choice` "required" or a named function forces a call: the prompt ends with the block's
 opening `<tool_call>\n`, and constrained decoding allows only `{"name": <a tool>, "arguments":
 <its parameters' schema>}` (strict function schemas are honoured on this path).
@@ -15,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +32,9 @@ CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
 FORCED_PREFIX = CALL_START + "\n"
 _BLOCK = re.compile(re.escape(CALL_START) + r"\s*(.*?)\s*" + re.escape(CALL_END), re.S)
+_FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.S)
+WHOLE_REPLY_OPENERS = "{[`"  # how a reply written as JSON calls begins: an object, a list, a fence
+_CALL_KEYS = frozenset({"name", "arguments", "parameters"})
 
 
 def new_call_id() -> str:
@@ -70,6 +80,30 @@ def _call(payload: str) -> ToolCall | None:
     return ToolCall(id=new_call_id(), function=FunctionCall(name=value["name"], arguments=json.dumps(arguments)))
 
 
+def whole_reply_calls(text: str, tool_names: Collection[str]) -> list[ToolCall]:
+    """The calls of a reply that is only calls written as JSON, bare or in one ```json fence: an object
+    `{"name": <one of tool_names>, "arguments": {...}}` or a list of them; [] for any other reply, so that
+    JSON which is not a call to one of the request's tools (an example, an answer) stays text."""
+    body = text.strip()
+    if fenced := _FENCE.fullmatch(body):
+        body = fenced.group(1)
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return []
+    items = value if isinstance(value, list) and value else [value]
+    calls = []
+    for item in items:
+        if not (isinstance(item, dict) and item.get("name") in tool_names and set(item) <= _CALL_KEYS):
+            return []
+        arguments = item.get("arguments", item.get("parameters", {}))  # Llama 3 models write "parameters"
+        if not isinstance(arguments, dict):
+            return []
+        call = FunctionCall(name=item["name"], arguments=json.dumps(arguments))
+        calls.append(ToolCall(id=new_call_id(), function=call))
+    return calls
+
+
 def parse_forced(text: str) -> list[ToolCall]:
     """The call of a forced reply (the JSON after the prompt's `<tool_call>`)."""
     call = _call(text.removesuffix(CALL_END).strip())
@@ -100,13 +134,24 @@ class StreamParser:
 
     Text that may be the start of `<tool_call>` is held back until it is known not to be; a block is
     held until its `</tool_call>`, then sent as one call (OpenAI-style deltas may carry a call whole).
+    A reply that opens like JSON (`WHOLE_REPLY_OPENERS`, after any whitespace) when `tool_names` are given
+    is held whole, since only its end tells whether it is calls (`whole_reply_calls`) or text.
     Whatever is held when the stream ends goes out as content."""
 
+    tool_names: frozenset[str] = frozenset()
     buffer: str = ""
     calls: list[ToolCall] = field(default_factory=list)
+    holds_whole_reply: bool | None = None  # None until the reply's first non-blank character
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self.buffer += text
+        if self.holds_whole_reply is None:
+            head = self.buffer.lstrip()
+            if not head:
+                return "", []
+            self.holds_whole_reply = bool(self.tool_names) and head[0] in WHOLE_REPLY_OPENERS
+        if self.holds_whole_reply:
+            return "", []
         content: list[str] = []
         new_calls: list[ToolCall] = []
         while self.buffer:
@@ -131,9 +176,19 @@ class StreamParser:
         self.calls.extend(new_calls)
         return "".join(content), new_calls
 
-    def flush(self) -> str:
+    def flush(self) -> tuple[str, list[ToolCall]]:
+        """What is still held when the reply ends: (content, calls)."""
+        content, calls = "", []
+        if self.holds_whole_reply:
+            self.holds_whole_reply = False
+            calls = whole_reply_calls(self.buffer, self.tool_names)
+            if calls:
+                self.buffer = ""
+                self.calls.extend(calls)
+            else:  # read as any other reply: `<tool_call>` blocks inside it still count
+                content, calls = self.feed("")
         rest, self.buffer = self.buffer, ""
-        return rest
+        return content + rest, calls
 
 
 def _partial_suffix(text: str, marker: str) -> int:

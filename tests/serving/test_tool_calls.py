@@ -91,7 +91,7 @@ def test_the_stream_parser_holds_back_a_split_marker_and_emits_whole_calls() -> 
     pieces = ["Sure", " <tool", "_call>\n{\"name\": \"get_time\", ", "\"arguments\": {\"zone\": \"UTC\"}}\n</tool_",
               "call> done"]
     outputs = [parser.feed(piece) for piece in pieces]
-    assert "".join(text for text, _ in outputs) + parser.flush() == "Sure  done"
+    assert "".join(text for text, _ in outputs) + parser.flush()[0] == "Sure  done"
     assert [len(calls) for _, calls in outputs] == [0, 0, 0, 0, 1]
     assert json.loads(outputs[-1][1][0].function.arguments) == {"zone": "UTC"}
 
@@ -100,6 +100,63 @@ def test_text_that_only_looks_like_a_marker_start_is_released() -> None:
     parser = tool_calls.StreamParser()
     assert parser.feed("a <to") == ("a ", [])
     assert parser.feed("p>") == ("<top>", [])
+
+
+NAMES = frozenset({"get_weather", "get_time"})
+FENCED_CALL = '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```'
+
+
+def _named(calls: list[ToolCall]) -> list[tuple[str, object]]:
+    return [(call.function.name, json.loads(call.function.arguments)) for call in calls]
+
+
+def test_a_reply_that_is_only_a_json_call_to_a_declared_tool_is_that_call() -> None:
+    """What the 1.5B coder model writes instead of `<tool_call>` tags: fenced, or bare, or a list of calls."""
+    assert _named(tool_calls.whole_reply_calls(FENCED_CALL, NAMES)) == [("get_weather", {"city": "Paris"})]
+    assert _named(tool_calls.whole_reply_calls(' {"name": "get_time", "parameters": {"zone": "UTC"}}\n', NAMES)) == [
+        ("get_time", {"zone": "UTC"})]
+    both = '[{"name": "get_time", "arguments": {"zone": "CET"}}, {"name": "get_weather"}]'
+    assert _named(tool_calls.whole_reply_calls(both, NAMES)) == [("get_time", {"zone": "CET"}), ("get_weather", {})]
+
+
+@pytest.mark.parametrize("reply", [
+    '{"name": "book_flight", "arguments": {}}',  # not one of the request's tools
+    '{"name": "get_weather", "arguments": {"city": "Paris"}, "note": "x"}',  # more than a call
+    '{"name": "get_weather", "arguments": "Paris"}',  # arguments that are not an object
+    FENCED_CALL + "\nThis calls the weather tool.",  # a call shown inside an answer
+    '[{"name": "get_weather", "arguments": {}}, 3]',
+    '{"city": "Paris"}',
+    "```json\n{not json}\n```",
+])
+def test_json_that_is_not_only_calls_to_declared_tools_stays_text(reply: str) -> None:
+    assert tool_calls.whole_reply_calls(reply, NAMES) == []
+    parser = tool_calls.StreamParser(NAMES)
+    assert parser.feed(reply) == ("", [])  # held: only the end of the reply tells
+    assert parser.flush() == (reply, [])
+
+
+def test_a_streamed_json_call_is_held_to_the_end_then_sent_as_one_call() -> None:
+    parser = tool_calls.StreamParser(NAMES)
+    outputs = [parser.feed(FENCED_CALL[i:i + 7]) for i in range(0, len(FENCED_CALL), 7)]
+    assert all(output == ("", []) for output in outputs)
+    content, calls = parser.flush()
+    assert content == "" and _named(calls) == [("get_weather", {"city": "Paris"})] and parser.calls == calls
+
+
+def test_prose_streams_at_once_and_json_is_not_held_without_tools() -> None:
+    with_tools = tool_calls.StreamParser(NAMES)
+    assert with_tools.feed("  ") == ("", [])  # blank so far: undecided
+    assert with_tools.feed("It is sunny {maybe}") == ("  It is sunny {maybe}", [])
+    without_tools = tool_calls.StreamParser()
+    assert without_tools.feed(FENCED_CALL) == (FENCED_CALL, [])
+
+
+def test_a_held_reply_that_holds_tagged_calls_still_yields_them() -> None:
+    reply = '{"thought": 1}\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    parser = tool_calls.StreamParser(NAMES)
+    assert parser.feed(reply) == ("", [])
+    content, calls = parser.flush()
+    assert content == '{"thought": 1}\n' and _named(calls) == [("get_time", {"zone": "UTC"})]
 
 
 # -- rendering --------------------------------------------------------------------------------------
