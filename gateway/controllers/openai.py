@@ -6,12 +6,13 @@ from typing import Any
 
 from litestar import Controller, Request, Response, get, post
 from litestar.di import NamedDependency
-from litestar.params import JSONBody
+from litestar.params import FromPath, JSONBody
 
+from engines.api.errors import APIError
 from engines.api.fields import keep_extra_fields
 from engines.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from gateway.controllers.http import cancel_on_disconnect, reply_response
-from gateway.embeddings import EmbeddingsRequest
+from gateway.embeddings import EMBED_MODEL, EmbeddingsRequest
 from gateway.pipeline import Gateway, RequestState, request_ids
 from router.decision import model_ids
 
@@ -59,4 +60,19 @@ class OpenAIController(Controller):
     async def models(self, request: Request[Any, Any, Any], gateway: NamedDependency[Gateway]) -> ModelList:
         # Listing is not a served request: it leaves no accounting row.
         request.state.sluice.finished = True
-        return ModelList(data=[ModelCard(id=model) for model in model_ids(gateway.clients)])
+        return ModelList(data=[ModelCard(id=model) for model in served_models(gateway)])
+
+    @get("/models/{model_id:str}", opt={"endpoint": "models"}, summary="Retrieve a model")
+    async def model(
+        self, request: Request[Any, Any, Any], model_id: FromPath[str], gateway: NamedDependency[Gateway]
+    ) -> ModelCard:
+        request.state.sluice.finished = True
+        if model_id not in served_models(gateway):
+            raise APIError(404, f"The model `{model_id}` does not exist. GET /v1/models lists the models.",
+                           code="model_not_found", param="model")
+        return ModelCard(id=model_id)
+
+
+def served_models(gateway: Gateway) -> list[str]:
+    """What clients may name as `model`: the tiers, the router, and the embedding model where it is served."""
+    return model_ids(gateway.clients) + ([EMBED_MODEL] if gateway.embedder is not None else [])

@@ -132,10 +132,21 @@ async def test_a_repeated_client_request_id_still_gives_each_request_its_own_rec
     assert len({r.request_id for r in records}) == 2
 
 
-async def test_models_lists_the_tiers_and_the_router(gateway_client):
+async def test_models_lists_the_tiers_the_router_and_the_embedding_model(gateway_client):
     async with gateway_client() as client:
         response = await client.get("/v1/models")
-    assert [m["id"] for m in response.json()["data"]] == ["sluice-small", "sluice-large", "sluice", "auto"]
+    assert [m["id"] for m in response.json()["data"]] == ["sluice-small", "sluice-large", "sluice", "auto",
+                                                          "sluice-embed"]
+
+
+async def test_a_model_is_retrieved_by_id_and_an_unknown_one_is_a_404(gateway_client, records):
+    async with gateway_client() as client:
+        found = await client.get("/v1/models/sluice-large")
+        missing = await client.get("/v1/models/gpt-4o")
+    assert found.status_code == 200 and found.json() == {"id": "sluice-large", "created": 0, "object": "model",
+                                                         "owned_by": "sluice"}
+    assert_openai_error(missing, 404, "model_not_found", "model")
+    assert records == []  # listing models is not a served request
 
 
 async def test_healthz_reports_each_tier_and_metrics_count_requests(gateway_client, tiers):
