@@ -14,6 +14,7 @@ from engines.api.protocol import ChatCompletionRequest, CompletionRequest, Model
 from gateway.controllers.http import cancel_on_disconnect, reply_response
 from gateway.embeddings import EMBED_MODEL, EmbeddingsRequest
 from gateway.pipeline import Gateway, RequestState, request_ids
+from gateway.responses import ResponsesRequest, to_chat, translate
 from router.decision import model_ids
 
 
@@ -49,6 +50,14 @@ class OpenAIController(Controller):
     ) -> Response[Any]:
         keep_extra_fields(data, await request.body())
         return reply_response(await cancel_on_disconnect(request, gateway.complete(request.state.sluice, data)))
+
+    # Served as a chat completion (routing, cache, accounting), so its endpoint is `chat`.
+    @post("/responses", opt={"endpoint": "chat"}, status_code=200, summary="Create a model response")
+    async def responses(
+        self, request: Request[Any, Any, Any], data: JSONBody[ResponsesRequest], gateway: NamedDependency[Gateway]
+    ) -> Response[Any]:
+        reply = await cancel_on_disconnect(request, gateway.chat(request.state.sluice, to_chat(data)))
+        return reply_response(translate(reply, data))
 
     @post("/embeddings", opt={"endpoint": "embeddings"}, status_code=200, summary="Create embeddings")
     async def embeddings(

@@ -110,3 +110,36 @@ def test_a_client_leaving_before_a_plain_answer_cancels_the_upstream_call(live: 
     assert live.recorded.wait(WAIT_S), "the abandoned request was never finished"
     assert live.tiers["small"].calls_cancelled == 1
     assert (live.records[0].status, live.records[0].error_code) == (499, "client_disconnected")
+
+
+def test_the_sdk_creates_a_response_through_the_chat_pipeline(live: LiveGateway):
+    raw = client(live).responses.with_raw_response.create(model="sluice", input="say something",
+                                                          instructions="be brief", max_output_tokens=3)
+    response = raw.parse()
+    assert response.output_text == "one two three"
+    # The scripted tier stops at the limit: the answer was cut, as OpenAI reports it.
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.output_tokens == 3 and raw.headers["x-sluice-tier"] == "small"
+    assert live.recorded.wait(WAIT_S)
+    (record,) = live.records
+    assert (record.endpoint, record.completion_tokens, record.status) == ("chat", 3, 200)
+
+
+def test_the_sdk_stream_helper_reads_a_streamed_response(live: LiveGateway):
+    with client(live).responses.stream(model="sluice", input="say something", max_output_tokens=4) as stream:
+        events = list(stream)  # the helper checks every event against the response it builds
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == "one two three four"
+    assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+    assert events[-1].response.output[0].content[0].text == "one two three four"
+    assert live.recorded.wait(WAIT_S) and live.records[0].stream
+
+
+def test_a_response_that_needs_stored_state_or_an_unknown_model_is_an_sdk_error(live: LiveGateway):
+    sdk = client(live)
+    with pytest.raises(openai.BadRequestError) as stored:
+        sdk.responses.create(model="sluice", input="hi", previous_response_id="resp_123")
+    assert stored.value.param == "previous_response_id"
+    with pytest.raises(openai.NotFoundError) as missing:
+        sdk.responses.create(model="no-such-model", input="hi")
+    assert missing.value.code == "model_not_found"

@@ -160,3 +160,37 @@ def _token_id(token_bytes: list[int]) -> int:
     tokenizer = load_tokenizer(resolve_model("small"))
     (token_id,) = tokenizer.encode(bytes(token_bytes).decode())
     return token_id
+
+
+# -- the Responses API on the real model ------------------------------------------------------------------
+
+RESPONSES_WEATHER = {"type": "function", **WEATHER["function"]}  # the Responses API's flat function tool
+
+
+def test_a_response_with_a_forced_tool_is_a_function_call_item_valid_against_its_schema(sdk: openai.OpenAI) -> None:
+    response = sdk.responses.create(model="sluice-small", input=ASK[0]["content"], tools=[RESPONSES_WEATHER],
+                                    tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40,
+                                    temperature=0)
+    assert response.status == "completed"
+    (call,) = response.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id
+    jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+
+
+def test_a_response_with_tool_choice_auto_reads_the_models_own_call(sdk: openai.OpenAI) -> None:
+    # The demo model writes its call as JSON in a code fence, not in `<tool_call>` tags (BENCHMARKS.md).
+    response = sdk.responses.create(model="sluice-small", input="What's the weather in Paris?",
+                                    tools=[RESPONSES_WEATHER], max_output_tokens=60, temperature=0)
+    assert [(item.type, getattr(item, "name", None)) for item in response.output] == [("function_call", "get_weather")]
+    assert json.loads(response.output[0].arguments)["city"] == "Paris"  # type: ignore[union-attr]
+
+
+def test_a_streamed_response_with_a_json_schema_completes_and_validates(sdk: openai.OpenAI) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+              "required": ["city"], "additionalProperties": False}
+    with sdk.responses.stream(model="sluice-small", input="Name the capital of France as JSON.", temperature=0,
+                              max_output_tokens=30, text={"format": {"type": "json_schema", "name": "capital",
+                                                                     "schema": schema, "strict": True}}) as stream:
+        response = stream.get_final_response()
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), schema)
