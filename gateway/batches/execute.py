@@ -19,6 +19,7 @@ from gateway.batches.store import ClaimedLine
 from gateway.batches.wire import ENDPOINTS
 from gateway.keys import active_key_by_id, effective_policy
 from gateway.pipeline import Gateway, RequestState
+from gateway.responses import ResponsesRequest, to_chat, translate
 
 log = logging.getLogger("sluice.batches")
 
@@ -80,12 +81,16 @@ def line_runner(gateway: Gateway, db: AsyncEngine) -> Callable[[Any], Awaitable[
 
 async def run_line(gateway: Gateway, principal: Principal | APIError, endpoint: str, request_id: str,
                    line: ClaimedLine) -> LineResult:  # fmt: skip
-    state = RequestState(request_id=request_id, endpoint=endpoint, response_id=request_id, priority="batch")
+    # A Responses API line is served as the chat completion it translates to, as over HTTP.
+    served_as = "chat" if endpoint == "responses" else endpoint
+    state = RequestState(request_id=request_id, endpoint=served_as, response_id=request_id, priority="batch")
     try:
         if isinstance(principal, APIError):
             raise principal
         state.principal = principal
         request = decode_body(endpoint, line.body.encode())
+        if isinstance(request, ResponsesRequest):
+            return LineResult(request_id, 200, translate(await gateway.chat(state, to_chat(request)), request).body)
         serve = gateway.chat if isinstance(request, ChatCompletionRequest) else gateway.complete
         reply = await serve(state, request)  # type: ignore[arg-type]
         return LineResult(request_id, 200, reply.body)
@@ -100,14 +105,15 @@ async def run_line(gateway: Gateway, principal: Principal | APIError, endpoint: 
         return LineResult(request_id, 500, error.body())
 
 
-def decode_body(endpoint: str, body: bytes) -> ChatCompletionRequest | CompletionRequest:
+def decode_body(endpoint: str, body: bytes) -> ChatCompletionRequest | CompletionRequest | ResponsesRequest:
     """A line's body as the HTTP endpoint decodes it (unknown fields kept for the same checks)."""
-    kind = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
+    kinds = {"chat": ChatCompletionRequest, "completions": CompletionRequest, "responses": ResponsesRequest}
     try:
-        request = msgspec.json.decode(body, type=kind)
+        request = msgspec.json.decode(body, type=kinds[endpoint])
     except msgspec.ValidationError as exc:
         raise validation_error(str(exc)) from None
-    keep_extra_fields(request, body)
+    if not isinstance(request, ResponsesRequest):  # which refuses unknown fields while decoding
+        keep_extra_fields(request, body)
     if request.stream:
         raise APIError(400, "A batch request cannot stream; drop `stream`.", code="unsupported_parameter",
                        param="stream")  # fmt: skip

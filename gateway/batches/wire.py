@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import msgspec
 
-ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses"}
 COMPLETION_WINDOW = "24h"
 COMPLETION_WINDOW_S = 24 * 3600
 

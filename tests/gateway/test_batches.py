@@ -125,6 +125,22 @@ def test_the_sdk_uploads_creates_polls_lists_and_downloads_a_batch(served: tuple
     assert {r.request_id.rsplit(".", 2)[0] for r in records} == {created.id}
 
 
+def test_a_batch_of_responses_api_requests_answers_response_objects(served: tuple[str, list[RequestRecord]]):
+    base_url, records = served
+    sdk = openai.OpenAI(base_url=base_url, api_key="local-dev", max_retries=0)
+    bodies = [{"model": "sluice-small", "input": "say something", "max_output_tokens": 2},
+              {"model": "sluice-small", "input": "hi", "previous_response_id": "resp_1"}]
+    uploaded = sdk.files.create(file=("input.jsonl", jsonl(*bodies, url="/v1/responses")), purpose="batch")
+    batch = wait_done(sdk, sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/responses",
+                                              completion_window="24h").id)
+    assert (batch.status, batch.request_counts.completed, batch.request_counts.failed) == ("completed", 1, 1)
+    answer = results(sdk.files.content(batch.output_file_id).content)["req-0"]["response"]["body"]
+    assert (answer["object"], answer["output"][0]["content"][0]["text"]) == ("response", "one two")
+    error = results(sdk.files.content(batch.error_file_id).content)["req-1"]["response"]
+    assert (error["status_code"], error["body"]["error"]["param"]) == (400, "previous_response_id")
+    assert sorted((r.endpoint, r.status) for r in records) == [("chat", 200), ("chat", 400)]
+
+
 def test_the_sdk_lists_and_deletes_files(served: tuple[str, list[RequestRecord]]):
     sdk = openai.OpenAI(base_url=served[0], api_key="local-dev", max_retries=0)
     first = sdk.files.create(file=("one.jsonl", jsonl(chat_body("a", 1))), purpose="batch")
