@@ -36,7 +36,7 @@ from engines.api.protocol import (
     Tool,
     ToolCall,
 )
-from gateway.pipeline import Reply
+from gateway.pipeline import Gateway, Reply, RequestState
 from gateway.relay import EventStream
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -215,9 +215,11 @@ def _text(content: str | list[ContentPart] | None, param: str) -> str:
         return content or ""
     texts = []
     for part in content:
-        if part.type not in ("input_text", "output_text") or part.text is None:
+        if part.type not in ("input_text", "output_text"):
             raise _refuse(f"content of type `{part.type}` is not supported: these models read text "
                           "(input_text, output_text)", param)
+        if part.text is None:
+            raise _refuse(f"a `{part.type}` part needs `text`", param, "missing_required_parameter")
         texts.append(part.text)
     return "".join(texts)
 
@@ -336,6 +338,31 @@ def from_completion(shell: ResponseShell, completion: dict[str, Any]) -> dict[st
         output.append(_call_item(_new_id("fc"), call["id"], function["name"], function["arguments"], "completed"))
     status, incomplete = _status(choice.get("finish_reason"))
     return shell.object(completion["model"], status, output, _usage(completion.get("usage")), incomplete)
+
+
+# Chat fields a chat-side refusal may name, as the Responses request calls them.
+_PARAMS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+           "response_format": "text.format", "messages": "input"}
+
+
+async def serve(gateway: Gateway, state: RequestState, request: ResponsesRequest) -> Reply:
+    """`request` served as its chat completion; a refusal names the Responses API's fields."""
+    chat = to_chat(request)
+    try:
+        reply = await gateway.chat(state, chat)
+    except APIError as exc:
+        raise _renamed(exc) from None
+    return translate(reply, request)
+
+
+def _renamed(error: APIError) -> APIError:
+    param = error.param or ""
+    field = param.split("[", 1)[0].split(".", 1)[0]
+    if field not in _PARAMS:
+        return error
+    message = error.message.replace(f"`{field}`", f"`{_PARAMS[field]}`")
+    return APIError(error.status_code, message, code=error.code, param=_PARAMS[field], type=error.type,
+                    headers=error.headers)
 
 
 def translate(reply: Reply, request: ResponsesRequest) -> Reply:

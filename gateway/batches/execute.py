@@ -14,12 +14,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from engines.api.errors import APIError, validation_error
 from engines.api.fields import keep_extra_fields
 from engines.api.protocol import ChatCompletionRequest, CompletionRequest
+from gateway import responses
 from gateway.auth import Principal
 from gateway.batches.store import ClaimedLine
 from gateway.batches.wire import ENDPOINTS
 from gateway.keys import active_key_by_id, effective_policy
 from gateway.pipeline import Gateway, RequestState
-from gateway.responses import ResponsesRequest, to_chat, translate
+from gateway.responses import ResponsesRequest
 
 log = logging.getLogger("sluice.batches")
 
@@ -90,7 +91,7 @@ async def run_line(gateway: Gateway, principal: Principal | APIError, endpoint: 
         state.principal = principal
         request = decode_body(endpoint, line.body.encode())
         if isinstance(request, ResponsesRequest):
-            return LineResult(request_id, 200, translate(await gateway.chat(state, to_chat(request)), request).body)
+            return LineResult(request_id, 200, (await responses.serve(gateway, state, request)).body)
         serve = gateway.chat if isinstance(request, ChatCompletionRequest) else gateway.complete
         reply = await serve(state, request)  # type: ignore[arg-type]
         return LineResult(request_id, 200, reply.body)

@@ -11,10 +11,11 @@ from litestar.params import FromPath, JSONBody
 from engines.api.errors import APIError
 from engines.api.fields import keep_extra_fields
 from engines.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from gateway import responses
 from gateway.controllers.http import cancel_on_disconnect, reply_response
 from gateway.embeddings import EMBED_MODEL, EmbeddingsRequest
 from gateway.pipeline import Gateway, RequestState, request_ids
-from gateway.responses import ResponsesRequest, to_chat, translate
+from gateway.responses import ResponsesRequest
 from router.decision import model_ids
 
 
@@ -56,8 +57,7 @@ class OpenAIController(Controller):
     async def responses(
         self, request: Request[Any, Any, Any], data: JSONBody[ResponsesRequest], gateway: NamedDependency[Gateway]
     ) -> Response[Any]:
-        reply = await cancel_on_disconnect(request, gateway.chat(request.state.sluice, to_chat(data)))
-        return reply_response(translate(reply, data))
+        return reply_response(await cancel_on_disconnect(request, responses.serve(gateway, request.state.sluice, data)))
 
     @post("/embeddings", opt={"endpoint": "embeddings"}, status_code=200, summary="Create embeddings")
     async def embeddings(

@@ -140,6 +140,9 @@ def test_a_response_that_needs_stored_state_or_an_unknown_model_is_an_sdk_error(
     with pytest.raises(openai.BadRequestError) as stored:
         sdk.responses.create(model="sluice", input="hi", previous_response_id="resp_123")
     assert stored.value.param == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as bad_limit:  # refused by the chat rules, named as sent
+        sdk.responses.create(model="sluice", input="hi", max_output_tokens=0)
+    assert bad_limit.value.param == "max_output_tokens" and "`max_output_tokens`" in bad_limit.value.message
     with pytest.raises(openai.NotFoundError) as missing:
         sdk.responses.create(model="no-such-model", input="hi")
     assert missing.value.code == "model_not_found"

@@ -96,6 +96,7 @@ def test_text_format_becomes_response_format_and_logprobs_come_from_include() ->
     ({"tools": [{"type": "web_search"}]}, "tools[0]"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
      "input[0].content"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
     ({"input": [{"role": "critic", "content": "no"}]}, "input[0].role"),
     ({"input": []}, "input"),
