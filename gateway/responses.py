@@ -148,6 +148,10 @@ def to_chat(request: ResponsesRequest) -> ChatCompletionRequest:
         metadata=request.metadata,
         safety_identifier=request.safety_identifier,
         prompt_cache_key=request.prompt_cache_key,
+        # Forwarded to HTTP tiers and refused by our engines, as in a chat request.
+        reasoning_effort=(request.reasoning or {}).get("effort"),
+        verbosity=request.text.verbosity if request.text is not None else None,
+        service_tier=request.service_tier,
     )
 
 
@@ -163,8 +167,8 @@ def _check_stateless(request: ResponsesRequest) -> None:
         raise _refuse("`background` responses are not supported: Sluice stores no responses", "background")
     if request.max_tool_calls is not None:
         raise _refuse("`max_tool_calls` is not supported; limit calls with `tool_choice`", "max_tool_calls")
-    if request.reasoning and any(value is not None for value in request.reasoning.values()):
-        raise _refuse("`reasoning` is not supported by these models", "reasoning")
+    if (request.reasoning or {}).get("summary") is not None:
+        raise _refuse("`reasoning.summary` is not supported: Sluice answers no reasoning items", "reasoning")
     if request.truncation not in (None, "disabled"):
         raise _refuse("only `truncation: \"disabled\"` is supported: an input over the prompt budget is a 400",
                       "truncation")
@@ -342,7 +346,8 @@ def from_completion(shell: ResponseShell, completion: dict[str, Any]) -> dict[st
 
 # Chat fields a chat-side refusal may name, as the Responses request calls them.
 _PARAMS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-           "response_format": "text.format", "messages": "input"}
+           "response_format": "text.format", "messages": "input", "reasoning_effort": "reasoning",
+           "verbosity": "text.verbosity"}
 
 
 async def serve(gateway: Gateway, state: RequestState, request: ResponsesRequest) -> Reply:

@@ -75,6 +75,12 @@ def test_a_conversation_with_calls_and_their_outputs_becomes_chat_turns() -> Non
     assert chat.tool_choice is not None and chat.tool_choice.function.name == "get_weather"  # type: ignore[union-attr]
 
 
+def test_reasoning_effort_verbosity_and_service_tier_take_the_chat_fields_fate() -> None:
+    """Forwarded to HTTP tiers, refused by our engines (`engines/api/fields.py`), as in a chat request."""
+    chat = to_chat(request(reasoning={"effort": "low"}, text={"verbosity": "low"}, service_tier="flex"))
+    assert (chat.reasoning_effort, chat.verbosity, chat.service_tier) == ("low", "low", "flex")
+
+
 def test_text_format_becomes_response_format_and_logprobs_come_from_include() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     chat = to_chat(request(text={"format": {"type": "json_schema", "name": "x", "schema": schema, "strict": True}},
@@ -91,7 +97,7 @@ def test_text_format_becomes_response_format_and_logprobs_come_from_include() ->
     ({"background": True}, "background"),
     ({"store": True}, "store"),
     ({"truncation": "auto"}, "truncation"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"reasoning": {"summary": "auto"}}, "reasoning"),
     ({"include": ["file_search_call.results"]}, "include"),
     ({"tools": [{"type": "web_search"}]}, "tools[0]"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},

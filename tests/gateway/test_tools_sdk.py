@@ -194,3 +194,9 @@ def test_a_streamed_response_with_a_json_schema_completes_and_validates(sdk: ope
         response = stream.get_final_response()
     assert response.status == "completed"
     jsonschema.validate(json.loads(response.output_text), schema)
+
+
+def test_reasoning_effort_is_refused_by_our_engine_naming_the_responses_field(sdk: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.responses.create(model="sluice-small", input="hi", reasoning={"effort": "low"})
+    assert refused.value.param == "reasoning" and refused.value.code == "unsupported_parameter"
