@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--redis-url", action="append", default=[],
                     help="also measure lookups on this Redis (repeatable: a Redis 7 and a Redis 8 side by side)")
     ap.add_argument("--redis-max-entries", type=int, default=10_000, help="largest scope measured on Redis")
-    ap.add_argument("--e2e-pairs", type=int, default=200)
+    ap.add_argument("--e2e-pairs", type=int, default=200, help="paraphrase pairs replayed in (c); 0 skips (c)")
     ap.add_argument("--embedding-precision", choices=["int8", "float32"], default=None,
                     help="the embedder's graph for (a) and (b) (default: the gateway's, int8 on a CPU); (c) runs "
                          "the gateway's")
@@ -435,8 +435,9 @@ def main(argv: list[str] | None = None) -> None:
             latency(args.data, sizes, args.queries, args.redis_url, args.redis_max_entries, matcher)
         )
         print_latency(figures["latency"])
-        figures["end_to_end"] = asyncio.run(end_to_end(args.data, args.e2e_pairs, 50, 20.0))
-        print_e2e(figures["end_to_end"])
+        if args.e2e_pairs > 0:  # 0: (b) alone
+            figures["end_to_end"] = asyncio.run(end_to_end(args.data, args.e2e_pairs, 50, 20.0))
+            print_e2e(figures["end_to_end"])
     if args.quality_only:
         q = figures["quality"]
         out = {k: q[k] for k in ("cosine_only", "ours", "recall_ratio")} | {"details": q}
