@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import Controller, Request, Response, get, post
+from litestar import Controller, Request, Response, get, post, route
 from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 
@@ -58,6 +58,14 @@ class OpenAIController(Controller):
         self, request: Request[Any, Any, Any], data: JSONBody[ResponsesRequest], gateway: NamedDependency[Gateway]
     ) -> Response[Any]:
         return reply_response(await cancel_on_disconnect(request, responses.serve(gateway, request.state.sluice, data)))
+
+    @route(["/responses/{response_id:str}", "/responses/{response_id:str}/input_items",
+            "/responses/{response_id:str}/cancel"], http_method=["GET", "POST", "DELETE"],
+           opt={"endpoint": "responses"}, summary="Stored responses: none (Sluice stores no responses)")
+    async def stored_response(self, request: Request[Any, Any, Any], response_id: FromPath[str]) -> None:
+        request.state.sluice.finished = True  # not a served request: no accounting row
+        raise APIError(404, f"No response `{response_id}`: Sluice stores no responses; send the whole "
+                            "conversation in `input`.", code="not_found", param="response_id")
 
     @post("/embeddings", opt={"endpoint": "embeddings"}, status_code=200, summary="Create embeddings")
     async def embeddings(

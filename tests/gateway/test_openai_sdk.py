@@ -146,3 +146,13 @@ def test_a_response_that_needs_stored_state_or_an_unknown_model_is_an_sdk_error(
     with pytest.raises(openai.NotFoundError) as missing:
         sdk.responses.create(model="no-such-model", input="hi")
     assert missing.value.code == "model_not_found"
+
+
+def test_stored_responses_are_a_404_that_says_none_are_stored(live: LiveGateway):
+    sdk = client(live)
+    for call in (lambda: sdk.responses.retrieve("resp_1"), lambda: sdk.responses.delete("resp_1"),
+                 lambda: sdk.responses.cancel("resp_1"), lambda: list(sdk.responses.input_items.list("resp_1"))):
+        with pytest.raises(openai.NotFoundError) as missing:
+            call()
+        assert missing.value.param == "response_id" and "stores no responses" in missing.value.message
+    assert live.records == []
