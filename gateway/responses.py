@@ -184,14 +184,7 @@ def _messages(request: ResponsesRequest) -> list[ChatMessage]:
         if item.type == "message":
             messages.append(ChatMessage(role=_role(item.role, i), content=_text(item.content, f"input[{i}].content")))
         elif item.type == "function_call":
-            if item.call_id is None or item.name is None:
-                raise _refuse("a `function_call` item needs `call_id` and `name`", f"input[{i}]", "invalid_value")
-            call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments or "{}"))
-            last = messages[-1] if messages else None
-            if last is not None and last.role == "assistant" and last.tool_calls is not None:
-                last.tool_calls.append(call)  # calls of one turn: one assistant message
-            else:
-                messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+            _append_call(messages, item, i)
         elif item.type == "function_call_output":
             if item.call_id is None:
                 raise _refuse("a `function_call_output` item needs `call_id`", f"input[{i}]", "invalid_value")
@@ -203,6 +196,18 @@ def _messages(request: ResponsesRequest) -> list[ChatMessage]:
     if not messages:
         raise _refuse("`input` must hold at least one item", "input", "invalid_value")
     return messages
+
+
+def _append_call(messages: list[ChatMessage], item: InputItem, index: int) -> None:
+    """A function call joins the assistant turn before it (its text, its other calls), else starts one."""
+    if item.call_id is None or item.name is None:
+        raise _refuse("a `function_call` item needs `call_id` and `name`", f"input[{index}]", "invalid_value")
+    call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments or "{}"))
+    last = messages[-1] if messages else None
+    if last is not None and last.role == "assistant":
+        last.tool_calls = [*(last.tool_calls or []), call]
+    else:
+        messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
 
 
 def _role(role: str | None, index: int) -> str:

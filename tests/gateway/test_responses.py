@@ -81,6 +81,19 @@ def test_reasoning_effort_verbosity_and_service_tier_take_the_chat_fields_fate()
     assert (chat.reasoning_effort, chat.verbosity, chat.service_tier) == ("low", "low", "flex")
 
 
+def test_an_answer_passed_back_with_its_text_and_call_is_one_assistant_turn() -> None:
+    chat = to_chat(request(input=[
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"id": "msg_1", "type": "message", "status": "completed", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Checking.", "annotations": [], "logprobs": []}]},
+        {"id": "fc_1", "type": "function_call", "status": "completed", "call_id": "c1", "name": "get_weather",
+         "arguments": '{"city": "Oslo"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "3 C"},
+    ], tools=[WEATHER]))
+    assert [(m.role, m.content, len(m.tool_calls or [])) for m in chat.messages] == [
+        ("user", "Weather in Oslo?", 0), ("assistant", "Checking.", 1), ("tool", "3 C", 0)]
+
+
 def test_text_format_becomes_response_format_and_logprobs_come_from_include() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     chat = to_chat(request(text={"format": {"type": "json_schema", "name": "x", "schema": schema, "strict": True}},
