@@ -203,6 +203,9 @@ BENCHMARKS = {
     "step_thread": "bench.step_thread",
     "capacity": "bench.capacity",
     "gpu": "bench.gpu",
+    "speculative": "bench.speculative",
+    "memory": "bench.memory",
+    "router_cascade": "bench.router_cascade",
 }
 
 
