@@ -518,6 +518,10 @@ static inline __attribute__((always_inline)) void dot_rows(
         __m512i acc[W8A8_MAX_ROWS];
         for (int64_t m = 0; m < rows; m++) acc[m] = _mm512_setzero_si512();
         for (int64_t c = 0; c < chunks; c++) {
+            /* Several rows' work per weight chunk slows the loop enough that the prefetchers alone fall behind:
+             * without this, 3 and 4 rows took 1.3-1.5x one row's time on the Zen 4 where 1.0-1.1x is the memory
+             * bound; up to two rows stream at full speed without it (BENCHMARKS.md). */
+            if (rows >= 3) _mm_prefetch((const char *)(w_row + c * 64 + PREFETCH_BYTES), _MM_HINT_T0);
             const __m512i w_chunk = _mm512_loadu_si512((const void *)(w_row + c * 64));
             for (int64_t m = 0; m < rows; m++)
                 acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_loadu_si512((const void *)(xq + m * K + c * 64)), w_chunk);
@@ -553,6 +557,65 @@ static void quantize_rows_uint8(const float *x, const int64_t rows, const int64_
     for (int64_t m = 0; m < rows; m++) quantize_rows(x + m * K, 1, K, xq + m * K, x_scale + m);
 }
 
+/* Where activation rows stop fitting in L1 beside the weight stream (a verification's rows of a down projection,
+ * 8,960 wide on the large tier), `dot_rows` reloads every row from L2 once per output feature and 4 rows took
+ * ~1.9x one row's time. `dot_rows_four` loads each chunk of a row once for four outputs, reading their four
+ * weight rows side by side: ~1.4x at 3 and 4 rows there (BENCHMARKS.md, Zen 4). On short rows the four
+ * interleaved streams defeat the prefetchers (2x slower at K = 1536), hence the bounds. Same integer sums: same
+ * bits. */
+#define FOUR_MIN_ROWS 3  /* at 2 rows it ties with `dot_rows` */
+#define FOUR_MIN_K 4096
+#define FOUR_MIN_ROW_BYTES 16384  /* rows · K */
+
+static inline __attribute__((always_inline)) void dot_rows_four(
+    const int64_t rows, const uint8_t *xq, const float *x_scale, const int64_t K, const int8_t *w,
+    const int32_t *w_sum, const float *w_scale, const float *bias, float *out, const int64_t N, const int64_t n0) {
+    const int64_t chunks = K / 64;
+    const __mmask64 tail = (K % 64) ? (((__mmask64)1 << (K % 64)) - 1) : 0;
+    const int8_t *w_rows[4] = {w + n0 * K, w + (n0 + 1) * K, w + (n0 + 2) * K, w + (n0 + 3) * K};
+    __m512i acc[4][4];
+    for (int j = 0; j < 4; j++)
+        for (int64_t m = 0; m < rows; m++) acc[j][m] = _mm512_setzero_si512();
+    for (int64_t c = 0; c <= chunks; c++) {
+        if (c == chunks && !tail) break;
+        const __mmask64 mask = c < chunks ? ~(__mmask64)0 : tail;
+        __m512i w_chunk[4];
+        for (int j = 0; j < 4; j++) {
+            _mm_prefetch((const char *)(w_rows[j] + c * 64 + PREFETCH_BYTES), _MM_HINT_T0);
+            w_chunk[j] = _mm512_maskz_loadu_epi8(mask, w_rows[j] + c * 64);
+        }
+        for (int64_t m = 0; m < rows; m++) {
+            const __m512i x_chunk = _mm512_maskz_loadu_epi8(mask, xq + m * K + c * 64);
+            for (int j = 0; j < 4; j++) acc[j][m] = _mm512_dpbusd_epi32(acc[j][m], x_chunk, w_chunk[j]);
+        }
+    }
+    for (int j = 0; j < 4; j++) {
+        const int64_t n = n0 + j;
+        for (int64_t m = 0; m < rows; m++) {
+            const int32_t dot = _mm512_reduce_add_epi32(acc[j][m]) - 128 * w_sum[n];
+            const float y = ((float)dot * x_scale[m]) * w_scale[n];
+            out[m * N + n] = bias ? y + bias[n] : y;
+        }
+    }
+}
+
+/* Output features [begin, end) of `rows` (at most W8A8_MAX_ROWS) rows, four features and four rows at a time. */
+static void dot_rows_by_four(const int64_t rows, const uint8_t *xq, const float *x_scale, const int64_t K,
+                             const int8_t *w, const int32_t *w_sum, const float *w_scale, const float *bias,
+                             float *out, const int64_t N, const int64_t begin, const int64_t end) {
+    int64_t n = begin;
+    for (; n + 4 <= end; n += 4)
+        for (int64_t m = 0; m < rows; m += 4)  /* a second group of rows finds the four weight rows in L1 */
+            switch (rows - m < 4 ? rows - m : 4) {  /* constant counts: registers */
+#define ROWS(r) case r: dot_rows_four(r, xq + m * K, x_scale + m, K, w, w_sum, w_scale, bias, out + m * N, N, n); break;
+                ROWS(1) ROWS(2) ROWS(3) ROWS(4)
+#undef ROWS
+            }
+    for (; n < end; n++)  /* the last features of this thread's share */
+        for (int64_t m = 0; m < rows; m++)
+            dot_rows(1, xq + m * K, x_scale + m, K, w, w_sum, w_scale, bias, out + m * N, N, n, n + 1);
+}
+
 /* This thread's share of the output features for any number of rows, W8A8_MAX_ROWS at a time: called by every
  * thread of a team, no barrier. */
 static void w8a8_gemv_share(const uint8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
@@ -563,7 +626,12 @@ static void w8a8_gemv_share(const uint8_t *xq, const float *x_scale, const int64
     for (int64_t m = 0; m < rows; m += W8A8_MAX_ROWS) {
         const uint8_t *x_rows = xq + m * K;
         float *rows_out = out + m * N;
-        switch (rows - m < W8A8_MAX_ROWS ? rows - m : W8A8_MAX_ROWS) {  /* constant counts: registers */
+        const int64_t count = rows - m < W8A8_MAX_ROWS ? rows - m : W8A8_MAX_ROWS;
+        if (count >= FOUR_MIN_ROWS && K >= FOUR_MIN_K && count * K >= FOUR_MIN_ROW_BYTES) {
+            dot_rows_by_four(count, x_rows, x_scale + m, K, w, w_sum, w_scale, bias, rows_out, N, begin, end);
+            continue;
+        }
+        switch (count) {  /* constant counts: registers */
 #define ROWS(r) case r: dot_rows(r, x_rows, x_scale + m, K, w, w_sum, w_scale, bias, rows_out, N, begin, end); break;
             ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 #undef ROWS

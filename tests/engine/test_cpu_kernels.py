@@ -51,7 +51,9 @@ def layer_pair(layer_type: type[Int8Linear], in_features: int, out_features: int
 
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8])
-@pytest.mark.parametrize(("in_features", "bias"), [(256, False), (200, True), (4864 // 8, True)])
+# 8960 and 4200 (a partial last chunk): wide rows that several of go four outputs at a time (`dot_rows_four`)
+@pytest.mark.parametrize(("in_features", "bias"), [(256, False), (200, True), (4864 // 8, True), (8960, True),
+                                                   (4200, False)])
 @pytest.mark.parametrize("out_features", [96, 37])  # 37: passes of several outputs end mid-way in each thread
 def test_the_kernel_is_bit_identical_to_int_mm(rows: int, in_features: int, bias: bool, out_features: int) -> None:
     with_kernel, reference = layer_pair(W8A8Linear, in_features, out_features, bias)
