@@ -200,3 +200,17 @@ def test_reasoning_effort_is_refused_by_our_engine_naming_the_responses_field(sd
     with pytest.raises(openai.BadRequestError) as refused:
         sdk.responses.create(model="sluice-small", input="hi", reasoning={"effort": "low"})
     assert refused.value.param == "reasoning" and refused.value.code == "unsupported_parameter"
+
+
+def test_a_cached_response_is_replayed_as_a_response_and_as_its_events(cached_sdk: openai.OpenAI) -> None:
+    ask = {"model": "sluice-small", "input": "Name one primary colour.", "temperature": 0, "max_output_tokens": 12}
+    first = cached_sdk.responses.with_raw_response.create(**ask)
+    assert first.headers.get("x-sluice-cache") == "miss"
+    time.sleep(0.5)  # kept in the background after the answer
+    again = cached_sdk.responses.with_raw_response.create(**ask)
+    assert again.headers.get("x-sluice-cache") == "exact"
+    assert again.parse().output_text == first.parse().output_text and again.parse().id != first.parse().id
+    with cached_sdk.responses.stream(**ask) as stream:
+        events = list(stream)
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == first.parse().output_text
+    assert events[-1].type in {"response.completed", "response.incomplete"}
