@@ -18,6 +18,7 @@ from gateway import responses
 from gateway.auth import Principal
 from gateway.batches.store import ClaimedLine
 from gateway.batches.wire import ENDPOINTS
+from gateway.embeddings import EmbeddingsRequest
 from gateway.keys import active_key_by_id, effective_policy
 from gateway.pipeline import Gateway, RequestState
 from gateway.responses import ResponsesRequest
@@ -92,6 +93,8 @@ async def run_line(gateway: Gateway, principal: Principal | APIError, endpoint: 
         request = decode_body(endpoint, line.body.encode())
         if isinstance(request, ResponsesRequest):
             return LineResult(request_id, 200, (await responses.serve(gateway, state, request)).body)
+        if isinstance(request, EmbeddingsRequest):
+            return LineResult(request_id, 200, (await gateway.embeddings(state, request)).body)
         serve = gateway.chat if isinstance(request, ChatCompletionRequest) else gateway.complete
         reply = await serve(state, request)  # type: ignore[arg-type]
         return LineResult(request_id, 200, reply.body)
@@ -106,13 +109,19 @@ async def run_line(gateway: Gateway, principal: Principal | APIError, endpoint: 
         return LineResult(request_id, 500, error.body())
 
 
-def decode_body(endpoint: str, body: bytes) -> ChatCompletionRequest | CompletionRequest | ResponsesRequest:
+BatchRequest = ChatCompletionRequest | CompletionRequest | ResponsesRequest | EmbeddingsRequest
+
+
+def decode_body(endpoint: str, body: bytes) -> BatchRequest:
     """A line's body as the HTTP endpoint decodes it (unknown fields kept for the same checks)."""
-    kinds = {"chat": ChatCompletionRequest, "completions": CompletionRequest, "responses": ResponsesRequest}
+    kinds = {"chat": ChatCompletionRequest, "completions": CompletionRequest, "responses": ResponsesRequest,
+             "embeddings": EmbeddingsRequest}
     try:
         request = msgspec.json.decode(body, type=kinds[endpoint])
     except msgspec.ValidationError as exc:
         raise validation_error(str(exc)) from None
+    if isinstance(request, EmbeddingsRequest):
+        return request
     if not isinstance(request, ResponsesRequest):  # which refuses unknown fields while decoding
         keep_extra_fields(request, body)
     if request.stream:

@@ -9,7 +9,8 @@ from typing import Any, Literal
 
 import msgspec
 
-ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses"}
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses",
+             "/v1/embeddings": "embeddings"}
 COMPLETION_WINDOW = "24h"
 COMPLETION_WINDOW_S = 24 * 3600
 

@@ -141,6 +141,22 @@ def test_a_batch_of_responses_api_requests_answers_response_objects(served: tupl
     assert sorted((r.endpoint, r.status) for r in records) == [("chat", 200), ("chat", 400)]
 
 
+def test_a_batch_of_embeddings_answers_each_line_with_its_vectors(served: tuple[str, list[RequestRecord]]):
+    base_url, records = served
+    sdk = openai.OpenAI(base_url=base_url, api_key="local-dev", max_retries=0)
+    bodies = [{"model": "sluice-embed", "input": ["a cat", "a dog"]}, {"model": "sluice-embed", "input": "x",
+                                                                        "dimensions": 8}]
+    uploaded = sdk.files.create(file=("input.jsonl", jsonl(*bodies, url="/v1/embeddings")), purpose="batch")
+    batch = wait_done(sdk, sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings",
+                                              completion_window="24h").id)
+    assert (batch.status, batch.request_counts.completed, batch.request_counts.failed) == ("completed", 1, 1)
+    answer = results(sdk.files.content(batch.output_file_id).content)["req-0"]["response"]["body"]
+    assert [len(item["embedding"]) for item in answer["data"]] == [384, 384] and answer["usage"]["prompt_tokens"] > 0
+    error = results(sdk.files.content(batch.error_file_id).content)["req-1"]["response"]
+    assert (error["status_code"], error["body"]["error"]["param"]) == (400, "dimensions")
+    assert sorted((r.endpoint, r.status) for r in records) == [("embeddings", 200), ("embeddings", 400)]
+
+
 def test_the_sdk_lists_and_deletes_files(served: tuple[str, list[RequestRecord]]):
     sdk = openai.OpenAI(base_url=served[0], api_key="local-dev", max_retries=0)
     first = sdk.files.create(file=("one.jsonl", jsonl(chat_body("a", 1))), purpose="batch")
@@ -182,7 +198,7 @@ def test_the_sdk_gets_openai_errors_for_bad_batches(served: tuple[str, list[Requ
     assert wrong_purpose.value.param == "purpose"
     uploaded = sdk.files.create(file=("x.jsonl", jsonl(chat_body())), purpose="batch")
     with pytest.raises(openai.BadRequestError) as wrong_endpoint:
-        sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+        sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/moderations", completion_window="24h")
     assert wrong_endpoint.value.param == "endpoint"
     bad = sdk.files.create(file=("bad.jsonl", b'{"custom_id": "a"}\nnot json\n' + jsonl(chat_body())), purpose="batch")
     failed = sdk.batches.create(input_file_id=bad.id, endpoint=CHAT_URL, completion_window="24h")
