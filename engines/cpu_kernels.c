@@ -576,8 +576,7 @@ static inline __attribute__((always_inline)) void dot_rows_four(
     __m512i acc[4][4];
     for (int j = 0; j < 4; j++)
         for (int64_t m = 0; m < rows; m++) acc[j][m] = _mm512_setzero_si512();
-    for (int64_t c = 0; c <= chunks; c++) {
-        if (c == chunks && !tail) break;
+    for (int64_t c = 0; c < chunks + (tail != 0); c++) {  /* whole chunks, then the partial one */
         const __mmask64 mask = c < chunks ? ~(__mmask64)0 : tail;
         __m512i w_chunk[4];
         for (int j = 0; j < 4; j++) {

@@ -76,8 +76,15 @@ def _call(payload: str) -> ToolCall | None:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    return ToolCall(id=new_call_id(), function=FunctionCall(name=value["name"], arguments=json.dumps(arguments)))
+    return _tool_call(value["name"], _arguments(value))
+
+
+def _arguments(call: dict[str, Any]) -> Any:
+    return call.get("arguments", call.get("parameters", {}))  # Llama 3 models write "parameters"
+
+
+def _tool_call(name: str, arguments: Any) -> ToolCall:
+    return ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=json.dumps(arguments)))
 
 
 def whole_reply_calls(text: str, tool_names: Collection[str]) -> list[ToolCall]:
@@ -92,16 +99,11 @@ def whole_reply_calls(text: str, tool_names: Collection[str]) -> list[ToolCall]:
     except ValueError:
         return []
     items = value if isinstance(value, list) and value else [value]
-    calls = []
     for item in items:
-        if not (isinstance(item, dict) and item.get("name") in tool_names and set(item) <= _CALL_KEYS):
+        if not (isinstance(item, dict) and item.get("name") in tool_names and set(item) <= _CALL_KEYS
+                and isinstance(_arguments(item), dict)):
             return []
-        arguments = item.get("arguments", item.get("parameters", {}))  # Llama 3 models write "parameters"
-        if not isinstance(arguments, dict):
-            return []
-        call = FunctionCall(name=item["name"], arguments=json.dumps(arguments))
-        calls.append(ToolCall(id=new_call_id(), function=call))
-    return calls
+    return [_tool_call(item["name"], _arguments(item)) for item in items]
 
 
 def parse_forced(text: str) -> list[ToolCall]:
