@@ -40,6 +40,7 @@ from gateway.pipeline import Gateway, Reply, RequestState
 from gateway.relay import EventStream
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+SERVED_AS = "chat"  # the endpoint a Responses request is served and accounted as
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -130,14 +131,15 @@ def _refuse(message: str, param: str, code: str = "unsupported_parameter") -> AP
 def to_chat(request: ResponsesRequest) -> ChatCompletionRequest:
     """The chat completion request that answers `request`, or a 400 for what it cannot express."""
     _check_stateless(request)
+    logprobs = LOGPROBS_INCLUDE in (request.include or [])
     return ChatCompletionRequest(
         model=request.model,
         messages=_messages(request),
         max_completion_tokens=request.max_output_tokens,
         temperature=request.temperature,
         top_p=request.top_p,
-        logprobs=LOGPROBS_INCLUDE in (request.include or []),
-        top_logprobs=request.top_logprobs if LOGPROBS_INCLUDE in (request.include or []) else None,
+        logprobs=logprobs,
+        top_logprobs=request.top_logprobs if logprobs else None,
         tools=[_tool(tool, i) for i, tool in enumerate(request.tools)] if request.tools else None,
         tool_choice=_tool_choice(request.tool_choice),
         parallel_tool_calls=request.parallel_tool_calls,
@@ -288,9 +290,13 @@ def _status(finish_reason: str | None) -> tuple[str, dict[str, str] | None]:
     return "completed", None
 
 
-def _message_item(item_id: str, text: str, logprobs: list[Any], status: str) -> dict[str, Any]:
-    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
-    return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": [part]}
+def _text_part(text: str, logprobs: list[Any] | None = None) -> dict[str, Any]:
+    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+    return part if logprobs is None else {**part, "logprobs": logprobs}
+
+
+def _message_item(item_id: str, parts: list[dict[str, Any]], status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": parts}
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
@@ -340,8 +346,8 @@ def from_completion(shell: ResponseShell, completion: dict[str, Any]) -> dict[st
     message = choice["message"]
     output = []
     if message.get("content"):
-        output.append(_message_item(_new_id("msg"), message["content"], _logprobs(choice.get("logprobs")),
-                                    "completed"))
+        part = _text_part(message["content"], _logprobs(choice.get("logprobs")))
+        output.append(_message_item(_new_id("msg"), [part], "completed"))
     for call in message.get("tool_calls") or []:
         function = call["function"]
         output.append(_call_item(_new_id("fc"), call["id"], function["name"], function["arguments"], "completed"))
@@ -475,12 +481,11 @@ def _text_delta(state: _StreamState, text: str, logprobs: list[Any]) -> list[byt
     events = []
     if state.text_index is None:
         state.text_index = len(state.output)
-        item = _message_item(_new_id("msg"), "", [], "in_progress")
-        item["content"] = []
+        item = _message_item(_new_id("msg"), [], "in_progress")
         state.output.append(item)
         events.append(state.event("response.output_item.added", output_index=state.text_index, item=item))
         events.append(state.event("response.content_part.added", item_id=item["id"], output_index=state.text_index,
-                                  content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+                                  content_index=0, part=_text_part("")))
     state.text.append(text)
     state.logprobs += logprobs
     item_id = state.output[state.text_index]["id"]
@@ -512,9 +517,9 @@ def _close_text(state: _StreamState) -> list[bytes]:
     if state.text_index is None:
         return []
     index, text = state.text_index, "".join(state.text)
-    item = _message_item(state.output[index]["id"], text, state.logprobs, "completed")
+    part = _text_part(text, state.logprobs)
+    item = _message_item(state.output[index]["id"], [part], "completed")
     state.output[index], state.text_index = item, None
-    part = item["content"][0]
     return [
         state.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0, text=text,
                     logprobs=state.logprobs),

@@ -84,7 +84,7 @@ def line_runner(gateway: Gateway, db: AsyncEngine) -> Callable[[Any], Awaitable[
 async def run_line(gateway: Gateway, principal: Principal | APIError, endpoint: str, request_id: str,
                    line: ClaimedLine) -> LineResult:  # fmt: skip
     # A Responses API line is served as the chat completion it translates to, as over HTTP.
-    served_as = "chat" if endpoint == "responses" else endpoint
+    served_as = responses.SERVED_AS if endpoint == "responses" else endpoint
     state = RequestState(request_id=request_id, endpoint=served_as, response_id=request_id, priority="batch")
     try:
         if isinstance(principal, APIError):
@@ -110,14 +110,15 @@ async def run_line(gateway: Gateway, principal: Principal | APIError, endpoint: 
 
 
 BatchRequest = ChatCompletionRequest | CompletionRequest | ResponsesRequest | EmbeddingsRequest
+# What each batch endpoint (`wire.ENDPOINTS`) decodes its lines' bodies as.
+BODY_TYPES: dict[str, type[BatchRequest]] = {"chat": ChatCompletionRequest, "completions": CompletionRequest,
+                                             "responses": ResponsesRequest, "embeddings": EmbeddingsRequest}
 
 
 def decode_body(endpoint: str, body: bytes) -> BatchRequest:
     """A line's body as the HTTP endpoint decodes it (unknown fields kept for the same checks)."""
-    kinds = {"chat": ChatCompletionRequest, "completions": CompletionRequest, "responses": ResponsesRequest,
-             "embeddings": EmbeddingsRequest}
     try:
-        request = msgspec.json.decode(body, type=kinds[endpoint])
+        request = msgspec.json.decode(body, type=BODY_TYPES[endpoint])
     except msgspec.ValidationError as exc:
         raise validation_error(str(exc)) from None
     if isinstance(request, EmbeddingsRequest):

@@ -52,8 +52,8 @@ class OpenAIController(Controller):
         keep_extra_fields(data, await request.body())
         return reply_response(await cancel_on_disconnect(request, gateway.complete(request.state.sluice, data)))
 
-    # Served as a chat completion (routing, cache, accounting), so its endpoint is `chat`.
-    @post("/responses", opt={"endpoint": "chat"}, status_code=200, summary="Create a model response")
+    # Served as a chat completion (routing, cache, accounting): its endpoint is that one's.
+    @post("/responses", opt={"endpoint": responses.SERVED_AS}, status_code=200, summary="Create a model response")
     async def responses(
         self, request: Request[Any, Any, Any], data: JSONBody[ResponsesRequest], gateway: NamedDependency[Gateway]
     ) -> Response[Any]:
