@@ -8,7 +8,8 @@ and `COMPLETIONS` (a test walks the installed `openai` SDK's request types again
   in the output by OpenAI's definition; honouring them is accepting and forwarding them.
 - FORWARDED: sent untouched to HTTP tiers (which answer for themselves); our in-process engines
   cannot do what it asks and refuse it with 400 `unsupported_parameter`, unless its value is
-  neutral (asks for nothing: `store: false`, `service_tier: "auto"`, `modalities: ["text"]`, ...).
+  neutral (asks for nothing: `store: false`, `service_tier: "auto"`, `modalities: ["text"]`,
+  `reasoning_effort: "none"`, ...).
 - REFUSED: 400 `unsupported_parameter` whatever the tier, unless neutral.
 
 Fields that no OpenAI type names (vLLM's `min_p`, `chat_template_kwargs`, ...) are kept aside as
@@ -68,6 +69,8 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "store": (False,),
     "service_tier": ("auto", "default"),
     "modalities": (["text"],),
+    "reasoning_effort": ("none",),  # what a model without reasoning does
+    "verbosity": ("medium",),  # OpenAI's default
     "best_of": (1,),
     "suffix": ("",),
 }

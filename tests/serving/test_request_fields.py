@@ -71,9 +71,12 @@ def test_a_refused_field_gets_a_400_naming_it(name: str) -> None:
 
 
 def test_neutral_values_of_forwarded_fields_ask_for_nothing() -> None:
-    request = _decode({**BASE_CHAT, "store": False, "service_tier": "auto", "modalities": ["text"]},
-                      ChatCompletionRequest)
+    request = _decode({**BASE_CHAT, "store": False, "service_tier": "auto", "modalities": ["text"],
+                       "reasoning_effort": "none", "verbosity": "medium"}, ChatCompletionRequest)
     fields.check_engine_supports(request, "small")
+    for name, value in (("reasoning_effort", "low"), ("verbosity", "high")):
+        with pytest.raises(APIError, match=name):
+            fields.check_engine_supports(_decode({**BASE_CHAT, name: value}, ChatCompletionRequest), "small")
 
 
 @pytest.mark.parametrize("name", _cases(CHAT, HONOURED))
