@@ -3,6 +3,7 @@
 Prompt tokens are counted by the target tier's own tokenizer (`count_prompt_tokens`), so the
 check agrees with what the tier will bill. Nothing is truncated silently: too long a prompt is
 refused naming both counts; too large a `max_tokens` is clamped and the response says so.
+Replies carry OpenAI's `x-ratelimit-*` headers for the key's per-minute limits (`rate_limit_headers`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from engines.api.errors import APIError
 from engines.api.protocol import ChatCompletionRequest, Request
 from gateway.config import PolicyConfig, Settings
 from gateway.cost import request_cost
-from gateway.counters import Admission, Charge, Limits
+from gateway.counters import Admission, Charge, Limits, MinuteLeft
 
 # Prompts longer than this many characters are tokenised on a worker thread: a megabyte prompt
 # takes the tokenizer tens of milliseconds, during which no other request would move.
@@ -128,9 +129,30 @@ def limits_of(policy: PolicyConfig) -> Limits:
     )
 
 
+def rate_limit_headers(minute: MinuteLeft) -> dict[str, str]:
+    """OpenAI's `x-ratelimit-*` headers for the limits there are: the limit, what is left of it this minute
+    (tokens: the prompt and the most output each admitted request may produce), and when the minute ends,
+    as a duration (`12.5s`). Clients pace themselves on them."""
+    headers: dict[str, str] = {}
+    reset = f"{minute.reset_s:.3f}".rstrip("0").rstrip(".") + "s"
+    for kind, limit, remaining in (("requests", minute.limit_requests, minute.remaining_requests),
+                                   ("tokens", minute.limit_tokens, minute.remaining_tokens)):  # fmt: skip
+        if limit is not None:
+            headers[f"x-ratelimit-limit-{kind}"] = str(limit)
+            headers[f"x-ratelimit-remaining-{kind}"] = str(remaining)
+            headers[f"x-ratelimit-reset-{kind}"] = reset
+    return headers
+
+
 def refusal(admission: Admission, limits: Limits) -> APIError:
     """The 429 for a request the counters refused."""
     retry = {"Retry-After": str(admission.retry_after_s)}
+    if admission.refused_by == "rpm":
+        retry |= rate_limit_headers(MinuteLeft(limit_requests=limits.rpm, remaining_requests=0,
+                                               reset_s=admission.retry_after_s))  # fmt: skip
+    elif admission.refused_by == "tpm":
+        retry |= rate_limit_headers(MinuteLeft(limit_tokens=limits.tpm, remaining_tokens=0,
+                                               reset_s=admission.retry_after_s))  # fmt: skip
     match admission.refused_by:
         case "rpm":
             message = f"Rate limit reached: {limits.rpm} requests per minute."

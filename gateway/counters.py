@@ -15,7 +15,8 @@ marked applied by the script that applies it: one sent again (its reply was lost
 replayed twice) changes nothing.
 
 Windows are fixed (the minute, the UTC day, the UTC month), so `Retry-After` is exact: the
-seconds until the window that refused the request ends.
+seconds until the window that refused the request ends. An admission also says what it left of the
+minute's request and token limits (`MinuteLeft`: the reply's `x-ratelimit-*` headers, as OpenAI sends).
 
 When Redis cannot be reached the gateway either refuses requests (fail closed, the default) or,
 with `redis.when_unavailable = "local"`, counts in this replica's memory until Redis answers again
@@ -99,11 +100,38 @@ class Limits:
 
 
 @dataclass(frozen=True, slots=True)
+class MinuteLeft:
+    """What is left this minute under the tightest request and token limits of the subjects admitted
+    together (None: no such limit), and the seconds until the minute ends."""
+
+    limit_requests: int | None = None
+    remaining_requests: int | None = None
+    limit_tokens: int | None = None
+    remaining_tokens: int | None = None
+    reset_s: float = 0.0
+
+    @classmethod
+    def after(cls, limits: Sequence[Limits], used: Sequence[tuple[int, int]], reset_s: float) -> MinuteLeft:
+        """From each subject's limits and its (requests, tokens) counted this minute, admission included."""
+        requests = [(its.rpm, its.rpm - r) for its, (r, _) in zip(limits, used, strict=True) if its.rpm is not None]
+        tokens = [(its.tpm, its.tpm - t) for its, (_, t) in zip(limits, used, strict=True) if its.tpm is not None]
+        tightest_requests = min(requests, key=lambda pair: pair[1], default=(None, None))
+        tightest_tokens = min(tokens, key=lambda pair: pair[1], default=(None, None))
+        return cls(tightest_requests[0], _floor0(tightest_requests[1]), tightest_tokens[0],
+                   _floor0(tightest_tokens[1]), reset_s)  # fmt: skip
+
+
+def _floor0(value: int | None) -> int | None:
+    return None if value is None else max(0, value)
+
+
+@dataclass(frozen=True, slots=True)
 class Admission:
     refused_by: LimitName | None  # None: admitted
     retry_after_s: int = 0
     refused_subject: int = 0  # which subject refused: 0 the first, 1 the first of `also`, ...
     local: bool = False  # counted in this replica's memory (Redis was down): its settlement goes there too
+    minute: MinuteLeft = MinuteLeft()  # of an admitted request: what it left of the minute's limits
 
     @property
     def admitted(self) -> bool:
@@ -194,8 +222,9 @@ def _limit_arg(value: float | None) -> str:
 # KEYS: per subject, requests-this-minute, tokens-this-minute, spend-today, spend-this-month.
 # ARGV: prompt tokens, reserved output tokens, reserved USD, minute/day/month TTLs, then per subject
 # rpm, tpm, day budget, month budget (< 0: unlimited).
-# Returns 0 when admitted, else 4 × (0-based subject index) + the 1-based index of the refusing
-# limit in _REASONS. Every subject is checked before any is counted: all or nothing.
+# Returns {0, then per subject its requests and tokens this minute, this one counted} when admitted,
+# else {4 × (0-based subject index) + the 1-based index of the refusing limit in _REASONS}. Every
+# subject is checked before any is counted: all or nothing.
 _ADMIT_LUA = """
 local prompt, out, usd = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local subjects = #KEYS / 4
@@ -203,18 +232,21 @@ for s = 0, subjects - 1 do
   local k, a = s * 4, 6 + s * 4
   local rpm, tpm = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
   local day_budget, month_budget = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
-  if rpm >= 0 and tonumber(redis.call('GET', KEYS[k + 1]) or '0') >= rpm then return k + 1 end
-  if tpm >= 0 and tonumber(redis.call('GET', KEYS[k + 2]) or '0') + prompt > tpm then return k + 2 end
-  if day_budget >= 0 and tonumber(redis.call('GET', KEYS[k + 3]) or '0') >= day_budget then return k + 3 end
-  if month_budget >= 0 and tonumber(redis.call('GET', KEYS[k + 4]) or '0') >= month_budget then return k + 4 end
+  if rpm >= 0 and tonumber(redis.call('GET', KEYS[k + 1]) or '0') >= rpm then return {k + 1} end
+  if tpm >= 0 and tonumber(redis.call('GET', KEYS[k + 2]) or '0') + prompt > tpm then return {k + 2} end
+  if day_budget >= 0 and tonumber(redis.call('GET', KEYS[k + 3]) or '0') >= day_budget then return {k + 3} end
+  if month_budget >= 0 and tonumber(redis.call('GET', KEYS[k + 4]) or '0') >= month_budget then return {k + 4} end
 end
+local used = {0}
 for s = 0, subjects - 1 do
   local k = s * 4
-  redis.call('INCR', KEYS[k + 1])
+  used[#used + 1] = redis.call('INCR', KEYS[k + 1])
   redis.call('EXPIRE', KEYS[k + 1], ARGV[4])
   if prompt + out > 0 then
-    redis.call('INCRBY', KEYS[k + 2], prompt + out)
+    used[#used + 1] = redis.call('INCRBY', KEYS[k + 2], prompt + out)
     redis.call('EXPIRE', KEYS[k + 2], ARGV[4])
+  else
+    used[#used + 1] = tonumber(redis.call('GET', KEYS[k + 2]) or '0')
   end
   if usd > 0 then
     redis.call('INCRBYFLOAT', KEYS[k + 3], ARGV[3])
@@ -223,7 +255,7 @@ for s = 0, subjects - 1 do
     redis.call('EXPIRE', KEYS[k + 4], ARGV[6])
   end
 end
-return 0
+return used
 """
 
 # KEYS: marks to forget (ARGV[1] of them), the settlement's mark, then per subject tokens-this-minute,
@@ -292,17 +324,19 @@ class RedisCounterStore:
         keys: list[str] = []
         args: list[Any] = [prompt_tokens, reserve.completion_tokens, repr(reserve.cost_usd), _WINDOW_TTL_S,
                            *_spend_ttls(w)]  # fmt: skip
-        for name, its_limits in ((subject, limits), *also):
+        subjects = ((subject, limits), *also)
+        for name, its_limits in subjects:
             keys += self._keys(name, w)
             args += [_limit_arg(value) for value in (its_limits.rpm, its_limits.tpm, its_limits.spend_per_day_usd,
                                                      its_limits.spend_per_month_usd)]  # fmt: skip
         try:
             (reply,) = await self._run_scripts(self._admit, [(keys, args)])
-            result = int(reply)
+            result, *counts = (int(value) for value in reply)
         except (RedisError, OSError) as exc:  # OSError: ConnectionError and TimeoutError too
             raise CountersUnavailable(str(exc) or type(exc).__name__) from exc
         if result == 0:
-            return Admission(None)
+            used = list(zip(counts[::2], counts[1::2], strict=True))
+            return Admission(None, minute=MinuteLeft.after([its for _, its in subjects], used, w.minute_left_s))
         refused_by = _REASONS[(result - 1) % 4]
         return Admission(refused_by, w.retry_after(refused_by), (result - 1) // 4)
 
@@ -383,13 +417,15 @@ class InProcessCounterStore:
                 return Admission(refused_by, w.retry_after(refused_by), index)
         self._expire(w)
         get = self._counts.get
+        used: list[tuple[int, int]] = []
         for name, _ in subjects:
             requests, tokens, day, month = self._keys(name, w)
             self._counts[requests] = get(requests, 0) + 1
             self._counts[tokens] = get(tokens, 0) + prompt_tokens + reserve.completion_tokens
             self._counts[day] = get(day, 0.0) + reserve.cost_usd
             self._counts[month] = get(month, 0.0) + reserve.cost_usd
-        return Admission(None)
+            used.append((int(self._counts[requests]), int(self._counts[tokens])))
+        return Admission(None, minute=MinuteLeft.after([its for _, its in subjects], used, w.minute_left_s))
 
     def _refusal(self, keys: tuple[str, str, str, str], limits: Limits, prompt_tokens: int) -> LimitName | None:
         requests, tokens, day, month = keys

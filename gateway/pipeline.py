@@ -49,6 +49,7 @@ from gateway.budgets import (
     count_prompt_tokens,
     count_prompt_tokens_off_loop,
     limits_of,
+    rate_limit_headers,
     refusal,
     reservation,
 )
@@ -296,14 +297,14 @@ class Gateway:
         request, clamped = clamp_output(request, policy)
         check_amplification(request, policy)
         reserve = reservation(self.settings, candidates, request, state.counted_prompt_tokens)
-        await self._reserve(state, state.counted_prompt_tokens, reserve)
+        admission = await self._reserve(state, state.counted_prompt_tokens, reserve)
         headers = {"x-request-id": state.response_id or state.request_id, "x-sluice-cache": "miss",
-                   "x-sluice-route": state.route.tier}  # fmt: skip
+                   "x-sluice-route": state.route.tier, **rate_limit_headers(admission.minute)}  # fmt: skip
         if clamped:
             headers["x-sluice-max-tokens-clamped"] = str(policy.max_output_tokens)
         return request, headers
 
-    async def _reserve(self, state: RequestState, prompt_tokens: int, reserve: Charge) -> None:
+    async def _reserve(self, state: RequestState, prompt_tokens: int, reserve: Charge) -> Admission:
         """Admit the request against its key's limits and its tenant's (one atomic round trip), counting
         it and reserving `reserve` for both; the state keeps what its settlement needs."""
         principal = state.principal
@@ -314,6 +315,7 @@ class Gateway:
                                       tenant)  # fmt: skip
         state.admitted, state.admitted_at, state.reserved = True, now, reserve
         state.admitted_locally, state.tenant_admitted = admission.local, bool(tenant)
+        return admission
 
     def _tenant_limits(self, principal: Principal) -> list[tuple[str, Limits]]:
         """The tenant's own limits, over all its keys, when it has any: admitted with the key's."""
@@ -494,12 +496,13 @@ class Gateway:
         texts = embeddings.texts_of(request, embedder.dim)
         tokens = state.counted_prompt_tokens = embedder.count_tokens(texts)
         check_prompt_length(tokens, principal.policy)
-        await self._reserve(state, tokens, Charge())  # nothing reserved: embeddings have no price
+        admission = await self._reserve(state, tokens, Charge())  # nothing reserved: embeddings have no price
         vectors = await embedder.embed_async(texts)
         state.tier, state.prompt_tokens = "embed", tokens
         body = msgspec.json.encode(embeddings.response(vectors, tokens, request.encoding_format))
         self.finish(state, 200)
-        return Reply(headers={"x-request-id": state.response_id or state.request_id}, body=body)
+        headers = {"x-request-id": state.response_id or state.request_id, **rate_limit_headers(admission.minute)}
+        return Reply(headers=headers, body=body)
 
     # -- accounting -----------------------------------------------------------------------------
 

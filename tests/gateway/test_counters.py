@@ -17,6 +17,7 @@ from gateway.counters import (
     CountersUnavailable,
     InProcessCounterStore,
     Limits,
+    MinuteLeft,
     RedisCounterStore,
     Settlement,
     Windows,
@@ -49,6 +50,17 @@ async def test_requests_beyond_rpm_are_refused_until_the_minute_ends(store: Coun
     refused = await store.admit("k", limits, 1, NOON + 2)
     assert (refused.refused_by, refused.retry_after_s) == ("rpm", 43)
     assert (await store.admit("k", limits, 1, NOON + 45)).admitted  # the next minute
+
+
+async def test_an_admission_says_what_is_left_of_the_tightest_minute_limits(store: CounterStore):
+    key, tenant = Limits(rpm=5, tpm=1000), Limits(rpm=3)
+    first = await store.admit("k", key, 100, NOON, Charge(completion_tokens=50), also=[("t", tenant)])
+    assert first.minute == MinuteLeft(limit_requests=3, remaining_requests=2, limit_tokens=1000,
+                                      remaining_tokens=850, reset_s=45)  # fmt: skip
+    await store.charge_many(once({"k": Charge(completion_tokens=-40)}), NOON)  # produced 10 of the 50
+    second = await store.admit("k", key, 100, NOON + 1, Charge(completion_tokens=50), also=[("t", tenant)])
+    assert (second.minute.remaining_requests, second.minute.remaining_tokens) == (1, 1000 - 110 - 150)
+    assert (await store.admit("u", Limits(), 10, NOON)).minute == MinuteLeft(reset_s=45)
 
 
 async def test_a_refused_request_is_not_counted(store: CounterStore):

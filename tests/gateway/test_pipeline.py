@@ -82,6 +82,35 @@ async def test_requests_per_minute_are_limited_with_retry_after(make_gateway):
     assert 1 <= int(caught.value.headers["Retry-After"]) <= 60
 
 
+async def test_replies_carry_openais_rate_limit_headers_counting_each_request(make_gateway):
+    gateway = make_gateway(rpm=3, tpm=100)
+    first = await gateway.chat(await start(gateway), chat("a b", max_tokens=8))  # 2 prompt + 8 reserved
+    second = await gateway.chat(await start(gateway), chat("a b", max_tokens=8))
+    assert [r.headers["x-ratelimit-limit-requests"] for r in (first, second)] == ["3", "3"]
+    assert [r.headers["x-ratelimit-remaining-requests"] for r in (first, second)] == ["2", "1"]
+    assert first.headers["x-ratelimit-limit-tokens"] == "100"
+    tokens_left = [int(r.headers["x-ratelimit-remaining-tokens"]) for r in (first, second)]
+    assert tokens_left[1] < tokens_left[0] <= 90
+    reset = first.headers["x-ratelimit-reset-requests"]
+    assert reset.endswith("s") and 0 < float(reset[:-1]) <= 60
+
+
+async def test_a_key_without_per_minute_limits_gets_no_rate_limit_headers(make_gateway):
+    gateway = make_gateway()
+    reply = await gateway.chat(await start(gateway), chat())
+    assert not any(name.startswith("x-ratelimit-") for name in reply.headers)
+
+
+async def test_a_rate_limited_request_is_told_none_is_left_and_when_the_minute_ends(make_gateway):
+    gateway = make_gateway(rpm=1)
+    await gateway.chat(await start(gateway), chat())
+    with pytest.raises(APIError) as caught:
+        await gateway.chat(await start(gateway), chat())
+    headers = caught.value.headers
+    assert (headers["x-ratelimit-limit-requests"], headers["x-ratelimit-remaining-requests"]) == ("1", "0")
+    assert headers["x-ratelimit-reset-requests"] == f"{headers['Retry-After']}s"
+
+
 async def test_tokens_per_minute_count_prompt_and_completion(make_gateway):
     gateway = make_gateway(tpm=20)
     await gateway.chat(await start(gateway), chat("a b", max_tokens=8))  # 2 + 8 tokens
