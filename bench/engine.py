@@ -2,7 +2,9 @@
 
 `python -m bench.engine [--model small] [--requests 64] [--quick]`
 
-Workload: requests arrive as a Poisson process fast enough to keep the engine loaded; prompts of
+Workload: requests arrive as a Poisson process (`--rate`, 1/s by default: enough to keep the engine loaded
+on AVX2 and VNNI CPUs; with AMX it serves them as fast as they arrive, so raise `--rate` there to compare
+speeds; BENCHMARKS.md); prompts of
 50–800 tokens are cut from real text (GSM8K questions, /work/shared/data/gsm8k); 30% of them start
 with the same 500-token system prompt; every request generates exactly `--output-tokens` tokens
 (greedy, EOS ignored). Both systems load the same weights from the same checkpoint and see the same
