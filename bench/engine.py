@@ -5,9 +5,9 @@
 Workload: requests arrive as a Poisson process (`--rate`, 1/s by default: enough to keep the engine loaded
 on AVX2 and VNNI CPUs; with AMX it serves them as fast as they arrive, so raise `--rate` there to compare
 speeds; BENCHMARKS.md); prompts of 50–800 tokens are cut from real text (GSM8K questions,
-/work/shared/data/gsm8k); 30% of them start with the same 500-token system prompt; every request generates exactly `--output-tokens` tokens
-(greedy, EOS ignored). Both systems load the same weights from the same checkpoint and see the same
-prompts and arrival times:
+/work/shared/data/gsm8k); 30% of them start with the same 500-token system prompt; every request
+generates exactly `--output-tokens` tokens (greedy, EOS ignored). Both systems load the same weights from
+the same checkpoint and see the same prompts and arrival times:
 
   (i)  our AsyncLLMEngine (continuous batching, paged KV cache, prefix caching) in the configuration
        `make run` serves: the tier spec of `--model` (`engines.tiers.tier_spec`: `engines/small/spec.py`
