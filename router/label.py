@@ -34,9 +34,10 @@ SYSTEM_PROMPT = (
     "Solve the math word problem. Reason briefly, in a few short lines, then write the final answer on the "
     "last line as `#### <number>`."
 )
-# Brief reasoning fits: GSM8K reference solutions are 2-8 short steps. Longer budgets mostly buy rambling,
-# and on a shared 2-core CPU every token of the large tier counts.
-MAX_ANSWER_TOKENS = 256
+# Room for both tiers to finish: at 256 tokens about half of the small tier's answers and a third of the
+# large tier's were cut (labels of 2026-12-02..05 in BENCHMARKS.md), which scored them wrong and made the
+# whole-answer confidence look better than on finished answers; at 512 almost all finish.
+MAX_ANSWER_TOKENS = 512
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _FINAL = re.compile(r"####\s*\$?\s*(-?\d[\d,]*(?:\.\d+)?)")
 _BOXED = re.compile(r"\\boxed\{\s*\$?\s*(-?\d[\d,]*(?:\.\d+)?)")
