@@ -145,19 +145,16 @@ def rate_limit_headers(minute: MinuteLeft) -> dict[str, str]:
 
 
 def refusal(admission: Admission, limits: Limits) -> APIError:
-    """The 429 for a request the counters refused."""
-    retry = {"Retry-After": str(admission.retry_after_s)}
-    if admission.refused_by == "rpm":
-        retry |= rate_limit_headers(MinuteLeft(limit_requests=limits.rpm, remaining_requests=0,
-                                               reset_s=admission.retry_after_s))  # fmt: skip
-    elif admission.refused_by == "tpm":
-        retry |= rate_limit_headers(MinuteLeft(limit_tokens=limits.tpm, remaining_tokens=0,
-                                               reset_s=admission.retry_after_s))  # fmt: skip
+    """The 429 for a request the counters refused; for a per-minute limit, its rate-limit headers with none left."""
+    reset_s = admission.retry_after_s
+    spent = MinuteLeft(reset_s=reset_s)  # a spend budget: no per-minute headers
     match admission.refused_by:
         case "rpm":
             message = f"Rate limit reached: {limits.rpm} requests per minute."
+            spent = MinuteLeft(limit_requests=limits.rpm, remaining_requests=0, reset_s=reset_s)
         case "tpm":
             message = f"Rate limit reached: {limits.tpm} tokens per minute."
+            spent = MinuteLeft(limit_tokens=limits.tpm, remaining_tokens=0, reset_s=reset_s)
         case "spend_per_day":
             message = f"Daily budget of ${limits.spend_per_day_usd} reached."
         case _:
@@ -166,5 +163,6 @@ def refusal(admission: Admission, limits: Limits) -> APIError:
         code, error_type = "rate_limit_exceeded", "rate_limit_error"
     else:
         code, error_type = "budget_exceeded", "insufficient_quota"  # OpenAI's type for an exhausted quota
-    message = f"{message} Retry after {admission.retry_after_s} s."
-    return APIError(429, message, code=code, type=error_type, headers=retry)
+    message = f"{message} Retry after {reset_s} s."
+    headers = {"Retry-After": str(reset_s), **rate_limit_headers(spent)}
+    return APIError(429, message, code=code, type=error_type, headers=headers)

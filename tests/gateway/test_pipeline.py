@@ -61,6 +61,7 @@ async def test_spend_over_the_daily_budget_is_refused_once_spend_accumulates(mak
         await gateway.chat(await start(gateway), chat(max_tokens=8))
     assert (caught.value.status_code, caught.value.code) == (429, "budget_exceeded")
     assert int(caught.value.headers["Retry-After"]) > 0
+    assert not any(name.startswith("x-ratelimit-") for name in caught.value.headers)  # a budget, not a rate
 
 
 async def test_the_monthly_budget_is_enforced_as_well(make_gateway):
