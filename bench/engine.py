@@ -400,10 +400,10 @@ def batch1_decode(llm_engine: Any, prompt: list[int], tokens: int) -> dict[str, 
 @contextmanager
 def pytorch_paths(llm_engine: Any) -> Iterator[None]:
     """The engine without its CPU decode kernels (`engines.cpu_kernels`): the PyTorch ops they replace. Layers
-    on AMX tiles (`TiledW8A8Linear`) keep them: their weight exists only in tile order (`tiled_products`)."""
+    in tile order (`TiledW8A8Linear`) keep theirs: their weight exists only in that order (`tiled_products`)."""
     from engines.quantization import Int8Linear
 
-    # Int8Linear and its subclass W8A8Linear: each holds the GEMV kernel its mode runs (or None).
+    # Int8Linear holds the GEMV kernel its mode runs (or None).
     layers = [(layer, layer.gemv) for layer in llm_engine.model.modules() if isinstance(layer, Int8Linear)]
     runner = llm_engine.runner
     attention, native = runner.decode_attention, runner.native_decoder
@@ -444,12 +444,12 @@ def run_batch1_only(checkpoint: Checkpoint, args: argparse.Namespace, model_path
     print_batch1(f"{args.model}, median of {args.batch1_repeats}", figures)
     comparison = {}
     if "pytorch_paths" in median:
-        keep_amx = tiled_products(llm_engine)
-        kept = " (products still on AMX tiles)" if keep_amx else ""
+        keep_tiled = tiled_products(llm_engine)
+        kept = " (products still on the tiled w8a8 kernel)" if keep_tiled else ""
         print_batch1(f"{args.model} without the CPU decode kernels (PyTorch ops{kept}), median of "
                      f"{args.batch1_repeats}", median["pytorch_paths"])  # fmt: skip
         comparison = {
-            "pytorch_paths_keep_amx_products": keep_amx,
+            "pytorch_paths_keep_tiled_products": keep_tiled,
             "batch1_decode_pytorch_paths": median["pytorch_paths"],
             "kernels_over_pytorch_paths_x": figures["decode_tokens_per_s"]
             / median["pytorch_paths"]["decode_tokens_per_s"],

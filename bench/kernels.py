@@ -4,16 +4,17 @@ For the shapes of the small demo model (Qwen2.5-0.5B: gate/up 896→9728, down 4
 896→151936) at decode-sized and prefill-sized row counts: float32 `nn.Linear` (the baseline), w8a8
 (`W8A8Linear`: int8 weights and per-row int8 activations, `torch._int_mm`) and int8 weight-only
 (`Int8Linear`: `_weight_int8pack_mm`, bfloat16 activations), plus whether the CPU has the
-instructions `auto` looks for; on CPUs with AMX, w8a8 on AMX tiles too (`TiledW8A8Linear`, what `auto`
-runs there; its own streamed table at 1 to 32 rows against `w8a8_gemv` and `torch._int_mm`). Both layers
-run decode-sized inputs (up to 8 rows for w8a8, 48 for int8) through their CPU kernel (`w8a8_gemv`,
-`int8_gemv`) where this CPU has it, so their 1- and 8-row figures (and int8's 32-row one) are the kernels'.
+instructions `auto` looks for; on CPUs with AMX or AVX-512 VNNI, w8a8 over the weight in tile order too
+(`TiledW8A8Linear` on `w8a8_amx` or `w8a8_vnni`: what `auto` runs there). int8 weight-only runs
+decode-sized inputs (up to 48 rows) through `int8_gemv` where this CPU has it, so its 1-, 8- and 32-row
+figures are that kernel's.
 
-Decode GEMVs (second table): the kernel of the mode `auto` picks here (w8a8 with AVX-512 VNNI, else int8
-weight-only) against its PyTorch op (`torch._int_mm`, `_weight_int8pack_mm`: the same layer with
-`gemv = None`) at 1 to 8 rows, with the weights streamed from memory as in a decode step (enough copies
+Decode products (second table), with the weights streamed from memory as in a decode step (enough copies
 of each layer, cycled, to exceed the last-level cache), in GB/s of weights read beside the memory
-bandwidth a large tensor read reaches in the same run.
+bandwidth a large tensor read reaches in the same run: where `auto` picks w8a8, the tiled kernel against
+`torch._int_mm` on the same quantised weights at 1 to 32 rows, and each row count's time over one row's
+(what a speculative verification or a batched decode step pays per extra row); where it picks int8,
+`int8_gemv` against `_weight_int8pack_mm` (the same layer with `gemv = None`) at 1 to 8 rows.
 
 Decode attention (third table): `paged_attention` over a paged cache (bfloat16 where the CPU has native
 bf16, else float32: what `kv_cache_dtype = "auto"` picks) with the `paged_decode_attention` kernel against
@@ -38,13 +39,13 @@ from bench.common import print_table, write_results
 from bench.engine import memory_bandwidth
 from engines.attention import AttentionMetadata, paged_attention
 from engines.cpu import has_int8_dot_product, has_native_bf16
-from engines.cpu_kernels import int8_gemv, paged_decode_attention, w8a8_amx, w8a8_gemv
+from engines.cpu_kernels import TiledW8A8Kernel, int8_gemv, paged_decode_attention, w8a8_amx, w8a8_vnni
 from engines.quantization import Int8Linear, TiledW8A8Linear, W8A8Linear, resolve_quantization
 
 SHAPES = {"gate_up 896→9728": (896, 9728), "down 4864→896": (4864, 896), "lm_head 896→151936": (896, 151936)}
 ROWS = (1, 8, 32, 128, 512)
 GEMV_ROWS = (1, 2, 4, 8)
-AMX_ROWS = (1, 2, 4, 8, 16, 32)  # a speculative verification is k + 1 rows a sequence; batched decode, one each
+TILED_ROWS = (1, 2, 3, 4, 5, 8, 16, 32)  # a speculative verification is k + 1 rows a sequence; batched decode, one each
 STREAMED_BYTES = 256 << 20  # weights cycled per timing: well past any last-level cache here
 HEAD_LAYOUTS = {"small 14/2 heads × 64": (14, 2, 64), "large 12/2 heads × 128": (12, 2, 128)}
 ATTENTION_BATCHES = ((1, 300), (4, 500), (16, 900), (64, 900))  # (decode rows, context tokens each)
@@ -69,14 +70,14 @@ def measure(repeat: int) -> list[dict[str, Any]]:
         dense = nn.Linear(in_features, out_features, bias=False)
         w8a8 = W8A8Linear.from_linear(dense, torch.float32)
         int8 = Int8Linear.from_linear(dense, torch.float32)
-        amx = w8a8_amx()
-        tiled = None if amx is None else TiledW8A8Linear.from_linear(dense, torch.float32, amx)
+        kernel = tiled_kernel()
+        tiled = None if kernel is None else TiledW8A8Linear.from_linear(dense, torch.float32, kernel)
         for rows in ROWS:
             x = torch.randn(rows, in_features)
             float32_ms = milliseconds(dense, x, repeat)
             w8a8_ms = milliseconds(w8a8, x, repeat)
             int8_ms = milliseconds(int8, x, repeat)
-            amx_ms = None if tiled is None else milliseconds(tiled, x, repeat)
+            tiled_ms = None if tiled is None else milliseconds(tiled, x, repeat)
             results.append(
                 {
                     "layer": name,
@@ -84,10 +85,10 @@ def measure(repeat: int) -> list[dict[str, Any]]:
                     "float32_ms": float32_ms,
                     "w8a8_ms": w8a8_ms,
                     "int8_weight_only_ms": int8_ms,
-                    "w8a8_amx_ms": amx_ms,
+                    "w8a8_tiled_ms": tiled_ms,
                     "float32_over_w8a8_x": float32_ms / w8a8_ms,
                     "float32_over_int8_weight_only_x": float32_ms / int8_ms,
-                    "float32_over_w8a8_amx_x": None if amx_ms is None else float32_ms / amx_ms,
+                    "float32_over_w8a8_tiled_x": None if tiled_ms is None else float32_ms / tiled_ms,
                 }
             )
     return results
@@ -98,23 +99,20 @@ def run_all(layers: list[Int8Linear], x: torch.Tensor) -> None:
         layer(x)
 
 
-# Per mode `quantization = "auto"` can pick: its layer, that layer's decode kernel, and the PyTorch op its
-# `gemv = None` runs instead.
-GEMV_KERNELS = {
-    "w8a8": (W8A8Linear, "w8a8_gemv", "torch._int_mm"),
-    "int8": (Int8Linear, "int8_gemv", "aten._weight_int8pack_mm (bfloat16)"),
-}
+def tiled_kernel() -> TiledW8A8Kernel | None:
+    """The tiled w8a8 kernel `quantize_model` builds on this CPU (AMX before VNNI), or None."""
+    return w8a8_amx() or w8a8_vnni()
 
 
 @torch.inference_mode()
-def measure_gemv(layer_type: type[Int8Linear], repeat: int) -> list[dict[str, Any]]:
-    """`layer_type`'s decode kernel against its PyTorch op at decode row counts, weights streamed from memory."""
+def measure_gemv(repeat: int) -> list[dict[str, Any]]:
+    """`int8_gemv` against `_weight_int8pack_mm` at decode row counts, weights streamed from memory."""
     torch.manual_seed(0)
     results = []
     for name, (in_features, out_features) in SHAPES.items():
         dense = nn.Linear(in_features, out_features, bias=False)
         copies = [
-            layer_type.from_linear(dense, torch.float32)
+            Int8Linear.from_linear(dense, torch.float32)
             for _ in range(max(1, STREAMED_BYTES // (in_features * out_features)))
         ]
         kernel = copies[0].gemv
@@ -136,11 +134,9 @@ def measure_gemv(layer_type: type[Int8Linear], repeat: int) -> list[dict[str, An
 
 
 @torch.inference_mode()
-def measure_amx(repeat: int) -> list[dict[str, Any]]:
-    """w8a8 on AMX tiles (`TiledW8A8Linear`, what `auto` runs on AMX CPUs) against `w8a8_gemv` (up to its row
-    limit) and `torch._int_mm` on the same quantised weights, streamed from memory."""
-    kernel = w8a8_amx()
-    assert kernel is not None
+def measure_tiled(kernel: TiledW8A8Kernel, repeat: int) -> list[dict[str, Any]]:
+    """w8a8 in tile order (`TiledW8A8Linear` on `kernel`, what `auto` runs here) against `torch._int_mm` on the
+    same quantised weights, streamed from memory."""
     torch.manual_seed(0)
     results = []
     for name, (in_features, out_features) in SHAPES.items():
@@ -148,24 +144,18 @@ def measure_amx(repeat: int) -> list[dict[str, Any]]:
         count = max(1, STREAMED_BYTES // (in_features * out_features))
         rows_major = [W8A8Linear.from_linear(dense, torch.float32) for _ in range(count)]
         tiled = [TiledW8A8Linear.from_linear(dense, torch.float32, kernel) for _ in range(count)]
-        gemv = rows_major[0].gemv
-        for rows in AMX_ROWS:
+        one_row_ms = None
+        for rows in TILED_ROWS:
             x = torch.randn(rows, in_features)
-            timed: dict[str, float | None] = {}
-            for path, layers in (("amx", tiled), ("w8a8_gemv", rows_major), ("int_mm", rows_major)):
-                if path == "w8a8_gemv" and (gemv is None or rows > gemv.max_rows):
-                    timed[path] = None
-                    continue
-                for layer in rows_major:
-                    layer.gemv = gemv if path == "w8a8_gemv" else None
-                timed[path] = min(milliseconds(partial(run_all, layers), x, 1) for _ in range(repeat)) / count
+            timed = {path: min(milliseconds(partial(run_all, layers), x, 1) for _ in range(repeat)) / count
+                     for path, layers in (("tiled", tiled), ("int_mm", rows_major))}  # fmt: skip
+            one_row_ms = one_row_ms or timed["tiled"]
             weight_gb = in_features * out_features / 1e9
-            gemv_ms = timed["w8a8_gemv"]
             results.append({
-                "layer": name, "rows": rows, "amx_ms": timed["amx"], "w8a8_gemv_ms": gemv_ms,
-                "int_mm_ms": timed["int_mm"], "amx_weight_gb_s": weight_gb / timed["amx"] * 1000,
-                "w8a8_gemv_over_amx_x": None if gemv_ms is None else gemv_ms / timed["amx"],
-                "int_mm_over_amx_x": timed["int_mm"] / timed["amx"],
+                "layer": name, "rows": rows, "tiled_ms": timed["tiled"], "int_mm_ms": timed["int_mm"],
+                "tiled_weight_gb_s": weight_gb / timed["tiled"] * 1000,
+                "tiled_over_one_row_x": timed["tiled"] / one_row_ms,
+                "int_mm_over_tiled_x": timed["int_mm"] / timed["tiled"],
             })  # fmt: skip
     return results
 
@@ -232,43 +222,45 @@ def main(argv: Sequence[str] | None = None) -> None:
     print_table(
         f"Linear kernels, ms per call ({cpu['capability']}, int8 dot products {cpu['int8_dot_product']}, "
         f"{cpu['threads']} threads; auto → {cpu['auto_quantization']})",
-        ["layer", "rows", "float32", "w8a8", "int8 weight-only", "w8a8 AMX", "float32/w8a8 x", "float32/int8 x",
-         "float32/w8a8 AMX x"],
+        ["layer", "rows", "float32", "w8a8", "int8 weight-only", "w8a8 tiled", "float32/w8a8 x", "float32/int8 x",
+         "float32/w8a8 tiled x"],
         [
-            [r["layer"], r["rows"], r["float32_ms"], r["w8a8_ms"], r["int8_weight_only_ms"], r["w8a8_amx_ms"],
-             r["float32_over_w8a8_x"], r["float32_over_int8_weight_only_x"], r["float32_over_w8a8_amx_x"]]
+            [r["layer"], r["rows"], r["float32_ms"], r["w8a8_ms"], r["int8_weight_only_ms"], r["w8a8_tiled_ms"],
+             r["float32_over_w8a8_x"], r["float32_over_int8_weight_only_x"], r["float32_over_w8a8_tiled_x"]]
             for r in results
         ],
     )  # fmt: skip
-    figures: dict[str, Any] = {"cpu": cpu, "baseline": "float32 nn.Linear", "results": results}
-    mode = resolve_quantization("auto") or "int8"
-    layer_type, kernel_name, baseline = GEMV_KERNELS[mode]
-    if (w8a8_gemv() if mode == "w8a8" else int8_gemv()) is not None:
-        bandwidth = memory_bandwidth()
-        gemv = measure_gemv(layer_type, max(3, args.repeat // 2))
+    kernel = tiled_kernel()
+    kernel_name = None if kernel is None else f"w8a8_{kernel.products.name.removeprefix('W8A8_').lower()}"
+    figures: dict[str, Any] = {"cpu": cpu, "baseline": "float32 nn.Linear", "w8a8_tiled_kernel": kernel_name,
+                               "results": results}  # fmt: skip
+    bandwidth = memory_bandwidth()
+    memory = f"memory read {bandwidth['read_gb_s']:.1f} GB/s, copy {bandwidth['copy_gb_s']:.1f} GB/s"
+    figures["memory_bandwidth"] = bandwidth
+    if kernel is not None:
+        tiled = measure_tiled(kernel, max(3, args.repeat // 2))
         print_table(
-            f"{mode} decode GEMVs, weights streamed from memory: {kernel_name} against {baseline} "
-            f"(memory read {bandwidth['read_gb_s']:.1f} GB/s, copy {bandwidth['copy_gb_s']:.1f} GB/s)",
+            f"w8a8 decode products in tile order ({kernel_name}, what auto runs here) against torch._int_mm, weights "
+            f"streamed from memory ({memory})",
+            ["layer", "rows", "tiled ms", "torch._int_mm ms", "tiled GB/s", "tiled / one row x", "_int_mm/tiled x"],
+            [[r["layer"], r["rows"], r["tiled_ms"], r["int_mm_ms"], r["tiled_weight_gb_s"], r["tiled_over_one_row_x"],
+              r["int_mm_over_tiled_x"]] for r in tiled],
+        )  # fmt: skip
+        figures |= {"decode_tiled_baseline": "torch._int_mm (W8A8Linear)", "decode_tiled": tiled}
+    else:
+        print("w8a8 tiled kernels unavailable on this machine (need AVX-512 VNNI or AMX-INT8): not timed")
+    if resolve_quantization("auto") != "w8a8" and int8_gemv() is not None:
+        gemv = measure_gemv(max(3, args.repeat // 2))
+        print_table(
+            f"int8 decode GEMVs, weights streamed from memory: int8_gemv against aten._weight_int8pack_mm (bfloat16) "
+            f"({memory})",
             ["layer", "rows", "PyTorch ms", "kernel ms", "PyTorch GB/s", "kernel GB/s", "PyTorch/kernel x"],
             [[r["layer"], r["rows"], r["pytorch_ms"], r["kernel_ms"], r["pytorch_weight_gb_s"],
               r["kernel_weight_gb_s"], r["pytorch_over_kernel_x"]] for r in gemv],
         )  # fmt: skip
-        figures |= {"decode_gemv_kernel": kernel_name,
-                    "decode_gemv_baseline": f"{baseline} ({layer_type.__name__} with gemv=None)", "decode_gemv": gemv,
-                    "memory_bandwidth": bandwidth}  # fmt: skip
-    else:
-        print(f"{kernel_name} unavailable on this machine (its instructions or a C compiler missing): not timed")
-    if mode == "w8a8" and w8a8_amx() is not None:
-        amx = measure_amx(max(3, args.repeat // 2))
-        print_table(
-            "w8a8 on AMX tiles (what auto runs here), weights streamed from memory, ms per call",
-            ["layer", "rows", "AMX ms", "w8a8_gemv ms", "torch._int_mm ms", "AMX GB/s", "gemv/AMX x", "_int_mm/AMX x"],
-            [[r["layer"], r["rows"], r["amx_ms"], r["w8a8_gemv_ms"], r["int_mm_ms"], r["amx_weight_gb_s"],
-              r["w8a8_gemv_over_amx_x"], r["int_mm_over_amx_x"]] for r in amx],
-        )  # fmt: skip
-        figures |= {"w8a8_amx": amx}
-    else:
-        print("w8a8_amx unavailable on this machine (needs AMX-INT8 and a compiler with AMX intrinsics): not timed")
+        figures |= {"decode_gemv_kernel": "int8_gemv",
+                    "decode_gemv_baseline": "aten._weight_int8pack_mm (bfloat16; Int8Linear with gemv=None)",
+                    "decode_gemv": gemv}  # fmt: skip
     if paged_decode_attention() is not None:
         attention = measure_decode_attention(max(3, args.repeat // 2))
         kv_dtype = "bfloat16" if has_native_bf16() else "float32"

@@ -279,15 +279,43 @@ static inline __m256 scale_pow2_256(const __m256 y, const __m256 n) {
 #undef PAGED_DECODE_ATTEND
 #undef PAGED_DECODE_ATTENTION
 
+/* -- the tile order: the int8 weight layout of `w8a8_amx` and `w8a8_vnni` -------------------------------------
+ * Groups of TILE_GROUP output features, and in each group one 4 KiB block per TILE_K_CHUNK inputs holding four
+ * slices of 16 features × 16 quads of inputs; a quad of a slice (64 bytes) holds its 16 features' inputs
+ * 4q..4q+3: an AMX B tile's row, and one `vpdpbusd` operand. AMX loads a slice's 16 quads as one tile, so there a
+ * block is slice-major ([slice][quad]); `w8a8_vnni` reads the four slices' quad q together, so for it a block is
+ * quad-major ([quad][slice]): one sequential stream, which the prefetchers follow better (~10% more bandwidth at
+ * one row on a Zen 4). A group's blocks are contiguous, so each thread reads one sequential stream; N and K
+ * are padded with zeros to multiples of 64.
+ */
+#define TILE_GROUP 64
+#define TILE_K_CHUNK 64
+#define TILE_BLOCK_BYTES (TILE_GROUP * TILE_K_CHUNK)
+
+/* w [N, K] int8 → packed [ceil(N / 64), ceil(K / 64), 4096] int8, zero-padded; blocks quad-major or slice-major. */
+void w8a8_tile_pack(const int8_t *w, const int64_t N, const int64_t K, const int quad_major, int8_t *packed) {
+    const int64_t groups = (N + TILE_GROUP - 1) / TILE_GROUP, chunks = (K + TILE_K_CHUNK - 1) / TILE_K_CHUNK;
+    const int64_t slice_bytes = quad_major ? 64 : 1024, quad_bytes = quad_major ? 256 : 64;
+    memset(packed, 0, groups * chunks * TILE_BLOCK_BYTES);
+    for (int64_t n = 0; n < N; n++) {
+        const int64_t group = n / TILE_GROUP, slice = (n % TILE_GROUP) / 16, feature = n % 16;
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t chunk = k / TILE_K_CHUNK, quad = (k % TILE_K_CHUNK) / 4;
+            packed[(group * chunks + chunk) * TILE_BLOCK_BYTES + slice * slice_bytes + quad * quad_bytes + feature * 4
+                   + k % 4] = w[n * K + k];
+        }
+    }
+}
+
 /* The w8a8 kernels' pieces (defined in their target regions below) that the decode layer calls when its products
- * are w8a8: on AMX tiles, or through `w8a8_gemv`'s VNNI dot products. */
+ * are w8a8: on AMX tiles, or through VNNI dot products. */
 static void quantize_rows_int8(const float *x, const int64_t rows, const int64_t K, int8_t *xq, float *x_scale);
 static void w8a8_amx_share(const int8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
                            const int8_t *packed, const float *w_scale, const float *bias, float *out, const int64_t N);
-static void quantize_rows_uint8(const float *x, const int64_t rows, const int64_t K, uint8_t *xq, float *x_scale);
-static void w8a8_gemv_share(const uint8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
-                            const int8_t *w, const int32_t *w_sum, const float *w_scale, const float *bias, float *out,
-                            const int64_t N);
+static void quantize_rows_vnni(const float *x, const int64_t rows, const int64_t K, uint8_t *xq, float *x_scale);
+static void w8a8_vnni_share(const uint8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
+                            const int8_t *packed, const int32_t *w_sum, const float *w_scale, const float *bias,
+                            float *out, const int64_t N);
 
 /* -- decode_layer_int8 (AVX2) -----------------------------------------------------------------------
  * One Llama / Qwen2 decoder layer for a decode step's rows, in one call: RMSNorm, the q/k/v product, RoPE,
@@ -300,12 +328,12 @@ static void w8a8_gemv_share(const uint8_t *xq, const float *x_scale, const int64
  * The element-wise steps are the PyTorch module's arithmetic in float32 (RMSNorm's sum of squares and
  * SiLU's exponential in another order and polynomial: a few ulp apart). Runs only where every product of
  * the layer is of one kind (`products` in the shape) on float32 activations: int8 weight-only (`int8_gemv`'s
- * arithmetic), w8a8 on AMX tiles (`w8a8_amx`'s, the weights in tile order) or w8a8 through VNNI dot products
- * (`w8a8_gemv`'s) (`engines.models.llama.LlamaForCausalLM.native_decoder`).
+ * arithmetic) or w8a8 over the weights in tile order, on AMX tiles (`w8a8_amx`'s) or through VNNI dot products
+ * (`w8a8_vnni`'s) (`engines.models.llama.LlamaForCausalLM.native_decoder`).
  */
 enum layer_products { INT8_WEIGHT_ONLY = 0, W8A8_AMX = 1, W8A8_VNNI = 2 };
 
-struct int8_linear {  /* weight [out, in] int8 (or in tile order: w8a8_amx_pack), scale [out], bias [out] or NULL */
+struct int8_linear {  /* weight [out, in] int8 (or in tile order: w8a8_tile_pack), scale [out], bias [out] or NULL */
     const int8_t *weight;
     const float *scale, *bias;
     const int32_t *weight_sum;  /* [out] Σₖ w[n, k] for W8A8_VNNI's unsigned activations; NULL otherwise */
@@ -404,7 +432,7 @@ static void quantize_inputs(const struct decoder_shape *s, const float *x, const
                             void *xq, float *x_scale) {
     switch (s->products) {
         case W8A8_AMX: quantize_rows_int8(x, rows, K, xq, x_scale); break;
-        case W8A8_VNNI: quantize_rows_uint8(x, rows, K, xq, x_scale); break;
+        case W8A8_VNNI: quantize_rows_vnni(x, rows, K, xq, x_scale); break;
         default: quantize_rows_int16(x, rows, K, xq, x_scale);
     }
 }
@@ -416,7 +444,7 @@ static void project(const struct decoder_shape *s, const void *xq, const float *
     switch (s->products) {
         case W8A8_AMX: w8a8_amx_share(xq, x_scale, rows, K, linear->weight, linear->scale, linear->bias, out, N); break;
         case W8A8_VNNI:
-            w8a8_gemv_share(xq, x_scale, rows, K, linear->weight, linear->weight_sum, linear->scale, linear->bias, out,
+            w8a8_vnni_share(xq, x_scale, rows, K, linear->weight, linear->weight_sum, linear->scale, linear->bias, out,
                             N);
             break;
         default: int8_gemv_share(xq, x_scale, rows, K, linear->weight, linear->scale, linear->bias, out, N);
@@ -493,160 +521,123 @@ int decode_layer_int8(const struct decoder_layer *layer, const struct decoder_sh
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vnni")
 
-/* -- w8a8_gemv ---------------------------------------------------------------------------------------
- * w8a8 matmul for few rows: out = (q(x) · wᵀ) · x_scale · w_scale (+ bias), float32 out.
+/* -- w8a8_vnni ---------------------------------------------------------------------------------------
+ * W8A8Linear's product through AVX-512 VNNI over the weight in quad-major tile order (`w8a8_tile_pack`), for any
+ * number of rows: out = (q(x) · wᵀ) · x_scale · w_scale (+ bias), bit for bit `torch._int_mm`'s. `vpdpbusd` multiplies
+ * unsigned by signed bytes, so activations are shifted to u8 (q + 128) and 128 · Σₖ w[n, k] (`w_sum`, taken once
+ * when the layer is built) is subtracted from each sum — exact in int32.
  *
- * Bit-identical to W8A8Linear's torch path (per-row symmetric int8 activations, `torch._int_mm`, then the
- * two float multiplies in the same order), but streams the int8 weight at close to DRAM bandwidth at one
- * row, where oneDNN's `_int_mm` reaches about half of it. AVX-512 VNNI: `vpdpbusd` multiplies unsigned by
- * signed bytes, so activations are shifted to u8 (q + 128) and 128 · Σₖ w[n, k] (`w_sum`, taken once when
- * the layer is built) is subtracted from each dot product — exact in int32.
- * Threads split the output rows.
+ * A quad of a slice (64 bytes) holds 16 features × 4 inputs, so one `vpdpbusd` with 4 input bytes of an x row
+ * broadcast adds them into 16 features' sums at once: no horizontal sum per feature, and each weight vector,
+ * loaded once, serves VNNI_ROWS rows from registers (4 slices × 4 rows of accumulators; 6 rows spilled and ran
+ * slower). Against dot products along K over a row-major weight (the kernel this one replaced), 4 rows cost
+ * 1.1-1.5x one row instead of 1.4-2.4x on the Zen 4, and one row is no slower (BENCHMARKS.md, 2026-12-05).
+ * Threads split the groups; within a group every block of VNNI_ROWS rows passes over the group's weight, which
+ * stays in L2 between them.
  */
-#define W8A8_MAX_ROWS 8  /* decode steps of a few sequences; the accumulators of all rows stay in registers */
+#define VNNI_ROWS 4
 
-int w8a8_gemv_max_rows(void) { return W8A8_MAX_ROWS; }
-
-static inline __attribute__((always_inline)) void dot_rows(
-    const int64_t rows, const uint8_t *xq, const float *x_scale, const int64_t K, const int8_t *w,
-    const int32_t *w_sum, const float *w_scale, const float *bias, float *out, const int64_t N,
-    const int64_t n_begin, const int64_t n_end) {
-    const int64_t chunks = K / 64;
-    const __mmask64 tail = (K % 64) ? (((__mmask64)1 << (K % 64)) - 1) : 0;
-    for (int64_t n = n_begin; n < n_end; n++) {
-        const int8_t *w_row = w + n * K;
-        __m512i acc[W8A8_MAX_ROWS];
-        for (int64_t m = 0; m < rows; m++) acc[m] = _mm512_setzero_si512();
-        for (int64_t c = 0; c < chunks; c++) {
-            /* Several rows' work per weight chunk slows the loop enough that the prefetchers alone fall behind:
-             * without this, 3 and 4 rows took 1.3-1.5x one row's time on the Zen 4 where 1.0-1.1x is the memory
-             * bound; up to two rows stream at full speed without it (BENCHMARKS.md). */
-            if (rows >= 3) _mm_prefetch((const char *)(w_row + c * 64 + PREFETCH_BYTES), _MM_HINT_T0);
-            const __m512i w_chunk = _mm512_loadu_si512((const void *)(w_row + c * 64));
-            for (int64_t m = 0; m < rows; m++)
-                acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_loadu_si512((const void *)(xq + m * K + c * 64)), w_chunk);
+static inline __attribute__((always_inline)) void vnni_group_rows(
+    const int rows, const uint8_t *xq, const int64_t Kp, const float *x_scale, const int8_t *weight,
+    const int32_t *w_sum, const float *w_scale, const float *bias, float *out, const int64_t N, const int64_t n_group) {
+    const int64_t chunks = Kp / TILE_K_CHUNK;
+    __m512i acc[4][VNNI_ROWS];
+    for (int s = 0; s < 4; s++)
+        for (int r = 0; r < rows; r++) acc[s][r] = _mm512_setzero_si512();
+    for (int64_t chunk = 0; chunk < chunks; chunk++) {
+        const int8_t *block = weight + chunk * TILE_BLOCK_BYTES;
+        const uint8_t *x_chunk = xq + chunk * TILE_K_CHUNK;
+        for (int q = 0; q < 16; q++) {
+            for (int line = 0; line < 4; line++)  /* the next block, a 256-byte quarter per quad */
+                _mm_prefetch((const char *)(block + TILE_BLOCK_BYTES + q * 256 + line * 64), _MM_HINT_T0);
+            __m512i w_quad[4];
+            for (int s = 0; s < 4; s++) w_quad[s] = _mm512_loadu_si512((const void *)(block + q * 256 + s * 64));
+            for (int r = 0; r < rows; r++) {
+                int32_t x4;
+                memcpy(&x4, x_chunk + r * Kp + q * 4, sizeof x4);
+                const __m512i x_quad = _mm512_set1_epi32(x4);
+                for (int s = 0; s < 4; s++) acc[s][r] = _mm512_dpbusd_epi32(acc[s][r], x_quad, w_quad[s]);
+            }
         }
-        if (tail) {
-            const __m512i w_chunk = _mm512_maskz_loadu_epi8(tail, w_row + chunks * 64);
-            for (int64_t m = 0; m < rows; m++)
-                acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_maskz_loadu_epi8(tail, xq + m * K + chunks * 64), w_chunk);
-        }
-        for (int64_t m = 0; m < rows; m++) {
-            const int32_t dot = _mm512_reduce_add_epi32(acc[m]) - 128 * w_sum[n];
-            const float y = ((float)dot * x_scale[m]) * w_scale[n];
-            out[m * N + n] = bias ? y + bias[n] : y;
+    }
+    for (int s = 0; s < 4; s++) {
+        const int64_t n0 = n_group + s * 16;
+        if (n0 >= N) break;
+        const __mmask16 valid = N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
+        const __m512i shift = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(valid, w_sum + n0), 7);  /* 128 · w_sum */
+        const __m512 scale16 = _mm512_maskz_loadu_ps(valid, w_scale + n0);
+        const __m512 bias16 = bias ? _mm512_maskz_loadu_ps(valid, bias + n0) : _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++) {
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[s][r], shift));
+            __m512 y = _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(x_scale[r])), scale16);
+            if (bias) y = _mm512_add_ps(y, bias16);
+            _mm512_mask_storeu_ps(out + r * N + n0, valid, y);
         }
     }
 }
 
-/* Per-row scale max|x| / 127 (at least 1e-12 / 127) and x / scale rounded half to even, as torch.round. */
-static void quantize_rows(const float *x, const int64_t rows, const int64_t K, uint8_t *xq, float *x_scale) {
-    for (int64_t m = 0; m < rows; m++) {
-        const float *x_row = x + m * K;
-        float amax = 0.f;
-        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(x_row[k]));
-        const float scale = fmaxf(amax, 1e-12f) / 127.f;
-        x_scale[m] = scale;
-        for (int64_t k = 0; k < K; k++) xq[m * K + k] = (uint8_t)((int32_t)nearbyintf(x_row[k] / scale) + 128);
+/* Row of x as bytes: x / scale rounded half to even (as torch.round) plus `zero_point` (0: int8, for AMX; 128: uint8,
+ * for VNNI), where scale = max|x| / 127 (at least 1e-12 / 127); padded with zero_point (a zero) to Kp. */
+static void quantize_row_bytes(const float *x, const int64_t K, const int64_t Kp, const int zero_point, uint8_t *xq,
+                               float *x_scale) {
+    const int64_t full = K / 16 * 16;
+    const __mmask16 tail = (__mmask16)((1u << (K - full)) - 1);
+    __m512 amax16 = _mm512_setzero_ps();
+    for (int64_t k = 0; k < full; k += 16) amax16 = _mm512_max_ps(amax16, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+    if (tail) amax16 = _mm512_max_ps(amax16, _mm512_abs_ps(_mm512_maskz_loadu_ps(tail, x + full)));
+    const float scale = fmaxf(_mm512_reduce_max_ps(amax16), 1e-12f) / 127.f;
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    const __m512i zero16 = _mm512_set1_epi32(zero_point);
+    for (int64_t k = 0; k < K; k += 16) {  /* cvtps rounds half to even (the default rounding mode) */
+        const __mmask16 valid = k < full ? (__mmask16)0xffff : tail;
+        const __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_maskz_loadu_ps(valid, x + k), scale16));
+        _mm512_mask_cvtepi32_storeu_epi8(xq + k, valid, _mm512_add_epi32(q, zero16));
     }
+    memset(xq + K, zero_point, Kp - K);
+    *x_scale = scale;
 }
 
-/* quantize_rows split among the threads of the enclosing team (an orphaned `omp for`: its barrier ends it). */
-static void quantize_rows_uint8(const float *x, const int64_t rows, const int64_t K, uint8_t *xq, float *x_scale) {
+/* Rows [0, rows) of x as uint8 rows of ceil(K / 64) * 64 bytes in xq, split among the threads of the enclosing
+ * team (an orphaned `omp for`: its implicit barrier ends it). */
+static void quantize_rows_vnni(const float *x, const int64_t rows, const int64_t K, uint8_t *xq, float *x_scale) {
+    const int64_t Kp = (K + TILE_K_CHUNK - 1) / TILE_K_CHUNK * TILE_K_CHUNK;
     #pragma omp for schedule(static)
-    for (int64_t m = 0; m < rows; m++) quantize_rows(x + m * K, 1, K, xq + m * K, x_scale + m);
+    for (int64_t m = 0; m < rows; m++) quantize_row_bytes(x + m * K, K, Kp, 128, xq + m * Kp, x_scale + m);
 }
 
-/* Where activation rows stop fitting in L1 beside the weight stream (a verification's rows of a down projection,
- * 8,960 wide on the large tier), `dot_rows` reloads every row from L2 once per output feature and 4 rows took
- * ~1.9x one row's time. `dot_rows_four` loads each chunk of a row once for four outputs, reading their four
- * weight rows side by side: ~1.4x at 3 and 4 rows there (BENCHMARKS.md, Zen 4). On short rows the four
- * interleaved streams defeat the prefetchers (2x slower at K = 1536), hence the bounds. Same integer sums: same
- * bits. */
-#define FOUR_MIN_ROWS 3  /* at 2 rows it ties with `dot_rows` */
-#define FOUR_MIN_K 4096
-#define FOUR_MIN_ROW_BYTES 16384  /* rows · K */
-
-static inline __attribute__((always_inline)) void dot_rows_four(
-    const int64_t rows, const uint8_t *xq, const float *x_scale, const int64_t K, const int8_t *w,
-    const int32_t *w_sum, const float *w_scale, const float *bias, float *out, const int64_t N, const int64_t n0) {
-    const int64_t chunks = K / 64;
-    const __mmask64 tail = (K % 64) ? (((__mmask64)1 << (K % 64)) - 1) : 0;
-    const int8_t *w_rows[4] = {w + n0 * K, w + (n0 + 1) * K, w + (n0 + 2) * K, w + (n0 + 3) * K};
-    __m512i acc[4][4];
-    for (int j = 0; j < 4; j++)
-        for (int64_t m = 0; m < rows; m++) acc[j][m] = _mm512_setzero_si512();
-    for (int64_t c = 0; c < chunks + (tail != 0); c++) {  /* whole chunks, then the partial one */
-        const __mmask64 mask = c < chunks ? ~(__mmask64)0 : tail;
-        __m512i w_chunk[4];
-        for (int j = 0; j < 4; j++) {
-            _mm_prefetch((const char *)(w_rows[j] + c * 64 + PREFETCH_BYTES), _MM_HINT_T0);
-            w_chunk[j] = _mm512_maskz_loadu_epi8(mask, w_rows[j] + c * 64);
-        }
-        for (int64_t m = 0; m < rows; m++) {
-            const __m512i x_chunk = _mm512_maskz_loadu_epi8(mask, xq + m * K + c * 64);
-            for (int j = 0; j < 4; j++) acc[j][m] = _mm512_dpbusd_epi32(acc[j][m], x_chunk, w_chunk[j]);
-        }
-    }
-    for (int j = 0; j < 4; j++) {
-        const int64_t n = n0 + j;
-        for (int64_t m = 0; m < rows; m++) {
-            const int32_t dot = _mm512_reduce_add_epi32(acc[j][m]) - 128 * w_sum[n];
-            const float y = ((float)dot * x_scale[m]) * w_scale[n];
-            out[m * N + n] = bias ? y + bias[n] : y;
-        }
-    }
-}
-
-/* Output features [begin, end) of `rows` (at most W8A8_MAX_ROWS) rows, four features and four rows at a time. */
-static void dot_rows_by_four(const int64_t rows, const uint8_t *xq, const float *x_scale, const int64_t K,
-                             const int8_t *w, const int32_t *w_sum, const float *w_scale, const float *bias,
-                             float *out, const int64_t N, const int64_t begin, const int64_t end) {
-    int64_t n = begin;
-    for (; n + 4 <= end; n += 4)
-        for (int64_t m = 0; m < rows; m += 4)  /* a second group of rows finds the four weight rows in L1 */
-            switch (rows - m < 4 ? rows - m : 4) {  /* constant counts: registers */
-#define ROWS(r) case r: dot_rows_four(r, xq + m * K, x_scale + m, K, w, w_sum, w_scale, bias, out + m * N, N, n); break;
+/* This thread's share of the output groups: called by every thread of a team, no barrier. */
+static void w8a8_vnni_share(const uint8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
+                            const int8_t *packed, const int32_t *w_sum, const float *w_scale, const float *bias,
+                            float *out, const int64_t N) {
+    const int64_t chunks = (K + TILE_K_CHUNK - 1) / TILE_K_CHUNK, Kp = chunks * TILE_K_CHUNK;
+    int64_t begin, end;
+    thread_share((N + TILE_GROUP - 1) / TILE_GROUP, &begin, &end);
+    for (int64_t group = begin; group < end; group++) {
+        const int8_t *weight = packed + group * chunks * TILE_BLOCK_BYTES;
+        for (int64_t m0 = 0; m0 < rows; m0 += VNNI_ROWS) {
+            const uint8_t *x_rows = xq + m0 * Kp;
+            float *rows_out = out + m0 * N;
+            switch (rows - m0 < VNNI_ROWS ? rows - m0 : VNNI_ROWS) {  /* constant counts: registers */
+#define ROWS(r) case r: vnni_group_rows(r, x_rows, Kp, x_scale + m0, weight, w_sum, w_scale, bias, rows_out, N, \
+                                        group * TILE_GROUP); break;
                 ROWS(1) ROWS(2) ROWS(3) ROWS(4)
 #undef ROWS
             }
-    for (; n < end; n++)  /* the last features of this thread's share */
-        for (int64_t m = 0; m < rows; m++)
-            dot_rows(1, xq + m * K, x_scale + m, K, w, w_sum, w_scale, bias, out + m * N, N, n, n + 1);
-}
-
-/* This thread's share of the output features for any number of rows, W8A8_MAX_ROWS at a time: called by every
- * thread of a team, no barrier. */
-static void w8a8_gemv_share(const uint8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
-                            const int8_t *w, const int32_t *w_sum, const float *w_scale, const float *bias, float *out,
-                            const int64_t N) {
-    int64_t begin, end;
-    thread_share(N, &begin, &end);
-    for (int64_t m = 0; m < rows; m += W8A8_MAX_ROWS) {
-        const uint8_t *x_rows = xq + m * K;
-        float *rows_out = out + m * N;
-        const int64_t count = rows - m < W8A8_MAX_ROWS ? rows - m : W8A8_MAX_ROWS;
-        if (count >= FOUR_MIN_ROWS && K >= FOUR_MIN_K && count * K >= FOUR_MIN_ROW_BYTES) {
-            dot_rows_by_four(count, x_rows, x_scale + m, K, w, w_sum, w_scale, bias, rows_out, N, begin, end);
-            continue;
-        }
-        switch (count) {  /* constant counts: registers */
-#define ROWS(r) case r: dot_rows(r, x_rows, x_scale + m, K, w, w_sum, w_scale, bias, rows_out, N, begin, end); break;
-            ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
-#undef ROWS
         }
     }
 }
 
-/* x [rows, K] float32; w [N, K] int8; w_sum [N] int32; w_scale [N] float32; bias [N] float32 or NULL;
- * out [rows, N] float32; xq [rows, K] and x_scale [rows] are scratch. Returns 0, or -1 if rows > W8A8_MAX_ROWS. */
-int w8a8_gemv(const float *x, const int64_t rows, const int64_t K, const int8_t *w, const int32_t *w_sum,
+/* x [rows, K] float32; packed from w8a8_tile_pack (quad-major); w_sum [N] int32; w_scale [N] float32; bias [N]
+ * float32 or NULL; out [rows, N] float32; xq [rows, ceil(K / 64) * 64] uint8 and x_scale [rows] are scratch.
+ * Returns 0. */
+int w8a8_vnni(const float *x, const int64_t rows, const int64_t K, const int8_t *packed, const int32_t *w_sum,
               const float *w_scale, const float *bias, float *out, const int64_t N, uint8_t *xq, float *x_scale,
               const int threads) {
-    if (rows < 1 || rows > W8A8_MAX_ROWS) return -1;
-    quantize_rows(x, rows, K, xq, x_scale);
     #pragma omp parallel num_threads(threads)
-    w8a8_gemv_share(xq, x_scale, rows, K, w, w_sum, w_scale, bias, out, N);
+    {
+        quantize_rows_vnni(x, rows, K, xq, x_scale);
+        w8a8_vnni_share(xq, x_scale, rows, K, packed, w_sum, w_scale, bias, out, N);
+    }
     return 0;
 }
 
@@ -705,18 +696,13 @@ static inline __m128 hsum4_ps(const __m512 a, const __m512 b, const __m512 c, co
  * exactly, so the result is `torch._int_mm`'s bit for bit at every row count (a row's logits do not depend
  * on its batch mates, and speculative verification matches plain decoding). One instruction covers 16
  * output features × 64 inputs, so a few rows cost little more than one: the weight stream, not the
- * arithmetic, bounds a decode step of up to ~16 rows, where `w8a8_gemv` pays per row.
+ * arithmetic, bounds a decode step of up to ~16 rows.
  *
- * The weight lives in tile order (`w8a8_amx_pack`): groups of AMX_GROUP output features, and in each group
- * one 4 KiB block per 64 inputs holding the four B tiles of its 16-feature slices (row q of a B tile: the
- * 16 features' inputs 4q..4q+3). A group's blocks are contiguous, so each thread reads one sequential
- * stream; N and K are padded with zeros to multiples of 64. Threads split the groups; within a group every
- * 16-row block of x passes over the group's weight (4 KiB per 64 inputs: it stays in L2 between blocks).
+ * The weight lives in slice-major tile order (`w8a8_tile_pack`): a block's four slices are the four B tiles of
+ * its 64 inputs. Threads split the groups; within a group every 16-row block of x passes over the group's weight
+ * (4 KiB per 64 inputs: it stays in L2 between blocks).
  */
-#define AMX_GROUP 64
-#define AMX_K_CHUNK 64
 #define AMX_TILE_ROWS 16
-#define AMX_BLOCK_BYTES (AMX_GROUP * AMX_K_CHUNK)
 
 typedef struct {
     uint8_t palette_id, start_row, reserved[14];
@@ -728,20 +714,6 @@ typedef struct {
  * Returns 0 when granted. */
 int w8a8_amx_enable(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : -1; }
 
-/* w [N, K] int8 → packed [ceil(N / 64), ceil(K / 64), 4096] int8, zero-padded. */
-void w8a8_amx_pack(const int8_t *w, const int64_t N, const int64_t K, int8_t *packed) {
-    const int64_t groups = (N + AMX_GROUP - 1) / AMX_GROUP, chunks = (K + AMX_K_CHUNK - 1) / AMX_K_CHUNK;
-    memset(packed, 0, groups * chunks * AMX_BLOCK_BYTES);
-    for (int64_t n = 0; n < N; n++) {
-        const int64_t group = n / AMX_GROUP, slice = (n % AMX_GROUP) / 16, feature = n % 16;
-        for (int64_t k = 0; k < K; k++) {
-            const int64_t chunk = k / AMX_K_CHUNK, quad = (k % AMX_K_CHUNK) / 4;
-            packed[(group * chunks + chunk) * AMX_BLOCK_BYTES + slice * 1024 + quad * 64 + feature * 4 + k % 4] =
-                w[n * K + k];
-        }
-    }
-}
-
 /* Tiles 0-3: C (rows × 16 int32, one per 16-feature slice); 4: A (rows × 64 int8); 5, 6: B (16 × 64). */
 static void amx_configure(const int rows) {
     amx_tile_config config;
@@ -752,30 +724,12 @@ static void amx_configure(const int rows) {
     _tile_loadconfig(&config);
 }
 
-/* Row m of x as int8 (x / scale, rounded half to even like torch.round) padded with zeros to Kp. */
-static void quantize_row_int8(const float *x, const int64_t K, const int64_t Kp, int8_t *xq, float *x_scale) {
-    const int64_t full = K / 16 * 16;
-    const __mmask16 tail = (__mmask16)((1u << (K - full)) - 1);
-    __m512 amax16 = _mm512_setzero_ps();
-    for (int64_t k = 0; k < full; k += 16) amax16 = _mm512_max_ps(amax16, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
-    if (tail) amax16 = _mm512_max_ps(amax16, _mm512_abs_ps(_mm512_maskz_loadu_ps(tail, x + full)));
-    const float scale = fmaxf(_mm512_reduce_max_ps(amax16), 1e-12f) / 127.f;
-    const __m512 scale16 = _mm512_set1_ps(scale);
-    for (int64_t k = 0; k < full; k += 16)  /* cvtps rounds half to even (the default rounding mode) */
-        _mm_storeu_si128((__m128i *)(xq + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(x + k), scale16))));
-    if (tail)
-        _mm_mask_storeu_epi8(xq + full, tail, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(
-            _mm512_div_ps(_mm512_maskz_loadu_ps(tail, x + full), scale16))));
-    memset(xq + K, 0, Kp - K);
-    *x_scale = scale;
-}
-
 /* out rows [m0, m0 + rows) × the 64 features of `group` from the four C tiles, as W8A8Linear rescales. */
 static inline void amx_store_group(int32_t acc[4][AMX_TILE_ROWS * 16], const int rows, const int64_t m0,
                                    const int64_t group, const float *x_scale, const float *w_scale,
                                    const float *bias, float *out, const int64_t N) {
     for (int slice = 0; slice < 4; slice++) {
-        const int64_t n0 = group * AMX_GROUP + slice * 16;
+        const int64_t n0 = group * TILE_GROUP + slice * 16;
         if (n0 >= N) break;
         const __mmask16 valid = N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
         const __m512 scale16 = _mm512_maskz_loadu_ps(valid, w_scale + n0);
@@ -792,17 +746,17 @@ static inline void amx_store_group(int32_t acc[4][AMX_TILE_ROWS * 16], const int
 /* Rows [0, rows) of x as int8 rows of ceil(K / 64) * 64 bytes in xq, split among the threads of the enclosing
  * team (an orphaned `omp for`: its implicit barrier ends it). */
 static void quantize_rows_int8(const float *x, const int64_t rows, const int64_t K, int8_t *xq, float *x_scale) {
-    const int64_t Kp = (K + AMX_K_CHUNK - 1) / AMX_K_CHUNK * AMX_K_CHUNK;
+    const int64_t Kp = (K + TILE_K_CHUNK - 1) / TILE_K_CHUNK * TILE_K_CHUNK;
     #pragma omp for schedule(static)
-    for (int64_t m = 0; m < rows; m++) quantize_row_int8(x + m * K, K, Kp, xq + m * Kp, x_scale + m);
+    for (int64_t m = 0; m < rows; m++) quantize_row_bytes(x + m * K, K, Kp, 0, (uint8_t *)xq + m * Kp, x_scale + m);
 }
 
 /* This thread's share of the output groups of q(x) · wᵀ: called by every thread of a team, no barrier. */
 static void w8a8_amx_share(const int8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
                            const int8_t *packed, const float *w_scale, const float *bias, float *out, const int64_t N) {
-    const int64_t chunks = (K + AMX_K_CHUNK - 1) / AMX_K_CHUNK, Kp = chunks * AMX_K_CHUNK;
+    const int64_t chunks = (K + TILE_K_CHUNK - 1) / TILE_K_CHUNK, Kp = chunks * TILE_K_CHUNK;
     int64_t begin, end;
-    thread_share((N + AMX_GROUP - 1) / AMX_GROUP, &begin, &end);
+    thread_share((N + TILE_GROUP - 1) / TILE_GROUP, &begin, &end);
     int32_t acc[4][AMX_TILE_ROWS * 16];
     /* Other AMX users on this thread may keep their tile configuration between calls (onnxruntime's MLAS caches
      * it per thread and reloads it only when it sees another): it is put back as it was (all zeros: none). */
@@ -810,14 +764,14 @@ static void w8a8_amx_share(const int8_t *xq, const float *x_scale, const int64_t
     _tile_storeconfig(&before);
     int configured_rows = 0;
     for (int64_t group = begin; group < end; group++) {
-        const int8_t *weight = packed + group * chunks * AMX_BLOCK_BYTES;
+        const int8_t *weight = packed + group * chunks * TILE_BLOCK_BYTES;
         for (int64_t m0 = 0; m0 < rows; m0 += AMX_TILE_ROWS) {
             const int block_rows = (int)(rows - m0 < AMX_TILE_ROWS ? rows - m0 : AMX_TILE_ROWS);
             if (block_rows != configured_rows) amx_configure(configured_rows = block_rows);
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             for (int64_t chunk = 0; chunk < chunks; chunk++) {
-                const int8_t *block = weight + chunk * AMX_BLOCK_BYTES;
-                _tile_loadd(4, xq + m0 * Kp + chunk * AMX_K_CHUNK, Kp);
+                const int8_t *block = weight + chunk * TILE_BLOCK_BYTES;
+                _tile_loadd(4, xq + m0 * Kp + chunk * TILE_K_CHUNK, Kp);
                 _tile_loadd(5, block, 64); _tile_dpbssd(0, 4, 5);
                 _tile_loadd(6, block + 1024, 64); _tile_dpbssd(1, 4, 6);
                 _tile_loadd(5, block + 2048, 64); _tile_dpbssd(2, 4, 5);
@@ -834,7 +788,7 @@ static void w8a8_amx_share(const int8_t *xq, const float *x_scale, const int64_t
         _tile_release();
 }
 
-/* x [rows, K] float32; packed from w8a8_amx_pack; w_scale [N] float32; bias [N] float32 or NULL;
+/* x [rows, K] float32; packed from w8a8_tile_pack (slice-major); w_scale [N] float32; bias [N] float32 or NULL;
  * out [rows, N] float32; xq [rows, ceil(K / 64) * 64] int8 and x_scale [rows] are scratch. Returns 0. */
 int w8a8_amx(const float *x, const int64_t rows, const int64_t K, const int8_t *packed, const float *w_scale,
              const float *bias, float *out, const int64_t N, int8_t *xq, float *x_scale, const int threads) {

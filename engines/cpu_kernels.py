@@ -5,13 +5,12 @@ sequence's cache, so it should be bound by how fast the weights stream from memo
 far from that: oneDNN's `torch._int_mm` and the packed `_weight_int8pack_mm` (bfloat16 activations,
 emulated on CPUs without native bf16) stream a one-row product's weights well below DRAM bandwidth, and
 paged attention through PyTorch ops (gather the blocks, mask, SDPA) pays per-op costs far above the few
-kilobytes of K/V it reads. For inputs of up to `max_rows` rows, `w8a8_gemv` (bit-identical to
-`_int_mm`; AVX-512 VNNI, the CPUs where `quantization = "auto"` picks w8a8) replaces the first and
-`int8_gemv` (AVX2, activations rounded to int16 per row, exact integer sums; the CPUs where `auto` picks int8)
-the second; on CPUs with AMX, `w8a8_amx` replaces both `_int_mm` and `w8a8_gemv` at every row count (the
-same bits, the weight in tile order: `engines.quantization.TiledW8A8Linear`). `paged_decode_attention` (an
-AVX2 and an AVX-512 build; reads the cache in place through the block tables) replaces the third, for every
-decode row of every step, so a row's result never depends on the batch size.
+kilobytes of K/V it reads. On CPUs with int8 dot products (where `quantization = "auto"` picks w8a8), the
+weight lives in tile order and every row count runs on `w8a8_amx` (AMX tiles) or `w8a8_vnni` (AVX-512 VNNI),
+bit-identical to `_int_mm` (`engines.quantization.TiledW8A8Linear`); on AVX2-only CPUs (where `auto` picks
+int8) `int8_gemv` (activations rounded to int16 per row, exact integer sums) replaces the second.
+`paged_decode_attention` (an AVX2 and an AVX-512 build; reads the cache in place through the block tables)
+replaces the third, for every decode row of every step, so a row's result never depends on the batch size.
 Beside them, the ~20 small PyTorch ops of a decode layer (norms, RoPE, KV store, SiLU, residuals) cost a third
 of a batch-1 step; `decode_layer_int8` runs a whole layer for a step's decode rows in one call on the AVX2
 kernels' arithmetic (`engines.models.llama.NativeDecoder`, where every product is int8 weight-only on float32,
@@ -37,6 +36,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -49,7 +49,7 @@ SOURCE = Path(__file__).with_suffix(".c")
 INCLUDES = (Path(__file__).with_name("cpu_attention.inc"),)  # what SOURCE includes: part of the build's hash
 CACHE_DIR = Path("~/.cache/sluice/native")
 REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma"})  # the library's baseline: `int8_gemv`
-AVX512_VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})  # `w8a8_gemv`, `paged_decode_attention`
+AVX512_VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})  # `w8a8_vnni`, `paged_decode_attention`
 AMX_INT8_FLAGS = AVX512_VNNI_FLAGS | {"amx_tile", "amx_int8"}  # `w8a8_amx`
 # -ffp-contract=off: no a * b + c fused where the source does not say so — GCC would fuse in some inlined
 # copies of a kernel and not others, and a row's result would then depend on the batch it came in.
@@ -57,109 +57,89 @@ COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-sh
 _POINTER, _INT64 = ctypes.c_void_p, ctypes.c_int64
 
 
-class W8A8Gemv:
-    """`(x [rows, K] float32, weight [N, K] int8, weight_sum [N] int32, scales [N], bias [N] | None)` →
-    `[rows, N]` float32, for 1 ≤ rows ≤ `max_rows`: `W8A8Linear`'s product, bit for bit."""
-
-    def __init__(self, library: ctypes.CDLL) -> None:
-        self._gemv = library.w8a8_gemv
-        self._gemv.restype = ctypes.c_int
-        self._gemv.argtypes = [
-            _POINTER,
-            _INT64,
-            _INT64,
-            _POINTER,
-            _POINTER,
-            _POINTER,
-            _POINTER,
-            _POINTER,
-            _INT64,
-            _POINTER,
-            _POINTER,
-            ctypes.c_int,
-        ]
-        self.max_rows: int = library.w8a8_gemv_max_rows()
-
-    def __call__(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        weight_sum: torch.Tensor,
-        scales: torch.Tensor,
-        bias: torch.Tensor | None,
-    ) -> torch.Tensor:
-        rows, in_features = x.shape
-        out_features = weight.shape[0]
-        x = x.contiguous()
-        out = torch.empty(rows, out_features)
-        scratch, row_scales = torch.empty(rows, in_features, dtype=torch.uint8), torch.empty(rows)
-        status = self._gemv(
-            x.data_ptr(),
-            rows,
-            in_features,
-            weight.data_ptr(),
-            weight_sum.data_ptr(),
-            scales.data_ptr(),
-            None if bias is None else bias.data_ptr(),
-            out.data_ptr(),
-            out_features,
-            scratch.data_ptr(),
-            row_scales.data_ptr(),
-            torch.get_num_threads(),
-        )
-        if status != 0:
-            raise ValueError(f"w8a8_gemv takes 1 to {self.max_rows} rows, got {rows}")
-        return out
-
-
-class W8A8Amx:
-    """`W8A8Linear`'s product, bit for bit, at any number of rows, on AMX tiles over a weight in tile order:
+class TiledW8A8Kernel:
+    """`W8A8Linear`'s product, bit for bit, at any number of rows, over a weight in tile order:
     `pack(weight [N, K] int8)` → the tiled weight `[ceil(N / group), ceil(K / k_chunk), group * k_chunk]`
-    int8 (zero-padded); `(x [rows, K] float32, tiled, N, scales [N], bias [N] | None)` → `[rows, N]` float32.
-    A weight's row n is `rows(tiled, ids, K)`: a gather, never a second copy."""
+    int8 (zero-padded); `(x [rows, K] float32, tiled, N, scales [N], bias [N] | None, weight_sum [N] | None)` →
+    `[rows, N]` float32. A weight's row n is `rows(tiled, ids, K)`: a gather, never a second copy.
+    Two products read that order: `W8A8Amx` on AMX tiles and `W8A8Vnni` through AVX-512 VNNI, which also takes
+    the weight's row sums (`needs_weight_sum`)."""
 
-    group = 64  # output features per block of the tiled weight (AMX_GROUP)
-    k_chunk = 64  # inputs per block (AMX_K_CHUNK)
+    group = 64  # output features per block of the tiled weight (TILE_GROUP)
+    k_chunk = 64  # inputs per block (TILE_K_CHUNK)
+    needs_weight_sum = False
+    quad_major = False  # a block's layout: [quad of 4 inputs][slice of 16 features], else [slice][quad]
+    products: LayerProducts
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._pack = library.w8a8_amx_pack
+        self._pack = library.w8a8_tile_pack
         self._pack.restype = None
-        self._pack.argtypes = [_POINTER, _INT64, _INT64, _POINTER]
-        self._product = library.w8a8_amx
-        self._product.restype = ctypes.c_int
-        self._product.argtypes = [_POINTER, _INT64, _INT64, _POINTER, _POINTER, _POINTER, _POINTER, _INT64, _POINTER,
-                                  _POINTER, ctypes.c_int]
+        self._pack.argtypes = [_POINTER, _INT64, _INT64, ctypes.c_int, _POINTER]
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         out_features, in_features = weight.shape
         weight = weight.contiguous()
         tiled = torch.empty(-(-out_features // self.group), -(-in_features // self.k_chunk),
                             self.group * self.k_chunk, dtype=torch.int8)
-        self._pack(weight.data_ptr(), out_features, in_features, tiled.data_ptr())
+        self._pack(weight.data_ptr(), out_features, in_features, int(self.quad_major), tiled.data_ptr())
         return tiled
 
     def rows(self, tiled: torch.Tensor, ids: torch.Tensor, in_features: int) -> torch.Tensor:
         """Rows `ids` of the weight `tiled` was packed from, `[len(ids), in_features]` int8."""
         groups, chunks, _ = tiled.shape
-        # Block layout: [slice of 16 features][quad of 4 inputs][feature][input in quad].
-        blocks = tiled.view(groups, chunks, 4, 16, 16, 4)
         within = ids % self.group
-        picked = blocks[ids // self.group, :, within // 16, :, within % 16, :]  # [ids, chunks, quad, input in quad]
-        return picked.reshape(len(ids), chunks * self.k_chunk)[:, :in_features]
+        if self.quad_major:  # [quad][slice of 16 features][feature][input in quad]
+            blocks = tiled.view(groups, chunks, 16, 4, 16, 4)
+            picked = blocks[ids // self.group, :, :, within // 16, within % 16, :]
+        else:  # [slice][quad][feature][input in quad]
+            blocks = tiled.view(groups, chunks, 4, 16, 16, 4)
+            picked = blocks[ids // self.group, :, within // 16, :, within % 16, :]
+        return picked.reshape(len(ids), chunks * self.k_chunk)[:, :in_features]  # [ids, chunks, quad, input] → rows
 
     def __call__(
-        self, x: torch.Tensor, tiled: torch.Tensor, out_features: int, scales: torch.Tensor, bias: torch.Tensor | None
+        self, x: torch.Tensor, tiled: torch.Tensor, out_features: int, scales: torch.Tensor, bias: torch.Tensor | None,
+        weight_sum: torch.Tensor | None = None,
     ) -> torch.Tensor:
         rows, in_features = x.shape
         assert tiled.shape[1] * self.k_chunk >= in_features and tiled.shape[0] * self.group >= out_features
+        assert (weight_sum is not None) == self.needs_weight_sum
         x = x.contiguous()
         out = torch.empty(rows, out_features)
-        scratch = torch.empty(rows, tiled.shape[1] * self.k_chunk, dtype=torch.int8)
+        scratch = torch.empty(rows, tiled.shape[1] * self.k_chunk, dtype=torch.uint8)  # int8 or uint8 rows
         row_scales = torch.empty(rows)
-        self._product(x.data_ptr(), rows, in_features, tiled.data_ptr(), scales.data_ptr(),
+        self._product(x.data_ptr(), rows, in_features, tiled.data_ptr(),
+                      *(() if weight_sum is None else (weight_sum.data_ptr(),)), scales.data_ptr(),
                       None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, scratch.data_ptr(),
                       row_scales.data_ptr(), torch.get_num_threads())
         return out
+
+
+class W8A8Amx(TiledW8A8Kernel):
+    """`TiledW8A8Kernel` on AMX tiles (`w8a8_amx`)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        super().__init__(library)
+        self.products = LayerProducts.W8A8_AMX
+        self._product = library.w8a8_amx
+        self._product.restype = ctypes.c_int
+        self._product.argtypes = [_POINTER, _INT64, _INT64, _POINTER, _POINTER, _POINTER, _POINTER, _INT64, _POINTER,
+                                  _POINTER, ctypes.c_int]
+
+
+class W8A8Vnni(TiledW8A8Kernel):
+    """`TiledW8A8Kernel` through AVX-512 VNNI dot products (`w8a8_vnni`): activations shifted to unsigned bytes,
+    so it takes the weight's row sums (`weight_sum [N]` int32, Σₖ w[n, k])."""
+
+    needs_weight_sum = True
+    quad_major = True
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        super().__init__(library)
+        self.products = LayerProducts.W8A8_VNNI
+        self._product = library.w8a8_vnni
+        self._product.restype = ctypes.c_int
+        self._product.argtypes = [_POINTER, _INT64, _INT64, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT64,
+                                  _POINTER, _POINTER, ctypes.c_int]
 
 
 class Int8Gemv:
@@ -332,8 +312,34 @@ class LayerProducts(enum.IntEnum):
 
     INT8_WEIGHT_ONLY = 0  # `int8_gemv`'s arithmetic: int16 activations, weight [N, K]
     W8A8_AMX = 1  # `w8a8_amx`'s: int8 activations, the weight in tile order
-    W8A8_VNNI = 2  # `w8a8_gemv`'s: int8 activations (shifted to uint8), weight [N, K] and its row sums
+    W8A8_VNNI = 2  # `w8a8_vnni`'s: int8 activations (shifted to uint8), the weight in tile order and its row sums
 
+
+@dataclass(frozen=True)
+class ForwardCost:
+    """What a forward over n decode rows costs, in one-row forwards (speculation sizes its rounds with it): the
+    weights stream once for all rows; each row beyond the first adds `per_row` (its arithmetic), and each pass
+    over the weights beyond the first (a pass takes `rows_per_pass` rows; later passes find the weights in
+    cache) adds `per_pass`."""
+
+    per_row: float = 0.0
+    per_pass: float = 0.0
+    rows_per_pass: int = 1 << 30
+
+    def __call__(self, rows: int) -> float:
+        return 1 + self.per_row * (rows - 1) + self.per_pass * (-(-rows // self.rows_per_pass) - 1)
+
+
+# Per kind of product (`python -m bench.kernels` times them; BENCHMARKS.md). int16 products (`vpmaddwd`) are bound
+# by arithmetic, not by the weight stream, from two rows on: about a fifth of a row each (both demo models, 1 to 8
+# rows, within 0.1 on the AVX2 EPYC, 2026-12-04). On AMX tiles 16 rows cost ~1.06 one-row products. `w8a8_vnni`
+# takes 4 rows a pass at the cost of one (1.03-1.14x), and each further pass ~0.3-0.4 of a one-row forward (16 rows
+# 1.9-2.0x; a verification of 14 rows at batch 4 took 2.3 plain steps in `bench.speculative`) (Zen 4, 2026-12-05).
+FORWARD_COST = {
+    LayerProducts.INT8_WEIGHT_ONLY: ForwardCost(per_row=0.2),
+    LayerProducts.W8A8_AMX: ForwardCost(),
+    LayerProducts.W8A8_VNNI: ForwardCost(per_pass=0.4, rows_per_pass=4),
+}
 
 # int8 weight ([N, K] or tiled), scales, bias, and the weight's row sums where the products are W8A8_VNNI
 Projection = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
@@ -411,10 +417,10 @@ class DecodeLayerKernel:
 
 
 @functools.cache
-def w8a8_gemv() -> W8A8Gemv | None:
-    """The w8a8 kernel, or None where this CPU or machine cannot run it."""
+def w8a8_vnni() -> W8A8Vnni | None:
+    """The w8a8 kernel on AVX-512 VNNI, or None where this CPU or machine cannot run it."""
     library = _library()
-    return None if library is None or not _has(AVX512_VNNI_FLAGS, "w8a8_gemv") else W8A8Gemv(library)
+    return None if library is None or not _has(AVX512_VNNI_FLAGS, "w8a8_vnni") else W8A8Vnni(library)
 
 
 @functools.cache

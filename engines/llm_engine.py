@@ -241,7 +241,7 @@ class LLMEngine:
         runner = ModelRunner(model, checkpoint.config, self.config.block_size, num_kv_blocks, self.kv_cache_dtype,
                              self.device, self.max_model_len, self._graph_max_batch())
         return Speculator(runner, self.config.num_speculative_tokens, draft_bytes / weight_bytes(self.model),
-                          self.runner.extra_row_cost, self.config.speculative_adaptive_drafts)
+                          self.runner.forward_cost, self.config.speculative_adaptive_drafts)
 
     # -- requests ----------------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ import torch
 
 from engines.attention import AttentionMetadata, DecodeAttention, PrefillChunk, triton_decode_attention
 from engines.config import ModelConfig
-from engines.cpu_kernels import paged_decode_attention
+from engines.cpu_kernels import ForwardCost, paged_decode_attention
 from engines.cuda_graphs import DecodeGraphs
 from engines.scheduler import ScheduledBatch
 from engines.sequence import Sequence
@@ -93,11 +93,11 @@ class ModelRunner:
                                        config.vocab_size, self.device, triton_decode_attention)
 
     @property
-    def extra_row_cost(self) -> float:
-        """What each decode row beyond the first adds to a forward, in one-row forwards (`best_num_drafts`):
-        the native layers' figure where they run, else 0 — near the truth on AMX tiles (16 rows cost ~1.06
-        one-row products, `python -m bench.kernels`), an underestimate for `w8a8_gemv` (~0.2 on a Zen 4)."""
-        return self.native_decoder.extra_row_cost if self.native_decoder is not None else 0.0
+    def forward_cost(self) -> ForwardCost:
+        """What a decode forward over n rows costs against one row (`best_num_drafts`): the native layers'
+        products' where they run, else extra rows taken as free — near the truth for products in tile order on
+        AMX (the weight streams once for all rows, `python -m bench.kernels`)."""
+        return self.native_decoder.forward_cost if self.native_decoder is not None else ForwardCost()
 
     def execute(self, batch: ScheduledBatch, should_yield: Callable[[], bool] | None = None
                 ) -> tuple[torch.Tensor, list[Sequence]]:  # fmt: skip

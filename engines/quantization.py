@@ -4,8 +4,8 @@ int8 (weight-only): per-output-channel symmetric scales, `aten._weight_int8pack_
 int4 (weight-only): group-wise asymmetric (scale + zero per group of 32/64/128 input columns), packed
 for `aten._weight_int4pack_mm_for_cpu` (tinygemm layout: w ≈ (q - 8) * scale + zero).
 w8a8: int8 weights as above and int8 activations with one scale per row, taken on the fly, the
-product in int32 through `torch._int_mm` (oneDNN; VNNI instructions where the CPU has them), or on CPUs
-with AMX through `w8a8_amx` over the weight in tile order (`TiledW8A8Linear`: the same bits).
+product in int32: on CPUs with AMX or AVX-512 VNNI through `w8a8_amx` or `w8a8_vnni` over the weight in tile
+order (`TiledW8A8Linear`), elsewhere through `torch._int_mm` (`W8A8Linear`: oneDNN), the same bits.
 
 The weight-only matmuls always run on bfloat16 activations (`COMPUTE_DTYPE`): with float32 ones the
 int8 kernel is unvectorised, several times slower. `activation_dtype` is the model's activation
@@ -41,11 +41,10 @@ from engines.cpu_kernels import (
     Int8Gemv,
     LayerProducts,
     Projection,
-    W8A8Amx,
-    W8A8Gemv,
+    TiledW8A8Kernel,
     int8_gemv,
     w8a8_amx,
-    w8a8_gemv,
+    w8a8_vnni,
 )
 
 QUANTIZATION_MODES = ("int8", "int4", "w8a8")
@@ -159,7 +158,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().to(activation_dtype))
         self.gemv = self._attach_gemv()
 
-    def _attach_gemv(self) -> Int8Gemv | W8A8Gemv | None:
+    def _attach_gemv(self) -> Int8Gemv | None:
         kernel = int8_gemv()
         if kernel is None or not kernel.supports(self.in_features):
             return None
@@ -252,9 +251,8 @@ class W8A8Linear(Int8Linear):
     VNNI where the CPU has it). Per-row scales keep every row independent of what else is in the
     batch, so a request's output does not depend on its batch mates.
 
-    Few rows (decode steps) go through `w8a8_gemv` where this machine can run it: the same integers and
-    floats, the weight streamed faster than `_int_mm` manages at few rows (BENCHMARKS.md). `gemv = None`
-    forces `_int_mm`."""
+    `quantize_model` builds it only where neither tiled kernel runs (`TiledW8A8Linear`, the same bits faster);
+    the tests and benchmarks use it as their reference."""
 
     def __init__(
         self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, activation_dtype: torch.dtype
@@ -263,17 +261,12 @@ class W8A8Linear(Int8Linear):
         # The int32 product is rescaled (and the bias added) in float32.
         self.scales = scales.float()
         self.bias = None if bias is None else bias.detach().float()
-        # Σₖ w[n, k], which the kernel's unsigned-activation product needs (4 bytes per output feature).
-        self.register_buffer("weight_sum", weight_int8.sum(dim=1, dtype=torch.int32), persistent=False)
 
-    def _attach_gemv(self) -> Int8Gemv | W8A8Gemv | None:
-        return w8a8_gemv()
+    def _attach_gemv(self) -> Int8Gemv | None:
+        return None  # `int8_gemv` rounds activations to int16: not this layer's arithmetic
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
-        if self.gemv is not None and rows.shape[0] <= self.gemv.max_rows:
-            out = self.gemv(rows, self.weight, self.weight_sum, self.scales, self.bias)
-            return out.to(self.activation_dtype).reshape(*x.shape[:-1], self.out_features)
         row_scales = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
         # |rows / row_scales| <= 127 by construction: rounding needs no clamp.
         quantized = torch.round(rows / row_scales).to(torch.int8)
@@ -284,14 +277,15 @@ class W8A8Linear(Int8Linear):
 
 
 class TiledW8A8Linear(nn.Module):
-    """W8A8Linear on CPUs with AMX: the same quantised weight, scales and activations and the same result bits,
-    with the weight held in AMX tile order (the only copy) and every row count on `w8a8_amx`. A few rows cost
-    little more than one there (one tile instruction covers 16 output features), which is what a speculative
-    verification or a batched decode step needs; many rows (prefill) run faster than `torch._int_mm` too
-    (`python -m bench.kernels`)."""
+    """W8A8Linear on CPUs with AMX or AVX-512 VNNI: the same quantised weight, scales and activations and the same
+    result bits, with the weight held in tile order (the only copy) and every row count on `w8a8_amx` or
+    `w8a8_vnni`. A few rows cost little more than one there (one instruction covers 16 output features), which is
+    what a speculative verification or a batched decode step needs; many rows (prefill) run faster than
+    `torch._int_mm` too (`python -m bench.kernels`)."""
 
     def __init__(self, tiled_weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                 in_features: int, out_features: int, activation_dtype: torch.dtype, kernel: W8A8Amx) -> None:
+                 weight_sum: torch.Tensor | None, in_features: int, out_features: int, activation_dtype: torch.dtype,
+                 kernel: TiledW8A8Kernel) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.activation_dtype = activation_dtype
@@ -299,12 +293,16 @@ class TiledW8A8Linear(nn.Module):
         self.register_buffer("weight", tiled_weight)
         self.register_buffer("scales", scales.float())
         self.register_buffer("bias", None if bias is None else bias.detach().float())
+        # Σₖ w[n, k] for `w8a8_vnni`'s unsigned activations (4 bytes per output feature); None on AMX.
+        self.register_buffer("weight_sum", weight_sum)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, activation_dtype: torch.dtype, kernel: W8A8Amx) -> TiledW8A8Linear:
+    def from_linear(cls, linear: nn.Linear, activation_dtype: torch.dtype, kernel: TiledW8A8Kernel
+                    ) -> TiledW8A8Linear:  # fmt: skip
         weight_int8, scales = quantize_int8(linear.weight.detach())
-        return cls(kernel.pack(weight_int8), scales, linear.bias, linear.in_features, linear.out_features,
-                   activation_dtype, kernel)
+        weight_sum = weight_int8.sum(dim=1, dtype=torch.int32) if kernel.needs_weight_sum else None
+        return cls(kernel.pack(weight_int8), scales, linear.bias, weight_sum, linear.in_features,
+                   linear.out_features, activation_dtype, kernel)
 
     def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The int8 weight's rows `ids`, `[len(ids), in_features]`."""
@@ -314,12 +312,13 @@ class TiledW8A8Linear(nn.Module):
         """The first `num_rows` output features, sharing the tiled weight (its leading blocks: a view)."""
         blocks = self.weight[:-(-num_rows // self.kernel.group)]
         bias = None if self.bias is None else self.bias[:num_rows]
-        return TiledW8A8Linear(blocks, self.scales[:num_rows], bias, self.in_features, num_rows,
+        weight_sum = None if self.weight_sum is None else self.weight_sum[:num_rows]
+        return TiledW8A8Linear(blocks, self.scales[:num_rows], bias, weight_sum, self.in_features, num_rows,
                                self.activation_dtype, self.kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
-        out = self.kernel(rows, self.weight, self.out_features, self.scales, self.bias)
+        out = self.kernel(rows, self.weight, self.out_features, self.scales, self.bias, self.weight_sum)
         return out.to(self.activation_dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -434,15 +433,13 @@ class RowDispatchLinear(nn.Module):
 
 def native_operands(module: nn.Module) -> tuple[LayerProducts, Projection] | None:
     """How the whole-layer decode kernel multiplies by this layer, and its operands (`Projection`, float32 scales
-    and bias), where it can: int8 weight-only on `int8_gemv`, w8a8 on AMX tiles or on `w8a8_gemv`, each with
-    float32 activations; None for any other layer."""
+    and bias), where it can: int8 weight-only on `int8_gemv`, w8a8 in tile order on AMX tiles or through VNNI,
+    each with float32 activations; None for any other layer."""
     packed = module.packed if isinstance(module, RowDispatchLinear) else module
     if getattr(packed, "activation_dtype", None) != torch.float32:
         return None
     if type(packed) is TiledW8A8Linear:
-        return LayerProducts.W8A8_AMX, (packed.weight, packed.scales, packed.bias, None)
-    if type(packed) is W8A8Linear and packed.gemv is not None:
-        return LayerProducts.W8A8_VNNI, (packed.weight, packed.scales, packed.bias, packed.weight_sum)
+        return packed.kernel.products, (packed.weight, packed.scales, packed.bias, packed.weight_sum)
     if type(packed) is Int8Linear and packed.gemv is not None:
         return LayerProducts.INT8_WEIGHT_ONLY, (packed.weight, packed.gemv_scales, packed.gemv_bias, None)
     return None
@@ -549,7 +546,7 @@ def _linear_modules(model: nn.Module, skip: Callable[[str], bool] | None) -> lis
 
 def _quantized(linear: nn.Linear, mode: str, activation_dtype: torch.dtype, group_size: int) -> nn.Module:
     if mode == "w8a8":
-        kernel = w8a8_amx()
+        kernel = w8a8_amx() or w8a8_vnni()
         if kernel is not None:
             return TiledW8A8Linear.from_linear(linear, activation_dtype, kernel)
         return W8A8Linear.from_linear(linear, activation_dtype)

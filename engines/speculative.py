@@ -20,7 +20,8 @@ hold them, so a prefix shared later is whole for the drafter too.
 Round lengths adapt. With per-draft acceptance probability α (a running average of what the target
 accepted) and drafter / target cost ratio r, a round of k drafts emits (1 - α^(k+1)) / (1 - α) tokens per
 sequence in k drafter steps and one verification over k + 1 rows per sequence, whose extra rows are not free
-where the target's products are bound by arithmetic beyond a row (`best_num_drafts`). When no k beats plain
+where the target's products are bound by arithmetic beyond a row or take more than one pass over the weights
+(`ForwardCost`, `best_num_drafts`). When no k beats plain
 decoding clearly (by `MIN_MODELLED_GAIN`) — a batch too large, drafts rejected too often — the round is
 declined: a plain step. While rounds are declined the drafter does not follow decode steps, and α drifts back
 towards its optimistic prior, so rounds are tried again. A round that runs drafts the best k for α. With
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engines.block_manager import BlockManager
+from engines.cpu_kernels import ForwardCost
 from engines.model_runner import ModelRunner, TokenSpan
 from engines.outputs import TokenLogprob
 from engines.sampler import filtered_probs, token_logprobs
@@ -59,6 +61,7 @@ _DECLINED_WEIGHT = 0.02
 # costs beyond forwards (the drafter's rows cost more than the target's, sampling per row): at batch 4 on AVX2,
 # rounds it put at +4 % lost 13-19 % against plain decoding (BENCHMARKS.md, 2026-12-04 late).
 MIN_MODELLED_GAIN = 1.15
+FREE_ROWS = ForwardCost()  # extra rows cost nothing: the weights stream once for all of them
 CONFIDENCE_BINS = (0.0, 0.5, 0.9, 0.99)  # lower edges of SpeculativeStats' confidence bins
 
 
@@ -127,35 +130,29 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
     return emitted
 
 
-def forward_cost(rows: int, extra_row_cost: float) -> float:
-    """A forward over `rows` decode rows, in one-row forwards: the weights stream once, each extra row adds
-    `extra_row_cost` (its arithmetic)."""
-    return 1 + extra_row_cost * (rows - 1)
-
-
 def best_num_drafts(alpha: float, cost_ratio: float, max_drafts: int, batch_size: int = 1,
-                    extra_row_cost: float = 0.0) -> int:
+                    forward_cost: ForwardCost = FREE_ROWS) -> int:
     """The k in [1, max_drafts] that maximises expected tokens per unit of time, or 0 when no round beats a
     plain step by `MIN_MODELLED_GAIN`.
 
-    Time is counted in one-row target forwards: a forward over n rows costs f(n) = 1 + extra_row_cost · (n - 1)
-    (the weights stream once; the rows' arithmetic comes on top, which bounds int8 products on AVX2 beyond a
-    row or two), a drafter forward cost_ratio times that. A plain step of B sequences emits one token each in
-    f(B); a round emits E(k) = (1 - α^(k+1)) / (1 - α) each in k · cost_ratio · f(B) + f(B · (k + 1)).
+    Time is counted in one-row target forwards: a forward over n rows costs f(n) = `forward_cost(n)` (the weights
+    stream once; the rows' arithmetic, or further passes over the weights, come on top), a drafter forward
+    cost_ratio times that. A plain step of B sequences emits one token each in f(B); a round emits
+    E(k) = (1 - α^(k+1)) / (1 - α) each in k · cost_ratio · f(B) + f(B · (k + 1)).
     """
     alpha = min(max(alpha, 0.0), 0.999)
 
     def speedup(k: int) -> float:
         expected_tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
-        plain = forward_cost(batch_size, extra_row_cost)
-        return expected_tokens * plain / (k * cost_ratio * plain + forward_cost(batch_size * (k + 1), extra_row_cost))
+        plain = forward_cost(batch_size)
+        return expected_tokens * plain / (k * cost_ratio * plain + forward_cost(batch_size * (k + 1)))
 
     best = max(range(1, max_drafts + 1), key=speedup)
     return best if speedup(best) > MIN_MODELLED_GAIN else 0
 
 
 def worth_another_draft(survival: list[float], expected_tokens: float, num_drafts: int, alpha: float,
-                        cost_ratio: float, extra_row_cost: float = 0.0) -> bool:
+                        cost_ratio: float, forward_cost: ForwardCost = FREE_ROWS) -> bool:
     """Whether drafting one more token raises the round's expected tokens per unit of time.
 
     `survival[i]`: the probability that sequence i's drafts so far are all accepted (the product of the
@@ -166,9 +163,10 @@ def worth_another_draft(survival: list[float], expected_tokens: float, num_draft
     round's rate so far.
     """
     batch_size = len(survival)
-    plain = forward_cost(batch_size, extra_row_cost)
-    per_draft = cost_ratio * plain + extra_row_cost * batch_size
-    round_time = plain + num_drafts * per_draft
+    plain = forward_cost(batch_size)
+    verified_rows = batch_size * (num_drafts + 1)
+    per_draft = cost_ratio * plain + forward_cost(verified_rows + batch_size) - forward_cost(verified_rows)
+    round_time = num_drafts * cost_ratio * plain + forward_cost(verified_rows)
     return alpha * sum(survival) / per_draft > expected_tokens / round_time
 
 
@@ -187,7 +185,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 class Speculator:
     """The drafter of one engine: its model runner (own KV cache, the target's block tables) and k's adaptation."""
 
-    def __init__(self, runner: ModelRunner, max_drafts: int, cost_ratio: float, extra_row_cost: float = 0.0,
+    def __init__(self, runner: ModelRunner, max_drafts: int, cost_ratio: float, forward_cost: ForwardCost = FREE_ROWS,
                  adaptive_drafts: bool = False) -> None:
         if max_drafts < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
@@ -197,7 +195,7 @@ class Speculator:
         # round drafts the k that `best_num_drafts` expects from α alone.
         self.adaptive_drafts = adaptive_drafts
         self.cost_ratio = cost_ratio  # drafter forward / target forward, in weight bytes streamed
-        self.extra_row_cost = extra_row_cost  # the target's, see best_num_drafts
+        self.forward_cost = forward_cost  # the target's, see best_num_drafts
         self.stats = SpeculativeStats()
         self.declined = False  # the last round asked for was not worth running (k = 0)
         self._alpha = _ALPHA_PRIOR
@@ -222,7 +220,7 @@ class Speculator:
     def num_drafts(self, seqs: list[Sequence], max_model_len: int) -> int:
         """This round's most drafts, capped so that no sequence runs past its length limits (0: no round): the
         adapted k, or with adaptive drafts `max_drafts` (the round itself stops where drafts stop paying)."""
-        k = best_num_drafts(self._alpha, self.cost_ratio, self.max_drafts, len(seqs), self.extra_row_cost)
+        k = best_num_drafts(self._alpha, self.cost_ratio, self.max_drafts, len(seqs), self.forward_cost)
         self.declined = k == 0
         if self.declined:
             self._alpha += _DECLINED_WEIGHT * (_ALPHA_PRIOR - self._alpha)
@@ -273,7 +271,7 @@ class Speculator:
                  for seq, tokens in zip(seqs, behind, strict=True)]
         for j in range(k):
             if j and self.adaptive_drafts and not worth_another_draft(
-                    survival, expected_tokens, j, self._alpha, self.cost_ratio, self.extra_row_cost):
+                    survival, expected_tokens, j, self._alpha, self.cost_ratio, self.forward_cost):
                 break
             logits = _for_sampling(self.runner.forward(spans), seqs)
             for i, seq in enumerate(seqs):

@@ -8,7 +8,6 @@ quantization can swap them in place.
 from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +16,7 @@ from torch import nn
 from engines.attention import AttentionMetadata, StepYielded, as_blocks, paged_attention
 from engines.config import ModelConfig
 from engines.cpu_kernels import (
+    FORWARD_COST,
     DecodeLayerKernel,
     DecoderLayerWeights,
     DecodeRows,
@@ -339,21 +339,12 @@ class NativeDecoder:
     at batch 1 those cost a third of a step (BENCHMARKS.md). Built once per model runner by
     `LlamaForCausalLM.native_decoder`; `rows` prepares a step's decode rows."""
 
-    # What each row beyond the first adds to a one-row forward; speculation sizes its rounds with it. int16
-    # products (`vpmaddwd`) are bound by arithmetic, not by the weight stream, from two rows on: about a fifth
-    # (both demo models, 1 to 8 rows, within 0.1 on the AVX2 EPYC, BENCHMARKS.md, 2026-12-04); VNNI's w8a8
-    # about the same (~0.22 on a Zen 4, 2026-12-05). On AMX tiles 16 rows cost ~1.06 one-row products
-    # (`python -m bench.kernels`, BENCHMARKS.md, 2026-12-05).
-    EXTRA_ROW_COST: ClassVar[dict[LayerProducts, float]] = {
-        LayerProducts.INT8_WEIGHT_ONLY: 0.2, LayerProducts.W8A8_AMX: 0.0, LayerProducts.W8A8_VNNI: 0.2,
-    }
-
     def __init__(self, kernel: DecodeLayerKernel, shape: DecoderShape,
                  layers: list[tuple[DecoderLayerWeights, list[torch.Tensor]]], rope_cos: torch.Tensor,
                  rope_sin: torch.Tensor) -> None:
         self.kernel, self.shape, self.layers = kernel, shape, layers
         self.products = LayerProducts(shape.products)
-        self.extra_row_cost = self.EXTRA_ROW_COST[self.products]
+        self.forward_cost = FORWARD_COST[self.products]
         self.max_rows = kernel.max_rows
         self._rope_cos, self._rope_sin = rope_cos, rope_sin
 

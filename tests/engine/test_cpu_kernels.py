@@ -13,7 +13,7 @@ from torch import nn
 
 from engines import cpu_kernels
 from engines.attention import AttentionMetadata, paged_attention
-from engines.cpu_kernels import PagedDecodeAttention, int8_gemv, w8a8_amx, w8a8_gemv
+from engines.cpu_kernels import PagedDecodeAttention, int8_gemv, w8a8_amx, w8a8_vnni
 from engines.quantization import (
     PACKED_MAX_ROWS,
     Int8Embedding,
@@ -24,8 +24,8 @@ from engines.quantization import (
     first_output_rows,
 )
 
-needs_kernel = pytest.mark.skipif(
-    w8a8_gemv() is None, reason="the w8a8 kernel needs AVX-512 VNNI and a C compiler; this machine lacks one"
+needs_vnni = pytest.mark.skipif(
+    w8a8_vnni() is None, reason="the VNNI w8a8 kernel needs AVX-512 VNNI and a C compiler; this machine lacks one"
 )
 needs_amx = pytest.mark.skipif(
     w8a8_amx() is None, reason="the AMX w8a8 kernel needs AMX-INT8 (e.g. Intel Sapphire Rapids); this CPU lacks it"
@@ -34,13 +34,15 @@ needs_library = pytest.mark.skipif(
     int8_gemv() is None, reason="the CPU decode kernels need AVX2, FMA and a C compiler; this machine lacks one"
 )
 # Both builds of the attention kernel where this CPU runs them (AVX-512 CPUs run the AVX2 one too).
-ATTENTION_ISAS = ["avx2", *(["avx512"] if w8a8_gemv() is not None else [])]
+ATTENTION_ISAS = ["avx2", *(["avx512"] if w8a8_vnni() is not None else [])]
+# The two products over a weight in tile order, each where this CPU runs it.
+TILED_KERNELS = [pytest.param("amx", marks=needs_amx), pytest.param("vnni", marks=needs_vnni)]
 
 
 def layer_pair(layer_type: type[Int8Linear], in_features: int, out_features: int, bias: bool
                ) -> tuple[Int8Linear, Int8Linear]:  # fmt: skip
-    """The same quantised layer twice: through its kernel, and forced onto its PyTorch op (`torch._int_mm`
-    for w8a8, the packed bfloat16 `_weight_int8pack_mm` for int8)."""
+    """The same quantised layer twice: through its kernel, and forced onto its PyTorch op (the packed bfloat16
+    `_weight_int8pack_mm` for int8)."""
     torch.manual_seed(in_features + out_features)
     linear = nn.Linear(in_features, out_features, bias=bias)
     with_kernel = layer_type.from_linear(linear, torch.float32)
@@ -49,49 +51,25 @@ def layer_pair(layer_type: type[Int8Linear], in_features: int, out_features: int
     return with_kernel, reference
 
 
-@needs_kernel
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8])
-# 8960 and 4200 (a partial last chunk): wide rows that several of go four outputs at a time (`dot_rows_four`)
-@pytest.mark.parametrize(("in_features", "bias"), [(256, False), (200, True), (4864 // 8, True), (8960, True),
-                                                   (4200, False)])
-@pytest.mark.parametrize("out_features", [96, 37])  # 37: passes of several outputs end mid-way in each thread
-def test_the_kernel_is_bit_identical_to_int_mm(rows: int, in_features: int, bias: bool, out_features: int) -> None:
-    with_kernel, reference = layer_pair(W8A8Linear, in_features, out_features, bias)
-    x = torch.randn(rows, in_features) * torch.logspace(-3, 3, rows).unsqueeze(1)  # row scales far apart
-    x[0] = x[0].clamp(-100, 100)
-    x[0, :3] = torch.tensor([127.0, 2.5, -3.5])  # scale exactly 1: two values halfway, rounded half to even
-    assert torch.equal(with_kernel(x), reference(x))
-    assert torch.equal(with_kernel(torch.zeros(rows, in_features)), reference(torch.zeros(rows, in_features)))
-
-
-@needs_kernel
-def test_rows_beyond_the_kernel_go_to_int_mm_and_stay_exact() -> None:
-    with_kernel, reference = layer_pair(W8A8Linear, 128, 64, True)
-    kernel = w8a8_gemv()
-    assert kernel is not None
-    x = torch.randn(kernel.max_rows + 1, 128)
-    assert torch.equal(with_kernel(x), reference(x))
-    with pytest.raises(ValueError, match="rows"):
-        kernel(x, with_kernel.weight, with_kernel.weight_sum, with_kernel.scales, with_kernel.bias)
-
-
-def tiled_pair(in_features: int, out_features: int, bias: bool) -> tuple[TiledW8A8Linear, W8A8Linear]:
-    """One quantised layer in AMX tile order and as W8A8Linear forced onto `torch._int_mm`."""
-    kernel = w8a8_amx()
+def tiled_pair(kernel_name: str, in_features: int, out_features: int, bias: bool
+               ) -> tuple[TiledW8A8Linear, W8A8Linear]:  # fmt: skip
+    """One quantised layer in tile order on `kernel_name`'s product, and as W8A8Linear on `torch._int_mm`."""
+    kernel = {"amx": w8a8_amx, "vnni": w8a8_vnni}[kernel_name]()
     assert kernel is not None
     torch.manual_seed(in_features + out_features)
     linear = nn.Linear(in_features, out_features, bias=bias)
-    reference = W8A8Linear.from_linear(linear, torch.float32)
-    reference.gemv = None
-    return TiledW8A8Linear.from_linear(linear, torch.float32, kernel), reference
+    return TiledW8A8Linear.from_linear(linear, torch.float32, kernel), W8A8Linear.from_linear(linear, torch.float32)
 
 
-@needs_amx
-@pytest.mark.parametrize("rows", [1, 4, 5, 16, 17, 37])  # 17, 37: a last block of fewer than 16 rows
-@pytest.mark.parametrize(("in_features", "bias"), [(256, False), (200, True), (4864 // 8, True)])  # 200, 608: padded
+@pytest.mark.parametrize("kernel_name", TILED_KERNELS)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 37])  # blocks of 4 rows (VNNI) and 16 (AMX), and the rest
+# 200, 608, 4200: padded to whole 64-input chunks; 8960: the large tier's down projection
+@pytest.mark.parametrize(("in_features", "bias"), [(256, False), (200, True), (4864 // 8, True), (8960, True),
+                                                   (4200, False)])
 @pytest.mark.parametrize("out_features", [128, 37])  # 37: one group, padded; 128: two, one per thread
-def test_the_amx_kernel_is_bit_identical_to_int_mm(rows: int, in_features: int, bias: bool, out_features: int) -> None:
-    tiled, reference = tiled_pair(in_features, out_features, bias)
+def test_the_tiled_kernels_are_bit_identical_to_int_mm(kernel_name: str, rows: int, in_features: int, bias: bool,
+                                                       out_features: int) -> None:
+    tiled, reference = tiled_pair(kernel_name, in_features, out_features, bias)
     x = torch.randn(rows, in_features) * torch.logspace(-3, 3, rows).unsqueeze(1)  # row scales far apart
     x[0] = x[0].clamp(-100, 100)
     x[0, :3] = torch.tensor([127.0, 2.5, -3.5])  # scale exactly 1: two values halfway, rounded half to even
@@ -101,17 +79,17 @@ def test_the_amx_kernel_is_bit_identical_to_int_mm(rows: int, in_features: int, 
     assert torch.equal(tiled(torch.zeros(rows, in_features)), reference(torch.zeros(rows, in_features)))
 
 
-@needs_amx
-def test_a_row_gives_the_same_bits_alone_or_in_a_batch_on_amx() -> None:
-    tiled, _ = tiled_pair(896, 192, True)
+@pytest.mark.parametrize("kernel_name", TILED_KERNELS)
+def test_a_row_gives_the_same_bits_alone_or_in_a_batch_on_the_tiled_kernels(kernel_name: str) -> None:
+    tiled, _ = tiled_pair(kernel_name, 896, 192, True)
     x = torch.randn(21, 896)
     together = tiled(x)
     assert all(torch.equal(tiled(x[row : row + 1]), together[row : row + 1]) for row in range(21))
 
 
-@needs_amx
-def test_the_tiled_weight_is_the_only_copy_and_serves_rows_a_cut_head_and_a_tied_embedding() -> None:
-    tiled, reference = tiled_pair(200, 150, True)
+@pytest.mark.parametrize("kernel_name", TILED_KERNELS)
+def test_the_tiled_weight_is_the_only_copy_and_serves_rows_a_cut_head_and_a_tied_embedding(kernel_name: str) -> None:
+    tiled, reference = tiled_pair(kernel_name, 200, 150, True)
     assert tiled.weight.numel() == 192 * 256  # padded to whole tiles; no [N, K] weight beside it
     ids = torch.tensor([0, 149, 64, 17, 17])
     assert torch.equal(tiled.weight_rows(ids), reference.weight[ids])
@@ -234,7 +212,7 @@ def test_a_cpu_without_avx2_keeps_the_pytorch_paths(monkeypatch: pytest.MonkeyPa
 @needs_library
 def test_a_cpu_without_vnni_gets_the_avx2_kernels_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
-    assert cpu_kernels.w8a8_gemv.__wrapped__() is None
+    assert cpu_kernels.w8a8_vnni.__wrapped__() is None
     assert cpu_kernels.w8a8_amx.__wrapped__() is None
     assert cpu_kernels.int8_gemv.__wrapped__() is not None
     attention = cpu_kernels.paged_decode_attention.__wrapped__()

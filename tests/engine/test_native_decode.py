@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engines import quantization
-from engines.cpu_kernels import LayerProducts, decode_layer, w8a8_amx, w8a8_gemv
+from engines.cpu_kernels import LayerProducts, decode_layer, w8a8_amx, w8a8_vnni
 from engines.llm_engine import LLMEngine
 from engines.model_runner import ModelRunner, TokenSpan
 from engines.models import llama
@@ -31,7 +31,7 @@ SEQUENCES = [
 # The products the native layers take on this CPU: int8 weight-only everywhere (AVX2), w8a8 on AMX tiles and
 # through VNNI dot products where the CPU has them (an AMX CPU runs the VNNI kernel too).
 PRODUCTS = ["int8", *(["w8a8-amx"] if w8a8_amx() is not None else []),
-            *(["w8a8-vnni"] if w8a8_gemv() is not None else [])]
+            *(["w8a8-vnni"] if w8a8_vnni() is not None else [])]
 
 
 @pytest.fixture(params=PRODUCTS)

@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from engines.config import EngineConfig
+from engines.cpu_kernels import ForwardCost
 from engines.llm_engine import LLMEngine
 from engines.loader import Checkpoint
 from engines.model_runner import TokenSpan
 from engines.sampling_params import GrammarSpec, SamplingParams
 from engines.sequence import Sequence
-from engines.speculative import best_num_drafts, greedy_accept, rejection_sample, worth_another_draft
+from engines.speculative import FREE_ROWS, best_num_drafts, greedy_accept, rejection_sample, worth_another_draft
 from engines.tiers import TierSpec
 from tests.engine.conftest import TinyModel, generated_ids, make_engine, run_to_completion
 
@@ -51,7 +52,7 @@ def speculative_engine(model: TinyModel, drafter: Checkpoint, **overrides: objec
     # as a third of the target, about what the demo pair's weights are, and its verification rows as free (the
     # native int8 layers' cost would decline the rounds of three sequences), so that rounds run.
     assert engine.speculator is not None
-    engine.speculator.cost_ratio, engine.speculator.extra_row_cost = 0.3, 0.0
+    engine.speculator.cost_ratio, engine.speculator.forward_cost = 0.3, FREE_ROWS
     return engine
 
 
@@ -96,19 +97,20 @@ def test_adaptive_rounds_run_long_behind_a_sure_drafter_and_stop_at_its_first_gu
 def test_one_more_draft_pays_while_the_drafts_are_likely_kept_and_verification_rows_are_cheap() -> None:
     sure, unsure = [0.99], [0.3]
     assert worth_another_draft(sure, expected_tokens=1 + 0.99, num_drafts=1, alpha=0.87, cost_ratio=0.3,
-                               extra_row_cost=0.2)
+                               forward_cost=ForwardCost(per_row=0.2))
     assert not worth_another_draft(unsure, expected_tokens=1 + 0.3, num_drafts=1, alpha=0.87, cost_ratio=0.3,
-                                   extra_row_cost=0.2)
+                                   forward_cost=ForwardCost(per_row=0.2))
     # Long confident rounds end too: each draft adds less to the round's rate than the last.
     survival, expected, drafts = [1.0], 1.0, 0
-    while drafts < 100 and (drafts == 0 or worth_another_draft(survival, expected, drafts, 0.87, 0.3, 0.2)):
+    while drafts < 100 and (drafts == 0 or worth_another_draft(survival, expected, drafts, 0.87, 0.3,
+                                                                         ForwardCost(per_row=0.2))):
         drafts, expected = drafts + 1, expected + 1.0
     assert 3 <= drafts < 100
     # The same confidence pays for fewer drafts when verification rows cost more or the drafter costs more.
-    assert not worth_another_draft(survival, 1 + 3.0, 3, 0.87, 0.3, extra_row_cost=0.5)
-    assert not worth_another_draft(survival, 1 + 3.0, 3, 0.87, cost_ratio=0.6, extra_row_cost=0.2)
+    assert not worth_another_draft(survival, 1 + 3.0, 3, 0.87, 0.3, ForwardCost(per_row=0.5))
+    assert not worth_another_draft(survival, 1 + 3.0, 3, 0.87, cost_ratio=0.6, forward_cost=ForwardCost(per_row=0.2))
     # In a batch one sure sequence does not carry three that are already likely rejected.
-    assert not worth_another_draft([0.95, 0.05, 0.05, 0.05], 4 + 1.1, 1, 0.87, 0.3, 0.2)
+    assert not worth_another_draft([0.95, 0.05, 0.05, 0.05], 4 + 1.1, 1, 0.87, 0.3, ForwardCost(per_row=0.2))
 
 
 @pytest.mark.parametrize("quantization", ["w8a8", "int8"])
@@ -272,8 +274,18 @@ def test_rounds_shrink_and_stop_as_verification_rows_cost_more() -> None:
     AVX2: a fifth of a one-row forward each): fewer drafts at batch 1, none at a batch of four."""
     free_rows = best_num_drafts(alpha=0.87, cost_ratio=0.32, max_drafts=4, batch_size=4)
     assert free_rows == 4
-    assert 1 <= best_num_drafts(0.87, 0.32, 4, batch_size=1, extra_row_cost=0.2) < free_rows
-    assert best_num_drafts(0.87, 0.32, 4, batch_size=4, extra_row_cost=0.3) == 0
+    assert 1 <= best_num_drafts(0.87, 0.32, 4, batch_size=1, forward_cost=ForwardCost(per_row=0.2)) < free_rows
+    assert best_num_drafts(0.87, 0.32, 4, batch_size=4, forward_cost=ForwardCost(per_row=0.3)) == 0
+
+
+def test_rounds_fit_the_rows_one_pass_over_the_weights_takes() -> None:
+    """Where a pass over the weights takes four rows for the price of one and each further pass costs a share of a
+    forward (w8a8 through VNNI): three drafts at batch 1 (4 rows to verify: one pass), one at batch 2, none at 4."""
+    cost = ForwardCost(per_pass=0.4, rows_per_pass=4)
+    assert [cost(rows) for rows in (1, 4, 5, 8, 16)] == pytest.approx([1, 1, 1.4, 1.4, 2.2])
+    assert best_num_drafts(0.88, 0.35, 6, batch_size=1, forward_cost=cost) == 3
+    assert best_num_drafts(0.88, 0.35, 6, batch_size=2, forward_cost=cost) == 1
+    assert best_num_drafts(0.88, 0.35, 6, batch_size=4, forward_cost=cost) == 0
 
 
 def test_a_declined_round_brings_speculation_back_after_some_plain_steps(tiny_llama: TinyModel) -> None:
@@ -330,7 +342,7 @@ def test_a_drafter_declined_by_a_large_batch_lags_then_catches_up_and_the_output
     expected, _ = run(make_engine(tiny_qwen2))
     engine = speculative_engine(tiny_qwen2, drafter_of(tiny_qwen2, 0.02))
     assert engine.speculator is not None
-    engine.speculator.extra_row_cost = 0.2
+    engine.speculator.forward_cost = ForwardCost(per_row=0.2)
     generated, lagged = run(engine)
     assert generated == expected
     assert lagged
