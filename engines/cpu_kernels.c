@@ -292,18 +292,23 @@ static inline __m256 scale_pow2_256(const __m256 y, const __m256 n) {
 #define TILE_K_CHUNK 64
 #define TILE_BLOCK_BYTES (TILE_GROUP * TILE_K_CHUNK)
 
-/* w [N, K] int8 → packed [ceil(N / 64), ceil(K / 64), 4096] int8, zero-padded; blocks quad-major or slice-major. */
-void w8a8_tile_pack(const int8_t *w, const int64_t N, const int64_t K, const int quad_major, int8_t *packed) {
+/* w [N, K] int8 → packed [ceil(N / 64), ceil(K / 64), 4096] int8, zero-padded; blocks quad-major or slice-major.
+ * row_sums [N] int32 (Σₖ w[n, k], for `w8a8_vnni`), or NULL. */
+void w8a8_tile_pack(const int8_t *w, const int64_t N, const int64_t K, const int quad_major, int8_t *packed,
+                    int32_t *row_sums) {
     const int64_t groups = (N + TILE_GROUP - 1) / TILE_GROUP, chunks = (K + TILE_K_CHUNK - 1) / TILE_K_CHUNK;
     const int64_t slice_bytes = quad_major ? 64 : 1024, quad_bytes = quad_major ? 256 : 64;
     memset(packed, 0, groups * chunks * TILE_BLOCK_BYTES);
     for (int64_t n = 0; n < N; n++) {
         const int64_t group = n / TILE_GROUP, slice = (n % TILE_GROUP) / 16, feature = n % 16;
+        int32_t sum = 0;
         for (int64_t k = 0; k < K; k++) {
             const int64_t chunk = k / TILE_K_CHUNK, quad = (k % TILE_K_CHUNK) / 4;
             packed[(group * chunks + chunk) * TILE_BLOCK_BYTES + slice * slice_bytes + quad * quad_bytes + feature * 4
                    + k % 4] = w[n * K + k];
+            sum += w[n * K + k];
         }
+        if (row_sums) row_sums[n] = sum;
     }
 }
 

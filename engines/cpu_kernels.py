@@ -60,8 +60,9 @@ _POINTER, _INT64 = ctypes.c_void_p, ctypes.c_int64
 class TiledW8A8Kernel:
     """`W8A8Linear`'s product, bit for bit, at any number of rows, over a weight in tile order:
     `pack(weight [N, K] int8)` → the tiled weight `[ceil(N / group), ceil(K / k_chunk), group * k_chunk]`
-    int8 (zero-padded); `(x [rows, K] float32, tiled, N, scales [N], bias [N] | None, weight_sum [N] | None)` →
-    `[rows, N]` float32. A weight's row n is `rows(tiled, ids, K)`: a gather, never a second copy.
+    int8 (zero-padded), with the weight's row sums where the product takes them; `(x [rows, K] float32, tiled, N,
+    scales [N], bias [N] | None, weight_sum [N] | None)` → `[rows, N]` float32. A weight's row n is
+    `rows(tiled, ids, K)`: a gather, never a second copy.
     Two products read that order: `W8A8Amx` on AMX tiles and `W8A8Vnni` through AVX-512 VNNI, which also takes
     the weight's row sums (`needs_weight_sum`)."""
 
@@ -74,15 +75,19 @@ class TiledW8A8Kernel:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._pack = library.w8a8_tile_pack
         self._pack.restype = None
-        self._pack.argtypes = [_POINTER, _INT64, _INT64, ctypes.c_int, _POINTER]
+        self._pack.argtypes = [_POINTER, _INT64, _INT64, ctypes.c_int, _POINTER, _POINTER]
 
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+    def pack(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The tiled weight, and its row sums `[N]` int32 where this product takes them (else None). Taken in
+        the same pass: summing the [N, K] int8 weight in torch widens it whole, a 4x copy of an LM head."""
         out_features, in_features = weight.shape
         weight = weight.contiguous()
         tiled = torch.empty(-(-out_features // self.group), -(-in_features // self.k_chunk),
                             self.group * self.k_chunk, dtype=torch.int8)
-        self._pack(weight.data_ptr(), out_features, in_features, int(self.quad_major), tiled.data_ptr())
-        return tiled
+        row_sums = torch.empty(out_features, dtype=torch.int32) if self.needs_weight_sum else None
+        self._pack(weight.data_ptr(), out_features, in_features, int(self.quad_major), tiled.data_ptr(),
+                   None if row_sums is None else row_sums.data_ptr())
+        return tiled, row_sums
 
     def rows(self, tiled: torch.Tensor, ids: torch.Tensor, in_features: int) -> torch.Tensor:
         """Rows `ids` of the weight `tiled` was packed from, `[len(ids), in_features]` int8."""

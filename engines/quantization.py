@@ -300,9 +300,9 @@ class TiledW8A8Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear, activation_dtype: torch.dtype, kernel: TiledW8A8Kernel
                     ) -> TiledW8A8Linear:  # fmt: skip
         weight_int8, scales = quantize_int8(linear.weight.detach())
-        weight_sum = weight_int8.sum(dim=1, dtype=torch.int32) if kernel.needs_weight_sum else None
-        return cls(kernel.pack(weight_int8), scales, linear.bias, weight_sum, linear.in_features,
-                   linear.out_features, activation_dtype, kernel)
+        tiled, weight_sum = kernel.pack(weight_int8)
+        return cls(tiled, scales, linear.bias, weight_sum, linear.in_features, linear.out_features, activation_dtype,
+                   kernel)
 
     def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The int8 weight's rows `ids`, `[len(ids), in_features]`."""
