@@ -533,10 +533,11 @@ int decode_layer_int8(const struct decoder_layer *layer, const struct decoder_sh
  * when the layer is built) is subtracted from each sum — exact in int32.
  *
  * A quad of a slice (64 bytes) holds 16 features × 4 inputs, so one `vpdpbusd` with 4 input bytes of an x row
- * broadcast adds them into 16 features' sums at once: no horizontal sum per feature, and each weight vector,
- * loaded once, serves VNNI_ROWS rows from registers (4 slices × 4 rows of accumulators; 6 rows spilled and ran
- * slower). Against dot products along K over a row-major weight (the kernel this one replaced), 4 rows cost
- * 1.1-1.5x one row instead of 1.4-2.4x on the Zen 4, and one row is no slower (BENCHMARKS.md, 2026-12-05).
+ * broadcast adds them into 16 features' sums at once: no horizontal sum per feature, and each weight vector read
+ * from memory serves VNNI_ROWS rows (4 slices × 4 rows of accumulators; 6 rows spilled and ran slower; GCC folds
+ * the weight loads into the `vpdpbusd`s, L1 hits, which measured the same as holding them in registers). Against
+ * dot products along K over a row-major weight (the kernel this one replaced), 4 rows cost about one row's time
+ * instead of 1.35-1.8x on the Zen 4, and one row is no slower (BENCHMARKS.md, 2026-12-05).
  * Threads split the groups; within a group every block of VNNI_ROWS rows passes over the group's weight, which
  * stays in L2 between them.
  */

@@ -338,8 +338,9 @@ class ForwardCost:
 # Per kind of product (`python -m bench.kernels` times them; BENCHMARKS.md). int16 products (`vpmaddwd`) are bound
 # by arithmetic, not by the weight stream, from two rows on: about a fifth of a row each (both demo models, 1 to 8
 # rows, within 0.1 on the AVX2 EPYC, 2026-12-04). On AMX tiles 16 rows cost ~1.06 one-row products. `w8a8_vnni`
-# takes 4 rows a pass at the cost of one (1.03-1.14x), and each further pass ~0.3-0.4 of a one-row forward (16 rows
-# 1.9-2.0x; a verification of 14 rows at batch 4 took 2.3 plain steps in `bench.speculative`) (Zen 4, 2026-12-05).
+# takes 4 rows a pass at the cost of one (0.96-1.14x), and each further pass ~0.1-0.35 of a one-row product (16 rows
+# 1.7-2.05x); with attention and the rest of the layer a verification of ~14 rows at batch 4 took 2.3 plain steps in
+# `bench.speculative`, hence 0.4 a pass (Zen 4, 2026-12-05).
 FORWARD_COST = {
     LayerProducts.INT8_WEIGHT_ONLY: ForwardCost(per_row=0.2),
     LayerProducts.W8A8_AMX: ForwardCost(),
