@@ -72,3 +72,25 @@ def release_free_memory() -> None:
     trim = getattr(_libc(), "malloc_trim", None)
     if trim is not None:
         trim(0)
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+MMAP_THRESHOLD_BYTES = 32 << 20  # the most glibc accepts
+TRIM_THRESHOLD_BYTES = 256 << 20
+
+
+def keep_freed_memory() -> bool:
+    """Let the C heap keep what a step frees for the next step (glibc `mallopt`; elsewhere nothing, False).
+
+    By default glibc maps blocks above an adaptive threshold afresh and hands freed memory at the heap's top back
+    to the OS beyond another, and a prefill chunk's activations (megabytes per op, every layer) defeat the
+    adaptation: each op's output faulted its pages in anew, ~380,000 minor faults and ~13% of a 600-token prefill
+    on the large tier (BENCHMARKS.md). Fixed thresholds — blocks up to 32 MB from the heap, up to 256 MB of free
+    heap kept — reuse them. 256 MB holds a prefill chunk's activations on the large tier and bounds what a second
+    engine loading in the same process keeps beside its temporaries (1 GB raised `make run`'s loading peak by
+    ~0.9 GB). The engine calls it once loaded; `release_free_memory` still trims on request."""
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
+        return False
+    mapped = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    return bool(mapped) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))

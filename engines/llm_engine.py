@@ -23,7 +23,7 @@ import torch
 from engines.attention import StepYielded
 from engines.block_manager import BlockManager
 from engines.config import EngineConfig, ModelConfig
-from engines.cpu import has_native_bf16, release_free_memory
+from engines.cpu import has_native_bf16, keep_freed_memory, release_free_memory
 from engines.detokenizer import IncrementalDetokenizer
 from engines.loader import Checkpoint, load_checkpoint
 from engines.model_runner import ModelRunner, kv_block_bytes
@@ -182,6 +182,7 @@ class LLMEngine:
             self.speculator = self._load_speculator(num_kv_blocks, drafter)
             self.block_manager.drafter_follows = True
         release_free_memory()  # what loading freed (dequantised tensors), still mapped by malloc
+        keep_freed_memory()  # from here on what a step frees serves the next one
         self._rng = random.Random(config.seed)
         self._grammars: Grammars | None = None
         self._requests: dict[str, Sequence] = {}
