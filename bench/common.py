@@ -77,7 +77,7 @@ def write_results(name: str, figures: dict[str, Any]) -> Path:
 def run_without_amx() -> None:
     """From here on, w8a8 layers are built as on CPUs with VNNI and no AMX (`TiledW8A8Linear` on `w8a8_vnni`): for
     benchmarks that measure that path on an AMX CPU, beside the one `auto` picks there."""
-    from engines import quantization
+    from engines import cpu_kernels, quantization
 
-    quantization.w8a8_amx = lambda: None  # type: ignore[assignment]
+    quantization.w8a8_tiled = cpu_kernels.w8a8_vnni  # type: ignore[assignment]
 

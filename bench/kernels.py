@@ -39,7 +39,7 @@ from bench.common import print_table, write_results
 from bench.engine import memory_bandwidth
 from engines.attention import AttentionMetadata, paged_attention
 from engines.cpu import has_int8_dot_product, has_native_bf16
-from engines.cpu_kernels import TiledW8A8Kernel, int8_gemv, paged_decode_attention, w8a8_amx, w8a8_vnni
+from engines.cpu_kernels import TiledW8A8Kernel, int8_gemv, paged_decode_attention, w8a8_tiled
 from engines.quantization import Int8Linear, TiledW8A8Linear, W8A8Linear, resolve_quantization
 
 SHAPES = {"gate_up 896→9728": (896, 9728), "down 4864→896": (4864, 896), "lm_head 896→151936": (896, 151936)}
@@ -70,7 +70,7 @@ def measure(repeat: int) -> list[dict[str, Any]]:
         dense = nn.Linear(in_features, out_features, bias=False)
         w8a8 = W8A8Linear.from_linear(dense, torch.float32)
         int8 = Int8Linear.from_linear(dense, torch.float32)
-        kernel = tiled_kernel()
+        kernel = w8a8_tiled()
         tiled = None if kernel is None else TiledW8A8Linear.from_linear(dense, torch.float32, kernel)
         for rows in ROWS:
             x = torch.randn(rows, in_features)
@@ -97,11 +97,6 @@ def measure(repeat: int) -> list[dict[str, Any]]:
 def run_all(layers: list[Int8Linear], x: torch.Tensor) -> None:
     for layer in layers:
         layer(x)
-
-
-def tiled_kernel() -> TiledW8A8Kernel | None:
-    """The tiled w8a8 kernel `quantize_model` builds on this CPU (AMX before VNNI), or None."""
-    return w8a8_amx() or w8a8_vnni()
 
 
 @torch.inference_mode()
@@ -230,8 +225,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             for r in results
         ],
     )  # fmt: skip
-    kernel = tiled_kernel()
-    kernel_name = None if kernel is None else f"w8a8_{kernel.products.name.removeprefix('W8A8_').lower()}"
+    kernel = w8a8_tiled()
+    kernel_name = None if kernel is None else kernel.symbol
     figures: dict[str, Any] = {"cpu": cpu, "baseline": "float32 nn.Linear", "w8a8_tiled_kernel": kernel_name,
                                "results": results}  # fmt: skip
     bandwidth = memory_bandwidth()

@@ -57,6 +57,14 @@ COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-sh
 _POINTER, _INT64 = ctypes.c_void_p, ctypes.c_int64
 
 
+class LayerProducts(enum.IntEnum):
+    """How `decode_layer_int8` multiplies (`enum layer_products`): every product of a layer is one kind."""
+
+    INT8_WEIGHT_ONLY = 0  # `int8_gemv`'s arithmetic: int16 activations, weight [N, K]
+    W8A8_AMX = 1  # `w8a8_amx`'s: int8 activations, the weight in tile order
+    W8A8_VNNI = 2  # `w8a8_vnni`'s: int8 activations (shifted to uint8), the weight in tile order and its row sums
+
+
 class TiledW8A8Kernel:
     """`W8A8Linear`'s product, bit for bit, at any number of rows, over a weight in tile order:
     `pack(weight [N, K] int8)` → the tiled weight `[ceil(N / group), ceil(K / k_chunk), group * k_chunk]`
@@ -68,14 +76,20 @@ class TiledW8A8Kernel:
 
     group = 64  # output features per block of the tiled weight (TILE_GROUP)
     k_chunk = 64  # inputs per block (TILE_K_CHUNK)
+    symbol: str  # the product's C function
+    products: LayerProducts  # what `decode_layer_int8` calls it
     needs_weight_sum = False
     quad_major = False  # a block's layout: [quad of 4 inputs][slice of 16 features], else [slice][quad]
-    products: LayerProducts
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._pack = library.w8a8_tile_pack
         self._pack.restype = None
         self._pack.argtypes = [_POINTER, _INT64, _INT64, ctypes.c_int, _POINTER, _POINTER]
+        # (x, rows, K, tiled[, weight_sum], scales, bias, out, N, xq, x_scale, threads)
+        self._product = getattr(library, self.symbol)
+        self._product.restype = ctypes.c_int
+        self._product.argtypes = [_POINTER, _INT64, _INT64, _POINTER, *([_POINTER] if self.needs_weight_sum else []),
+                                  _POINTER, _POINTER, _POINTER, _INT64, _POINTER, _POINTER, ctypes.c_int]
 
     def pack(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The tiled weight, and its row sums `[N]` int32 where this product takes them (else None). Taken in
@@ -122,29 +136,18 @@ class TiledW8A8Kernel:
 class W8A8Amx(TiledW8A8Kernel):
     """`TiledW8A8Kernel` on AMX tiles (`w8a8_amx`)."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
-        super().__init__(library)
-        self.products = LayerProducts.W8A8_AMX
-        self._product = library.w8a8_amx
-        self._product.restype = ctypes.c_int
-        self._product.argtypes = [_POINTER, _INT64, _INT64, _POINTER, _POINTER, _POINTER, _POINTER, _INT64, _POINTER,
-                                  _POINTER, ctypes.c_int]
+    symbol = "w8a8_amx"
+    products = LayerProducts.W8A8_AMX
 
 
 class W8A8Vnni(TiledW8A8Kernel):
     """`TiledW8A8Kernel` through AVX-512 VNNI dot products (`w8a8_vnni`): activations shifted to unsigned bytes,
     so it takes the weight's row sums (`weight_sum [N]` int32, Σₖ w[n, k])."""
 
+    symbol = "w8a8_vnni"
+    products = LayerProducts.W8A8_VNNI
     needs_weight_sum = True
     quad_major = True
-
-    def __init__(self, library: ctypes.CDLL) -> None:
-        super().__init__(library)
-        self.products = LayerProducts.W8A8_VNNI
-        self._product = library.w8a8_vnni
-        self._product.restype = ctypes.c_int
-        self._product.argtypes = [_POINTER, _INT64, _INT64, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT64,
-                                  _POINTER, _POINTER, ctypes.c_int]
 
 
 class Int8Gemv:
@@ -312,14 +315,6 @@ class DecodeRows(ctypes.Structure):
     ]
 
 
-class LayerProducts(enum.IntEnum):
-    """How `decode_layer_int8` multiplies (`enum layer_products`): every product of a layer is one kind."""
-
-    INT8_WEIGHT_ONLY = 0  # `int8_gemv`'s arithmetic: int16 activations, weight [N, K]
-    W8A8_AMX = 1  # `w8a8_amx`'s: int8 activations, the weight in tile order
-    W8A8_VNNI = 2  # `w8a8_vnni`'s: int8 activations (shifted to uint8), the weight in tile order and its row sums
-
-
 @dataclass(frozen=True)
 class ForwardCost:
     """What a forward over n decode rows costs, in one-row forwards (speculation sizes its rounds with it): the
@@ -440,6 +435,12 @@ def w8a8_amx() -> W8A8Amx | None:
         logger.info("CPU kernel w8a8_amx not used: the OS did not grant AMX tile state")
         return None
     return W8A8Amx(library)
+
+
+def w8a8_tiled() -> TiledW8A8Kernel | None:
+    """The tiled w8a8 kernel w8a8 layers run on this CPU: on AMX tiles where it has them, else through VNNI; None
+    where neither runs (`torch._int_mm` then)."""
+    return w8a8_amx() or w8a8_vnni()
 
 
 @functools.cache

@@ -43,8 +43,7 @@ from engines.cpu_kernels import (
     Projection,
     TiledW8A8Kernel,
     int8_gemv,
-    w8a8_amx,
-    w8a8_vnni,
+    w8a8_tiled,
 )
 
 QUANTIZATION_MODES = ("int8", "int4", "w8a8")
@@ -546,7 +545,7 @@ def _linear_modules(model: nn.Module, skip: Callable[[str], bool] | None) -> lis
 
 def _quantized(linear: nn.Linear, mode: str, activation_dtype: torch.dtype, group_size: int) -> nn.Module:
     if mode == "w8a8":
-        kernel = w8a8_amx() or w8a8_vnni()
+        kernel = w8a8_tiled()
         if kernel is not None:
             return TiledW8A8Linear.from_linear(linear, activation_dtype, kernel)
         return W8A8Linear.from_linear(linear, activation_dtype)

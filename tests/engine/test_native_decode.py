@@ -37,7 +37,7 @@ PRODUCTS = ["int8", *(["w8a8-amx"] if w8a8_amx() is not None else []),
 @pytest.fixture(params=PRODUCTS)
 def products(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "w8a8-vnni":  # what a CPU with VNNI and no AMX builds
-        monkeypatch.setattr(quantization, "w8a8_amx", lambda: None)
+        monkeypatch.setattr(quantization, "w8a8_tiled", w8a8_vnni)
     return str(request.param)
 
 

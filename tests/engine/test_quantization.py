@@ -10,7 +10,7 @@ from torch import nn
 
 from engines import quantization
 from engines.block_manager import BlockManager
-from engines.cpu_kernels import int8_gemv, w8a8_amx, w8a8_vnni
+from engines.cpu_kernels import int8_gemv, w8a8_tiled
 from engines.llm_engine import build_model
 from engines.model_runner import ModelRunner
 from engines.quantization import (
@@ -264,7 +264,7 @@ def test_w8a8_layers_need_no_float_copy() -> None:
     model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 64))
     quantize_model(model, "w8a8", torch.float32, dequantize_many_rows=True)
     # In tile order where the CPU has AMX or VNNI: the tiles are then the only copy of the weight.
-    layer_type = TiledW8A8Linear if w8a8_amx() or w8a8_vnni() else W8A8Linear
+    layer_type = TiledW8A8Linear if w8a8_tiled() is not None else W8A8Linear
     assert all(type(layer) is layer_type for layer in model)
     assert all(buffer.dtype != torch.float32 or buffer.numel() <= 128 for buffer in model.buffers())
 
