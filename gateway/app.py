@@ -82,7 +82,7 @@ def handle_exception(request: Request[Any, Any, Any], exc: Exception) -> Respons
     error = _as_gateway_error(exc, request_id)
     headers = dict(error.headers)
     if state is not None:
-        headers["x-request-id"] = state.response_id or state.request_id
+        headers["x-request-id"] = state.reply_request_id
         gateway: Gateway | None = request.app.state.get("gateway")
         if gateway is not None:
             gateway.finish(state, error.status_code, error.code)

@@ -101,7 +101,8 @@ class RequestState:
     route: RouteDecision | None = None
     cascade: CascadePlan | None = None  # set when the small tier's answer may be escalated
     router_version: str | None = None
-    prompt_embedding: Any = None  # np.ndarray: computed once (router, response cache)
+    # np.ndarray, of the last user message (chat) or the prompt: computed once, shared by router and cache
+    prompt_embedding: Any = None
     escalated: bool = False
     confidence: float | None = None  # the small tier's, when the cascade asked for logprobs
     abandoned_cost_usd: float = 0.0  # an escalated request's small attempt
@@ -125,7 +126,11 @@ class RequestState:
     cache_status: str = "off"  # off | bypass | miss | exact | semantic
     cache_similarity: float | None = None
     cost_saved_usd: float = 0.0
-    prompt_embedding: Any = None  # of the last user message (chat) or the prompt: shared by router and cache
+
+    @property
+    def reply_request_id(self) -> str:
+        """What `x-request-id` answers: the client's own id when it sent one, else the request's."""
+        return self.response_id or self.request_id
 
 
 @dataclass(slots=True)
@@ -298,7 +303,7 @@ class Gateway:
         check_amplification(request, policy)
         reserve = reservation(self.settings, candidates, request, state.counted_prompt_tokens)
         admission = await self._reserve(state, state.counted_prompt_tokens, reserve)
-        headers = {"x-request-id": state.response_id or state.request_id, "x-sluice-cache": "miss",
+        headers = {"x-request-id": state.reply_request_id, "x-sluice-cache": "miss",
                    "x-sluice-route": state.route.tier, **rate_limit_headers(admission.minute)}  # fmt: skip
         if clamped:
             headers["x-sluice-max-tokens-clamped"] = str(policy.max_output_tokens)
@@ -501,7 +506,7 @@ class Gateway:
         state.tier, state.prompt_tokens = "embed", tokens
         body = msgspec.json.encode(embeddings.response(vectors, tokens, request.encoding_format))
         self.finish(state, 200)
-        headers = {"x-request-id": state.response_id or state.request_id, **rate_limit_headers(admission.minute)}
+        headers = {"x-request-id": state.reply_request_id, **rate_limit_headers(admission.minute)}
         return Reply(headers=headers, body=body)
 
     # -- accounting -----------------------------------------------------------------------------
