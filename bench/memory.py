@@ -2,13 +2,13 @@
 
 `python -m bench.memory [--tiers small,large]`
 
-Each measurement runs in a fresh process that builds the tier's engine from its shipped spec
-(`engines/<tier>/spec.py`: precision `auto`, its KV-cache size) and reports VmRSS after loading (what
-stays resident), VmHWM (the peak while loading), VmRSS again after each engine served one request
-(512 prompt tokens, 64 generated: the runtime's step buffers and a little KV cache), and the bytes of
-the model's weights. The KV cache is allocated zeroed and only becomes resident as it fills, so a
-loaded engine's RSS is the weights plus the runtime; the cache's configured size is listed beside it
-(RSS after loading plus that size bounds a full cache). Writes bench/results/memory.json.
+Each measurement runs in a fresh process that builds the tier's engine as `make run` does
+(`engines.tiers.tier_spec`: the shipped spec in `engines/<tier>/spec.py`, precision `auto`, its KV-cache size)
+and reports VmRSS after loading (what stays resident), VmHWM (the peak while loading), VmRSS again after each
+engine served one request (512 prompt tokens, 64 generated: the runtime's step buffers and a little KV cache),
+and the bytes of the model's weights. The KV cache is allocated zeroed and only becomes resident as it fills,
+so a loaded engine's RSS is the weights plus the runtime; the cache's configured size is listed beside it (RSS
+after loading plus that size bounds a full cache). Writes bench/results/memory.json.
 """
 
 from __future__ import annotations
@@ -26,11 +26,8 @@ _CHILD = """
 import json, sys
 from engines.llm_engine import LLMEngine
 from engines.speculative import weight_bytes
-import importlib
-engines = []
-for name in sys.argv[1].split(","):
-    spec = importlib.import_module(f"engines.{name}.spec").SPEC
-    engines.append(LLMEngine(spec.engine_config()))
+from engines.tiers import tier_spec
+engines = [LLMEngine(tier_spec(name, name).engine_config()) for name in sys.argv[1].split(",")]
 def status():
     return dict(line.split(":", 1) for line in open("/proc/self/status") if line.startswith(("VmRSS", "VmHWM")))
 loaded = status()

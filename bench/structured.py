@@ -22,6 +22,7 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +203,17 @@ async def validity(serving: OpenAIServing, max_tokens: int) -> dict[str, Any]:
             "valid_of_finished": sum(finished), "schema_valid_rate": sum(finished) / max(1, len(finished))}
 
 
+@dataclass(frozen=True)
+class ToolOutcome:
+    """One tool prompt's answer: a call attempted in any form, read as calls, the expected function called,
+    and that with arguments valid against its schema."""
+
+    attempted: bool
+    parsed: bool
+    expected_function: bool
+    schema_valid_arguments: bool
+
+
 async def tool_rates(serving: OpenAIServing, tool_choice: str, max_tokens: int) -> dict[str, Any]:
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
 
@@ -214,7 +226,7 @@ async def tool_rates(serving: OpenAIServing, tool_choice: str, max_tokens: int) 
             return False
         return True
 
-    async def one(row: dict[str, str]) -> tuple[bool, bool, bool, bool]:
+    async def one(row: dict[str, str]) -> ToolOutcome:
         request = ChatCompletionRequest(model="bench", messages=_user(row["prompt"]), tools=TOOLS,
                                         tool_choice=tool_choice, temperature=0, max_tokens=max_tokens)
         choice = (await serving.chat(request)).choices[0]
@@ -225,14 +237,15 @@ async def tool_rates(serving: OpenAIServing, tool_choice: str, max_tokens: int) 
                      or tool_choice == "required")
         parsed = bool(calls) and all(isinstance(json.loads(c.function.arguments), dict) for c in calls)
         right = parsed and calls[0].function.name == row["expect"]
-        return attempted, parsed, right, right and all(valid_arguments(call) for call in calls)
+        return ToolOutcome(attempted, parsed, right, right and all(valid_arguments(call) for call in calls))
 
-    results = await asyncio.gather(*(one(row) for row in rows))
-    attempted = sum(a for a, _, _, _ in results)
-    parsed = sum(p for _, p, _, _ in results)
+    outcomes = await asyncio.gather(*(one(row) for row in rows))
+    attempted = sum(o.attempted for o in outcomes)
+    parsed = sum(o.parsed for o in outcomes)
     return {"prompts": len(rows), "attempted_tool_call": attempted, "parsed_tool_call": parsed,
-            "tool_call_parse_rate": parsed / max(1, attempted), "expected_function": sum(r[2] for r in results),
-            "expected_function_with_schema_valid_arguments": sum(r[3] for r in results)}
+            "tool_call_parse_rate": parsed / max(1, attempted),
+            "expected_function": sum(o.expected_function for o in outcomes),
+            "expected_function_with_schema_valid_arguments": sum(o.schema_valid_arguments for o in outcomes)}
 
 
 def through_serving(llm: LLMEngine, tool_max_tokens: int, with_validity: bool
