@@ -28,11 +28,13 @@ prior, so rounds are tried again. A round that runs drafts the best k for α. Wi
 drafts instead while one more draft pays (`worth_another_draft`), up to num_speculative_tokens: the drafter's
 probability for its own token predicts the target's acceptance (`SpeculativeStats.accepted_by_confidence`;
 `bench.speculative` reports it), so rounds run long through confident stretches and stop at a guess. That emits
-more tokens per target forward for a few more drafts, which on AVX2 measured within noise of the α rule
-(BENCHMARKS.md), hence off by default. r is the ratio of the models' weight bytes (a decode forward streams its
-weights), not a timing, so that k, and with it a seeded sampled request's draws, depends only on tokens and the
-configuration. It does depend on the other requests in the engine (α and the batch are shared): with speculation
-on, a seed reproduces a request's samples for the same sequence of requests, no longer whatever the batch. """
+more tokens per target forward for a few more drafts, which on the Zen 3 measured within noise of the α rule (ahead
+on a Zen 2: BENCHMARKS.md), hence off by default. r is the ratio of the models' weight bytes (a decode forward
+streams its weights), not a timing, so that k, and with it a seeded sampled request's draws, depends only on tokens
+and the configuration. It does depend on the other requests in the engine (α and the batch are shared): with
+speculation on, a seed reproduces a request's samples for the same sequence of requests, no longer whatever the
+batch.
+"""
 
 from __future__ import annotations
 
@@ -55,13 +57,14 @@ _ALPHA_PRIOR = 0.8  # optimistic start: k begins high and settles as rounds are 
 # Each declined round moves α this much of the way back to the prior, so that speculation that stopped paying
 # (a run of rejected drafts, a large batch) is tried again after some tens of plain steps.
 _DECLINED_WEIGHT = 0.02
-# A round runs only when the cost model promises a gain over a plain step of this much per sequence in the batch.
-# The model leaves out what a round costs beyond forwards (sampling and acceptance per row, the drafter's rows
-# costing more than the target's), which grows with the batch: at batch 4 on AVX2, rounds it put at +4 % lost
-# 13-19 % against plain decoding (BENCHMARKS.md, 2026-12-04 late). At batch 1 a wide margin costs instead: one
-# rejected draft moves α enough to decline, and declined rounds learn nothing until α relaxes — with a flat 15 %
-# a Zen 2 declined most steps of some answers and ran 1.17x where 5 % ran 1.45x (2026-12-05, night).
+# A round runs only when the cost model promises a gain over a plain step of this much per sequence in the batch,
+# up to a cap. The model leaves out what a round costs beyond forwards (sampling and acceptance per row, the
+# drafter's rows costing more than the target's), which grows with the batch: at batch 4 on AVX2, rounds it put at
+# +4 % lost 13-19 % against plain decoding (BENCHMARKS.md, 2026-12-04 late), hence 15 % from batch 3 on. At batch 1
+# that margin cost instead: one rejected draft moves α enough to decline, and declined rounds learn nothing until
+# α relaxes — a Zen 2 declined most steps of some answers, 1.17x against 1.33-1.36x at 5 % (2026-12-05, night).
 MIN_MODELLED_GAIN_PER_SEQUENCE = 0.05
+MIN_MODELLED_GAIN_CAP = 0.15
 FREE_ROWS = ForwardCost()  # extra rows cost nothing: the weights stream once for all of them
 CONFIDENCE_BINS = (0.0, 0.5, 0.9, 0.99)  # lower edges of SpeculativeStats' confidence bins
 
@@ -134,7 +137,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
 def best_num_drafts(alpha: float, cost_ratio: float, max_drafts: int, batch_size: int = 1,
                     forward_cost: ForwardCost = FREE_ROWS) -> int:
     """The k in [1, max_drafts] that maximises expected tokens per unit of time, or 0 when no round beats a
-    plain step by `MIN_MODELLED_GAIN_PER_SEQUENCE` per sequence of the batch.
+    plain step by `MIN_MODELLED_GAIN_PER_SEQUENCE` per sequence of the batch (at most `MIN_MODELLED_GAIN_CAP`).
 
     Time is counted in one-row target forwards: a forward over n rows costs f(n) = `forward_cost(n)` (the weights
     stream once; the rows' arithmetic, or further passes over the weights, come on top), a drafter forward
@@ -149,7 +152,8 @@ def best_num_drafts(alpha: float, cost_ratio: float, max_drafts: int, batch_size
         return expected_tokens * plain / (k * cost_ratio * plain + forward_cost(batch_size * (k + 1)))
 
     best = max(range(1, max_drafts + 1), key=speedup)
-    return best if speedup(best) > 1 + MIN_MODELLED_GAIN_PER_SEQUENCE * batch_size else 0
+    margin = min(MIN_MODELLED_GAIN_PER_SEQUENCE * batch_size, MIN_MODELLED_GAIN_CAP)
+    return best if speedup(best) > 1 + margin else 0
 
 
 def worth_another_draft(survival: list[float], expected_tokens: float, num_drafts: int, alpha: float,
