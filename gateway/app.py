@@ -12,7 +12,7 @@ from typing import Any
 
 from litestar import Litestar, Request, Response, Router
 from litestar.di import Provide
-from litestar.exceptions import HTTPException, ValidationException
+from litestar.exceptions import HTTPException, SerializationException, ValidationException
 from litestar.openapi import OpenAPIConfig
 from redis.asyncio import Redis
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -62,7 +62,9 @@ def _as_gateway_error(exc: Exception, request_id: str) -> APIError:
                 return error
         return APIError(400, exc.detail or "Invalid request body.", code="invalid_request")
     if isinstance(exc, HTTPException):
-        if exc.status_code == 400 and "JSON" in exc.detail:
+        # Litestar turns a body msgspec cannot parse ("Input data was truncated", "JSON is malformed: ...")
+        # into a 400 whose cause is its SerializationException.
+        if exc.status_code == 400 and isinstance(exc.__cause__, SerializationException):
             return APIError(400, f"The request body is not valid JSON: {exc.detail}", code="invalid_json")
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
         if exc.status_code < 500:

@@ -182,14 +182,20 @@ def _check_stateless(request: ResponsesRequest) -> None:
 def _messages(request: ResponsesRequest) -> list[ChatMessage]:
     messages = [ChatMessage(role="system", content=request.instructions)] if request.instructions else []
     items = [InputItem(role="user", content=request.input)] if isinstance(request.input, str) else request.input
+    unanswered: list[str] = []  # call ids of `function_call` items without their output yet
     for i, item in enumerate(items):
         if item.type == "message":
             messages.append(ChatMessage(role=_role(item.role, i), content=_text(item.content, f"input[{i}].content")))
         elif item.type == "function_call":
             _append_call(messages, item, i)
+            unanswered.append(item.call_id or "")
         elif item.type == "function_call_output":
             if item.call_id is None:
                 raise _refuse("a `function_call_output` item needs `call_id`", f"input[{i}]", "invalid_value")
+            if item.call_id not in unanswered:  # stateless: the call it answers must be in `input`, before it
+                raise _refuse(f"no `function_call` item before this output has the call_id {item.call_id!r}",
+                              f"input[{i}].call_id", "invalid_value")
+            unanswered.remove(item.call_id)
             output = _text(item.output, f"input[{i}].output")
             messages.append(ChatMessage(role="tool", content=output, tool_call_id=item.call_id))
         else:
@@ -197,6 +203,8 @@ def _messages(request: ResponsesRequest) -> list[ChatMessage]:
                           "function_call_output)", f"input[{i}].type")
     if not messages:
         raise _refuse("`input` must hold at least one item", "input", "invalid_value")
+    if unanswered:
+        raise _refuse(f"no `function_call_output` item answers the call(s) {unanswered}", "input", "invalid_value")
     return messages
 
 

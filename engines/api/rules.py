@@ -130,7 +130,8 @@ def check_request(request: Request) -> None:
 
 
 def check_messages(messages: Sequence[ChatMessage]) -> None:
-    """At least one message; known roles; text content only."""
+    """At least one message; known roles; text content, present unless an assistant turn calls tools; tool
+    turns that answer the calls before them (`check_tool_turns`)."""
     if not messages:
         raise invalid("`messages` must contain at least one message", "messages", "empty_array")
     for i, message in enumerate(messages):
@@ -139,6 +140,12 @@ def check_messages(messages: Sequence[ChatMessage]) -> None:
                 f"messages[{i}].role: unsupported role {message.role!r}; expected one of {sorted(CHAT_ROLES)}",
                 f"messages[{i}].role",
             )
+        if message.content is None and not (message.role == "assistant" and message.tool_calls):
+            raise invalid(f"messages[{i}].content is required: only an assistant message that calls tools may "
+                          "omit it", f"messages[{i}].content", "missing_required_parameter")
+        if message.tool_calls and message.role != "assistant":
+            raise invalid(f"messages[{i}]: only assistant messages carry `tool_calls`; this one is "
+                          f"{message.role!r}", f"messages[{i}].tool_calls")
         for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
             if part.type != "text":
                 raise invalid(
@@ -146,6 +153,32 @@ def check_messages(messages: Sequence[ChatMessage]) -> None:
                     "this model reads text only",
                     f"messages[{i}].content[{j}].type",
                 )
+    check_tool_turns(messages)
+
+
+def check_tool_turns(messages: Sequence[ChatMessage]) -> None:
+    """OpenAI's rule for tool turns: an assistant message with `tool_calls` is followed by one tool message per
+    call, each naming its call's id in `tool_call_id`, before the conversation goes on; a tool message answers
+    nothing else. Without it a template renders a result with no call, or a call with no result."""
+    unanswered: list[str] = []  # ids of the last assistant turn's calls that no tool message has answered yet
+    for i, message in enumerate(messages):
+        if message.role == "tool":
+            if message.tool_call_id is None:
+                raise invalid(f"messages[{i}].tool_call_id is required in a tool message",
+                              f"messages[{i}].tool_call_id", "missing_required_parameter")
+            if message.tool_call_id not in unanswered:
+                raise invalid(f"messages[{i}]: a tool message must answer a call of the assistant message before "
+                              f"it; no unanswered call has the id {message.tool_call_id!r}",
+                              f"messages[{i}].tool_call_id")
+            unanswered.remove(message.tool_call_id)
+            continue
+        if unanswered:
+            raise invalid(f"messages[{i}]: the assistant message with `tool_calls` before it must be followed by a "
+                          f"tool message for each call; no answer to {unanswered}", f"messages[{i}]")
+        unanswered = [call.id for call in message.tool_calls or ()] if message.role == "assistant" else []
+    if unanswered:
+        raise invalid(f"the last assistant message's `tool_calls` must each be answered by a tool message; no "
+                      f"answer to {unanswered}", f"messages[{len(messages) - 1}].tool_calls")
 
 
 def check_penalties(request: Request) -> None:

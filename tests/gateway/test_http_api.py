@@ -51,6 +51,7 @@ def assert_openai_error(response, status: int, code: str | None = None, param: s
     ("body", "status", "code", "param"),
     [
         (b"{not json", 400, "invalid_json", None),
+        (b'{"model": "sluice", "messages": [', 400, "invalid_json", None),
         (b"[]", 400, "invalid_type", None),
         (b'{"messages": []}', 400, "missing_required_parameter", "model"),
         (b'{"model": 5, "messages": []}', 400, "invalid_type", "model"),

@@ -119,6 +119,11 @@ def test_text_format_becomes_response_format_and_logprobs_come_from_include() ->
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
     ({"input": [{"role": "critic", "content": "no"}]}, "input[0].role"),
     ({"input": []}, "input"),
+    # Stateless: a function call's output comes after the call, in the same `input`, and every call has one.
+    ({"input": [{"role": "user", "content": "Weather?"},
+                {"type": "function_call_output", "call_id": "c1", "output": "3 C"}]}, "input[1].call_id"),
+    ({"input": [{"role": "user", "content": "Weather?"},
+                {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"}]}, "input"),
 ])
 def test_what_needs_stored_state_or_other_inputs_is_a_400_naming_the_field(fields: dict[str, Any], param: str) -> None:
     assert refusal(**fields).param == param

@@ -238,3 +238,73 @@ def test_a_tool_choice_naming_an_unknown_function_is_a_400(tool_serving: OpenAIS
     with pytest.raises(APIError) as refused:
         check_request(ask(tools=[WEATHER], tool_choice=choice))
     assert refused.value.param == "tool_choice"
+
+
+# -- tool turns in the history ---------------------------------------------------------------------
+
+CALL_1 = ToolCall(id="call_1", function=FunctionCall(name="get_weather", arguments='{"city": "Paris"}'))
+CALL_2 = ToolCall(id="call_2", function=FunctionCall(name="get_time", arguments='{"zone": "CET"}'))
+
+
+def history(*messages: ChatMessage) -> ChatCompletionRequest:
+    return conversation(ChatMessage(role="user", content="Weather and time in Paris?"), *messages)
+
+
+def conversation(*messages: ChatMessage) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model=MODEL_NAME, messages=list(messages), tools=[WEATHER, TIME])
+
+
+def refusal(request: ChatCompletionRequest) -> APIError:
+    with pytest.raises(APIError) as refused:
+        check_request(request)
+    assert refused.value.status_code == 400
+    return refused.value
+
+
+def test_each_call_of_an_assistant_turn_answered_by_id_in_any_order_is_a_valid_history() -> None:
+    check_request(history(
+        ChatMessage(role="assistant", content=None, tool_calls=[CALL_1, CALL_2]),
+        ChatMessage(role="tool", content="13:05", tool_call_id="call_2"),
+        ChatMessage(role="tool", content='{"temp": 21}', tool_call_id="call_1"),
+        ChatMessage(role="assistant", content="21 degrees at 13:05."),
+        ChatMessage(role="user", content="Thanks!"),
+    ))
+
+
+@pytest.mark.parametrize(
+    ("messages", "param", "code"),
+    [
+        # A tool message without the id of the call it answers.
+        ([ChatMessage(role="assistant", content=None, tool_calls=[CALL_1]), ChatMessage(role="tool", content="21")],
+         "messages[2].tool_call_id", "missing_required_parameter"),
+        # A tool message with no call before it.
+        ([ChatMessage(role="tool", content="21", tool_call_id="call_1")], "messages[1].tool_call_id", "invalid_value"),
+        # An id that the assistant turn before it did not call.
+        ([ChatMessage(role="assistant", content=None, tool_calls=[CALL_1]),
+          ChatMessage(role="tool", content="21", tool_call_id="call_9")], "messages[2].tool_call_id", "invalid_value"),
+        # One call answered twice.
+        ([ChatMessage(role="assistant", content=None, tool_calls=[CALL_1]),
+          ChatMessage(role="tool", content="21", tool_call_id="call_1"),
+          ChatMessage(role="tool", content="22", tool_call_id="call_1")], "messages[3].tool_call_id", "invalid_value"),
+        # The conversation goes on before every call is answered.
+        ([ChatMessage(role="assistant", content=None, tool_calls=[CALL_1, CALL_2]),
+          ChatMessage(role="tool", content="21", tool_call_id="call_1"),
+          ChatMessage(role="user", content="And?")], "messages[3]", "invalid_value"),
+        # The history ends on calls nobody answered.
+        ([ChatMessage(role="assistant", content=None, tool_calls=[CALL_1])], "messages[1].tool_calls",
+         "invalid_value"),
+        # Content left out where no tool call stands in for it.
+        ([ChatMessage(role="assistant", content=None)], "messages[1].content", "missing_required_parameter"),
+        # Only assistant turns call tools.
+        ([ChatMessage(role="user", content="hi", tool_calls=[CALL_1])], "messages[1].tool_calls", "invalid_value"),
+    ],
+)
+def test_a_history_whose_tool_turns_do_not_pair_up_is_a_400_naming_the_message(
+        messages: list[ChatMessage], param: str, code: str) -> None:
+    error = refusal(history(*messages))
+    assert (error.param, error.code) == (param, code)
+
+
+def test_a_user_message_without_content_is_a_400() -> None:
+    error = refusal(conversation(ChatMessage(role="user")))
+    assert (error.param, error.code) == ("messages[0].content", "missing_required_parameter")
