@@ -25,6 +25,16 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 # Ends a document in raw completion mode; instruct models trained from a base model still emit it.
 END_OF_TEXT_TOKEN = "<|endoftext|>"
+# Texts longer than this are encoded through `encode_batch`, which lets go of the GIL while it works; `encode`
+# holds it throughout. The gateway counts a long prompt on a worker thread, and with `encode` that thread still
+# stopped the event loop, every other request with it, for as long as the count took (seconds for a few MB).
+ENCODE_WITHOUT_GIL_CHARS = 4096
+
+
+def _encode(backend: tokenizers.Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) > ENCODE_WITHOUT_GIL_CHARS:
+        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+    return backend.encode(text, add_special_tokens=add_special_tokens).ids
 
 
 class Tokenizer:
@@ -106,7 +116,7 @@ class Tokenizer:
     # -- text ↔ ids -----------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return _encode(self.backend, text, add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -199,7 +209,7 @@ class Tokenizer:
         if self._text_backend is None:
             self._text_backend = tokenizers.Tokenizer.from_str(self.backend.to_str())
             self._text_backend.encode_special_tokens = True
-        return self._text_backend.encode(text, add_special_tokens=False).ids
+        return _encode(self._text_backend, text, add_special_tokens=False)
 
     @property
     def supports_tools(self) -> bool:

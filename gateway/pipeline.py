@@ -45,6 +45,7 @@ from gateway.auth import Authenticator, Principal
 from gateway.budgets import (
     check_amplification,
     check_prompt_length,
+    check_prompt_size,
     clamp_output,
     count_prompt_tokens,
     count_prompt_tokens_off_loop,
@@ -232,6 +233,7 @@ class Gateway:
         if state.priority == "batch" or request.priority is not None:  # what our engines schedule by
             request = msgspec.structs.replace(request, priority=state.priority)
         check_request(request)
+        check_prompt_size(request, policy)
         state.needs = capabilities(request)
         await self._route(state, request, policy)
         state.route = self._capable(state.route, state.needs, policy)

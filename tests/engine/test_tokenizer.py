@@ -3,6 +3,8 @@ behave exactly like transformers' tokenizers for the same files."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -162,3 +164,22 @@ def test_gguf_tokenizer_matches_transformers(filename: str) -> None:
     assert ours.apply_chat_template(MESSAGES) == reference.encode(text, add_special_tokens=False)
     assert ours.backend.token_to_id("<|im_end|>") in ours.eos_token_ids
     assert ours.eos_token_ids[0] == reference.eos_token_id
+
+
+def test_a_long_text_encodes_as_the_backend_does_without_holding_the_caller(tiny: Tokenizer) -> None:
+    """The gateway counts long prompts on a worker thread: while one is encoded, the thread that waits (the
+    event loop) must keep running, not sit behind the GIL until the count is done."""
+    text = "The quick brown fox jumps over the lazy dog; 12 + 30 = 42. " * 20_000
+    done, ids = threading.Event(), []
+    worker = threading.Thread(target=lambda: (ids.extend(tiny.encode(text)), done.set()))
+    started = time.perf_counter()
+    worker.start()
+    beats = 0
+    while not done.is_set():
+        time.sleep(0.001)
+        beats += 1
+    worker.join()
+    elapsed = time.perf_counter() - started
+    assert ids == tiny.backend.encode(text).ids
+    assert elapsed > 0.05, "the text encodes too fast to show whether the GIL is held"
+    assert beats >= 10  # with the GIL held throughout, the waiting thread wakes once or twice

@@ -8,6 +8,7 @@ from redis.asyncio import Redis
 
 from engines.api.errors import APIError
 from engines.api.protocol import ChatCompletion, CompletionRequest
+from gateway.budgets import MAX_CHARS_PER_TOKEN
 from gateway.counters import Limits, LocalFallbackCounterStore, RedisCounterStore
 from gateway.pipeline import RequestState
 from tests.gateway.conftest import EXPENSIVE, chat, make_settings, start
@@ -25,6 +26,17 @@ async def test_a_prompt_over_the_key_budget_is_refused_naming_both_counts(make_g
     assert caught.value.code == "prompt_too_long"
     assert "5 tokens" in caught.value.message and "limit of 3" in caught.value.message
     assert tiers["small"].requests == []  # no engine work
+    assert [(r.status, r.error_code) for r in records] == [(400, "prompt_too_long")]
+
+
+async def test_a_prompt_too_long_in_characters_for_the_budget_is_refused_before_it_is_tokenised(
+        make_gateway, tiers, records):
+    gateway = make_gateway(max_prompt_tokens=3)
+    with pytest.raises(APIError) as caught:
+        await gateway.chat(await start(gateway), chat("x" * (3 * MAX_CHARS_PER_TOKEN + 1)))
+    assert (caught.value.status_code, caught.value.code) == (400, "prompt_too_long")
+    assert f"{3 * MAX_CHARS_PER_TOKEN + 1} characters" in caught.value.message  # not a token count: none was taken
+    assert tiers["small"].requests == []
     assert [(r.status, r.error_code) for r in records] == [(400, "prompt_too_long")]
 
 
