@@ -501,7 +501,8 @@ class Gateway:
         state.model_requested = request.model
         embedder = await self.embedder()
         texts = embeddings.texts_of(request, embedder.dim)
-        tokens = state.counted_prompt_tokens = embedder.count_tokens(texts)
+        # On a worker thread: 2,048 long texts take the tokenizer seconds, which the event loop must not wait out.
+        tokens = state.counted_prompt_tokens = await asyncio.to_thread(embedder.count_tokens, texts)
         check_prompt_length(tokens, principal.policy)
         admission = await self._reserve(state, tokens, Charge())  # nothing reserved: embeddings have no price
         vectors = await embedder.embed_async(texts)

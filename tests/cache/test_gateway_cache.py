@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,7 +19,7 @@ from gateway.app import create_app
 from gateway.cache.service import ResponseCache
 from gateway.cache.store import MemoryCacheStore, RedisCacheStore
 from gateway.counters import InProcessCounterStore
-from gateway.embeddings import EMBED_MODEL
+from gateway.embeddings import EMBED_MODEL, EmbeddingsRequest
 from gateway.metrics import Metrics
 from gateway.pipeline import Gateway
 from gateway.routing import Router
@@ -180,6 +181,34 @@ def test_the_openai_sdk_creates_embeddings(sqlite_url, tiers):
         a, b = (d.embedding for d in result.data)
         assert len(a) == 384 and sum(x * y for x, y in zip(a, b, strict=True)) > 0.6
         assert result.usage.prompt_tokens > 0
+
+
+class ThreadRecordingEmbedder:
+    """The real embedding model, recording which thread counts an embeddings request's tokens."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.version, self.dim = inner, inner.version, inner.dim
+        self.counted_on: list[int] = []
+
+    def count_tokens(self, texts: list[str]) -> int:
+        self.counted_on.append(threading.get_ident())
+        return self.inner.count_tokens(texts)
+
+    async def embed_async(self, texts: list[str]) -> Any:
+        return await self.inner.embed_async(texts)
+
+
+async def test_an_embeddings_request_is_counted_off_the_event_loop(tiers, records, embedder):
+    """Its texts can be 16 MB: the loop serves other requests while the tokenizer counts them."""
+    recording = ThreadRecordingEmbedder(embedder)
+
+    async def service() -> Any:
+        return recording
+
+    gateway = Gateway(make_settings(), tiers, InProcessCounterStore(), records.append, Metrics(), embedder=service)
+    reply = await gateway.embeddings(await start(gateway), EmbeddingsRequest(model=EMBED_MODEL, input=["a b", "c"]))
+    assert msgspec.json.decode(reply.body)["usage"]["prompt_tokens"] == 7
+    assert recording.counted_on and threading.get_ident() not in recording.counted_on
 
 
 class CountingEmbedder:
