@@ -6,9 +6,11 @@ Each measurement runs in a fresh process that builds the tier's engine as `make 
 (`engines.tiers.tier_spec`: the shipped spec in `engines/<tier>/spec.py`, precision `auto`, its KV-cache size)
 and reports VmRSS after loading (what stays resident), VmHWM (the peak while loading), VmRSS again after each
 engine served one request (512 prompt tokens, 64 generated: the runtime's step buffers and a little KV cache),
-and the bytes of the model's weights. The KV cache is allocated zeroed and only becomes resident as it fills,
-so a loaded engine's RSS is the weights plus the runtime; the cache's configured size is listed beside it (RSS
-after loading plus that size bounds a full cache). Writes bench/results/memory.json.
+and the bytes of the model's weights, beside the seconds the engines took to load (from the checkpoint in the
+models cache: dequantised, quantised and packed at every start). The KV cache is allocated zeroed and only
+becomes resident as it fills, so a loaded engine's RSS is the weights plus the runtime; the cache's configured
+size is listed beside it (RSS after loading plus that size bounds a full cache). Writes
+bench/results/memory.json.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ from typing import Any
 from bench.common import print_table, write_results
 
 _CHILD = """
-import json, sys
+import json, sys, time
 from engines.llm_engine import LLMEngine
 from engines.speculative import weight_bytes
 from engines.tiers import tier_spec
+started = time.perf_counter()
 engines = [LLMEngine(tier_spec(name, name).engine_config()) for name in sys.argv[1].split(",")]
+load_s = time.perf_counter() - started
 def status():
     return dict(line.split(":", 1) for line in open("/proc/self/status") if line.startswith(("VmRSS", "VmHWM")))
 loaded = status()
@@ -38,6 +42,7 @@ for i, engine in enumerate(engines):  # one 512-token prompt and 64 tokens each:
         engine.step()
 served = status()
 print(json.dumps({
+    "load_s": load_s,
     "rss_gb": int(loaded["VmRSS"].split()[0]) / 1e6,
     "rss_after_request_gb": int(served["VmRSS"].split()[0]) / 1e6,
     "peak_rss_gb": int(loaded["VmHWM"].split()[0]) / 1e6,
@@ -61,10 +66,11 @@ def main() -> None:
     names = args.tiers.split(",")
     configurations = [*names, ",".join(names)] if len(names) > 1 else names
     figures = {configuration: measure(configuration) for configuration in configurations}
-    header = ["tiers", "RSS loaded", "RSS after a request", "peak while loading", "weights", "KV cache (configured)"]
-    print_table("Resident memory (GB)", header,
+    header = ["tiers", "RSS loaded", "RSS after a request", "peak while loading", "weights", "KV cache (configured)",
+              "load s"]
+    print_table("Resident memory (GB), and seconds to load", header,
                 [[name, f["rss_gb"], f["rss_after_request_gb"], f["peak_rss_gb"], f["weights_gb"],
-                  f["kv_cache_configured_gb"]]
+                  f["kv_cache_configured_gb"], f["load_s"]]
                  for name, f in figures.items()])
     write_results("memory", {"target_both_tiers_rss_gb": 6.0, **figures})
 

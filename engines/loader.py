@@ -182,16 +182,29 @@ def hf_name(gguf_name: str) -> str:
 
 
 _DEQUANTIZE_ROWS = 4096
+_DEQUANTIZE_VALUES = 1 << 22  # per block through engines/ggml.py (16 MB of float32)
 
 
 def dequantize(tensor: GGUFTensor) -> np.ndarray:
     """float32 array of `tensor.shape`."""
     from gguf.quants import dequantize as gguf_dequantize
 
+    from engines.ggml import DEQUANTIZERS, dequantize_rows
+
     if tensor.ggml_type == 0:  # F32: already the values, reinterpret the bytes
         values = tensor.data.view(np.float32)
     elif tensor.ggml_type == 1:  # F16
         values = tensor.data.view(np.float16).astype(np.float32)
+    elif tensor.ggml_type in DEQUANTIZERS:  # the demo checkpoints' formats, in torch (engines/ggml.py)
+        rows = tensor.data.shape[0]
+        out = torch.empty((rows, tensor.shape[-1]), dtype=torch.float32)
+        # A few float temporaries of a block's size each: bounded in values, not rows (a 4096-row block of an
+        # 8960-wide row took 0.5 GB more at the large model's loading peak).
+        block_rows = max(1, _DEQUANTIZE_VALUES // tensor.shape[-1])
+        for start in range(0, rows, block_rows):
+            block = tensor.data[start:start + block_rows]
+            dequantize_rows(block, tensor.ggml_type, out[start:start + len(block)])
+        values = out.numpy()
     else:
         # Row block by row block into one output: gguf's numpy dequantisation makes temporaries several
         # times the size of what it returns (a 151936-row embedding took gigabytes at once).
