@@ -1,6 +1,6 @@
 """Resident memory of the engine tiers as `make run` loads them: each tier alone, then both in one process.
 
-`python -m bench.memory [--tiers small,large]`
+`python -m bench.memory [--tiers small,large] [--speculative-draft large=small]`
 
 Each measurement runs in a fresh process that builds the tier's engine as `make run` does
 (`engines.tiers.tier_spec`: the shipped spec in `engines/<tier>/spec.py`, precision `auto`, its KV-cache size)
@@ -30,7 +30,9 @@ from engines.llm_engine import LLMEngine
 from engines.speculative import weight_bytes
 from engines.tiers import tier_spec
 started = time.perf_counter()
-engines = [LLMEngine(tier_spec(name, name).engine_config()) for name in sys.argv[1].split(",")]
+drafts = json.loads(sys.argv[2])  # tier name -> its speculative drafter
+engines = [LLMEngine(tier_spec(name, name, speculative_draft=drafts.get(name)).engine_config())
+           for name in sys.argv[1].split(",")]
 load_s = time.perf_counter() - started
 def status():
     return dict(line.split(":", 1) for line in open("/proc/self/status") if line.startswith(("VmRSS", "VmHWM")))
@@ -53,26 +55,30 @@ print(json.dumps({
 """
 
 
-def measure(tiers: str) -> dict[str, Any]:
-    result = subprocess.run([sys.executable, "-c", _CHILD, tiers], capture_output=True, text=True, check=True,
-                            cwd=Path(__file__).resolve().parents[1])
+def measure(tiers: str, drafts: dict[str, str]) -> dict[str, Any]:
+    result = subprocess.run([sys.executable, "-c", _CHILD, tiers, json.dumps(drafts)], capture_output=True, text=True,
+                            check=True, cwd=Path(__file__).resolve().parents[1])
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiers", default="small,large")
+    parser.add_argument("--speculative-draft", metavar="TIER=DRAFTER", action="append", default=[],
+                        help="speculative decoding on, as `[tiers.TIER] speculative_draft = DRAFTER` turns it on "
+                             "(e.g. large=small)")
     args = parser.parse_args()
     names = args.tiers.split(",")
+    drafts = dict(item.split("=", 1) for item in args.speculative_draft)
     configurations = [*names, ",".join(names)] if len(names) > 1 else names
-    figures = {configuration: measure(configuration) for configuration in configurations}
+    figures = {configuration: measure(configuration, drafts) for configuration in configurations}
     header = ["tiers", "RSS loaded", "RSS after a request", "peak while loading", "weights", "KV cache (configured)",
               "load s"]
     print_table("Resident memory (GB), and seconds to load", header,
                 [[name, f["rss_gb"], f["rss_after_request_gb"], f["peak_rss_gb"], f["weights_gb"],
                   f["kv_cache_configured_gb"], f["load_s"]]
                  for name, f in figures.items()])
-    write_results("memory", {"target_both_tiers_rss_gb": 6.0, **figures})
+    write_results("memory", {"target_both_tiers_rss_gb": 6.0, "speculative_drafts": drafts, **figures})
 
 
 if __name__ == "__main__":

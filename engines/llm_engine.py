@@ -9,11 +9,13 @@ in-process tiers build on.
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import logging
 import os
 import random
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,6 +119,21 @@ def build_model(model_config: ModelConfig, tensors: MutableMapping[str, torch.Te
     return model.eval()
 
 
+# Models loaded from a file, by what makes two loads alike: an engine over a model that another engine in the
+# process already serves shares its weights instead of loading a copy (`make run`: the large tier's drafter is
+# the small tier's model). Weak: a model goes with the last engine using it. A forward pass only reads them.
+_LOADED_MODELS: weakref.WeakValueDictionary[tuple[object, ...], torch.nn.Module] = weakref.WeakValueDictionary()
+
+
+def weight_sharing_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """Another module over the same submodules (no copy): a submodule it then replaces (a drafter's cut head)
+    is replaced in it alone. It keeps `model`, and so `model`'s place among the loaded models, alive."""
+    twin = copy.copy(model)
+    twin._modules = dict(model._modules)
+    object.__setattr__(twin, "shares_weights_of", model)  # a plain attribute, not a submodule
+    return twin
+
+
 def check_same_vocabulary(target: ModelConfig, target_tokenizer: Tokenizer, drafter: ModelConfig,
                           drafter_tokenizer: Tokenizer, drafter_name: str) -> None:
     """A drafter must speak the target's token ids: same vocabulary size and the same token for every id."""
@@ -164,7 +181,7 @@ class LLMEngine:
         self.dtype = DTYPES[config.dtype]
         self.max_model_len = context_length(config, self.model_config)
         self.quantization = resolve_quantization(config.quantization, self.device.type)
-        self.model = self._load_model(checkpoint, consume_checkpoint)
+        self.model = self._load_model(checkpoint, consume_checkpoint, config.model if consume_checkpoint else None)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         num_kv_blocks = config.num_kv_blocks or config.kv_cache_bytes // kv_block_bytes(
             self.model_config, config.block_size, self.kv_cache_dtype)
@@ -197,7 +214,22 @@ class LLMEngine:
             self._grammars = Grammars(self.tokenizer, self.model_config.vocab_size, eos)
         return self._grammars
 
-    def _load_model(self, checkpoint: Checkpoint, consume: bool) -> torch.nn.Module:
+    def _load_model(self, checkpoint: Checkpoint, consume: bool, source: str | None = None) -> torch.nn.Module:
+        """The model of `checkpoint` with this engine's settings; with `source` (the file it was read from) the one
+        another engine of this process loaded alike, if any (`_LOADED_MODELS`)."""
+        if source is None or self.device.type != "cpu":
+            return self._build_model(checkpoint, consume)
+        stat = os.stat(source)
+        key = (os.path.realpath(source), stat.st_size, stat.st_mtime_ns, self.dtype, self.quantization,
+               self.max_model_len)
+        model = _LOADED_MODELS.get(key)
+        if model is None:
+            model = _LOADED_MODELS[key] = self._build_model(checkpoint, consume)
+        else:
+            logger.info("%s: weights shared with an engine already serving %s", self.config.model, source)
+        return model
+
+    def _build_model(self, checkpoint: Checkpoint, consume: bool) -> torch.nn.Module:
         config = self.config
         quantize = None
         if self.quantization is not None:
@@ -235,7 +267,8 @@ class LLMEngine:
         if checkpoint is None:
             checkpoint = load_checkpoint(name)
         check_same_vocabulary(self.model_config, self.tokenizer, checkpoint.config, checkpoint.tokenizer, name)
-        model = self._load_model(checkpoint, consume=owned)
+        # A twin: the head cut below must not cut that of an engine serving this model too.
+        model = weight_sharing_twin(self._load_model(checkpoint, consume=owned, source=name if owned else None))
         draft_bytes = weight_bytes(model)
         if self.config.speculative_draft_vocab is not None and hasattr(model, "limit_vocabulary"):
             draft_bytes -= model.limit_vocabulary(self.config.speculative_draft_vocab)

@@ -19,6 +19,7 @@ from engines.sequence import Sequence
 from engines.speculative import FREE_ROWS, best_num_drafts, greedy_accept, rejection_sample, worth_another_draft
 from engines.tiers import TierSpec
 from tests.engine.conftest import TinyModel, generated_ids, make_engine, run_to_completion
+from tests.tiny_models import write_tiny_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 11], list(range(30, 52)), [1, 2, 3]]
@@ -374,3 +375,32 @@ def test_a_drafter_scoring_only_the_first_ids_drafts_among_them_and_the_output_i
     assert torch.isfinite(logits[:, :256]).all() and (logits[:, 256:] == float("-inf")).all()
     assert generate_all(engine, PROMPTS, GREEDY) == expected
     assert engine.speculator.stats.num_accepted_tokens > 0
+
+
+def test_a_drafter_shares_the_weights_of_an_engine_already_serving_its_model(tmp_path: Path) -> None:
+    """As `make run` loads the tiers: the large tier's drafter is the small tier's model, held once."""
+    path = str(write_tiny_checkpoint(tmp_path, "qwen2"))
+    config = EngineConfig(model=path, dtype="float32", num_kv_blocks=64, block_size=4, max_num_seqs=4,
+                          max_num_batched_tokens=64, num_threads=1)
+    small = LLMEngine(config)
+    before = generate_all(small, PROMPTS[:2], GREEDY)
+    vocab_size = small.model_config.vocab_size
+    large = LLMEngine(dataclasses.replace(config, speculative_model=path, speculative_draft_vocab=vocab_size // 2))
+    assert large.speculator is not None
+    drafter = large.speculator.runner.model
+    assert drafter.layers is small.model.layers and drafter.embed_tokens is small.model.embed_tokens
+    # The drafter's head scores half the vocabulary; the served model's still scores all of it.
+    assert drafter.lm_head.out_features == vocab_size // 2
+    logits = small.model.compute_logits(torch.ones(1, small.model_config.hidden_size))
+    assert logits.shape[-1] == vocab_size and torch.isfinite(logits).all()  # a cut head pads with -inf
+    assert generate_all(small, PROMPTS[:2], GREEDY) == before
+
+
+def test_an_engine_over_another_file_or_precision_loads_its_own_weights(tmp_path: Path) -> None:
+    path = str(write_tiny_checkpoint(tmp_path / "a", "qwen2"))
+    config = EngineConfig(model=path, dtype="float32", num_kv_blocks=16, block_size=4, num_threads=1)
+    first = LLMEngine(config)
+    assert LLMEngine(config).model is first.model
+    assert LLMEngine(dataclasses.replace(config, dtype="bfloat16")).model is not first.model
+    other = str(write_tiny_checkpoint(tmp_path / "b", "qwen2"))
+    assert LLMEngine(dataclasses.replace(config, model=other)).model is not first.model
