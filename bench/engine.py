@@ -259,7 +259,8 @@ async def cached_prefix_ttft(
     return statistics.median(uncached), statistics.median(cached)
 
 
-ENGINE_FLAGS = ("dtype", "quantization", "kv_cache_dtype", "kv_cache_mb", "max_num_seqs", "max_num_batched_tokens")
+ENGINE_FLAGS = ("dtype", "quantization", "kv_cache_dtype", "kv_cache_mb", "max_num_seqs", "max_num_batched_tokens",
+                "speculative_draft")
 
 
 def shipped_spec(args: argparse.Namespace) -> TierSpec:
@@ -374,16 +375,15 @@ def batch1_decode(llm_engine: Any, prompt: list[int], tokens: int) -> dict[str, 
     llm_engine.add_request("batch1", prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
     for _ in range(1 + DECODE_WARMUP_STEPS):  # the prefill, then a few decode steps
         llm_engine.step()
-    steps = 0
+    decoded = 0  # tokens, not steps: a speculative round emits several
     started = time.perf_counter()
     while llm_engine.has_unfinished_requests():
-        llm_engine.step()
-        steps += 1
+        decoded += sum(len(output.new_token_ids) for output in llm_engine.step())
     seconds = time.perf_counter() - started
     after = memory_bandwidth()
     roofline = (before["roofline_gb_s"] + after["roofline_gb_s"]) / 2
     weight_gb = decode_weight_bytes(llm_engine.model) / 1e9
-    tokens_per_s = steps / seconds
+    tokens_per_s = decoded / seconds
     return {
         "decode_tokens_per_s": tokens_per_s,
         "step_ms": 1000 / tokens_per_s,
@@ -776,6 +776,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     engine_flags.add_argument("--kv-cache-mb", type=int, default=None)
     engine_flags.add_argument("--max-num-seqs", type=int, default=None)
     engine_flags.add_argument("--max-num-batched-tokens", type=int, default=None)
+    engine_flags.add_argument("--speculative-draft", default=None,
+                              help="speculative decoding's drafter (a demo name or a path; \"\" = off), as "
+                                   "`[tiers.<tier>] speculative_draft` sets it")
     parser.add_argument("--skip-hf", action="store_true", help="measure only our engine")
     parser.add_argument(
         "--batch1-only",
