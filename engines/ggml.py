@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 QK_K = 256  # values in a K-quant super-block
@@ -76,19 +77,14 @@ def q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return (scale * values).reshape(n, QK_K)
 
 
-DEQUANTIZERS: dict[int, tuple[int, int, Callable[[torch.Tensor], torch.Tensor]]] = {
-    # ggml type: (values per block, bytes per block, dequantiser)
-    Q.Q8_0: (32, 34, q8_0),
-    Q.Q4_1: (32, 20, q4_1),
-    Q.Q5_0: (32, 22, q5_0),
-    Q.Q4_K: (QK_K, 144, q4_k),
-    Q.Q6_K: (QK_K, 210, q6_k),
+DEQUANTIZERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
+    Q.Q8_0: q8_0, Q.Q4_1: q4_1, Q.Q5_0: q5_0, Q.Q4_K: q4_k, Q.Q6_K: q6_k,
 }
 
 
 def dequantize_rows(data: np.ndarray, ggml_type: int, out: torch.Tensor) -> None:
     """Rows of blocks `data` (`[rows, bytes]` uint8, e.g. a slice of the mapped file) into `out` (`[rows, values]`
     float32)."""
-    _, block_bytes, dequantizer = DEQUANTIZERS[ggml_type]
+    _, block_bytes = GGML_QUANT_SIZES[ggml_type]
     blocks = torch.from_numpy(np.array(data).reshape(-1, block_bytes))  # a copy: the file's map is read-only
-    out.copy_(dequantizer(blocks).reshape(out.shape))
+    out.copy_(DEQUANTIZERS[ggml_type](blocks).reshape(out.shape))

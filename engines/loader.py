@@ -181,8 +181,11 @@ def hf_name(gguf_name: str) -> str:
     return f"{_GGUF_GLOBAL_NAMES[stem]}.{suffix}"
 
 
-_DEQUANTIZE_ROWS = 4096
-_DEQUANTIZE_VALUES = 1 << 22  # per block through engines/ggml.py (16 MB of float32)
+# Dequantised a block of rows at a time into one output, each block at most this many values (16 MB of float32):
+# either dequantiser makes a few temporaries of a block's size (gguf-py's, several times the size of what it
+# returns, took gigabytes at once for a 151936-row embedding; 4096-row blocks of the large model's 8960-wide
+# rows added 0.5 GB to its loading peak).
+_DEQUANTIZE_VALUES = 1 << 22
 
 
 def dequantize(tensor: GGUFTensor) -> np.ndarray:
@@ -192,26 +195,17 @@ def dequantize(tensor: GGUFTensor) -> np.ndarray:
     from engines.ggml import DEQUANTIZERS, dequantize_rows
 
     if tensor.ggml_type == 0:  # F32: already the values, reinterpret the bytes
-        values = tensor.data.view(np.float32)
-    elif tensor.ggml_type == 1:  # F16
-        values = tensor.data.view(np.float16).astype(np.float32)
-    elif tensor.ggml_type in DEQUANTIZERS:  # the demo checkpoints' formats, in torch (engines/ggml.py)
-        rows = tensor.data.shape[0]
-        out = torch.empty((rows, tensor.shape[-1]), dtype=torch.float32)
-        # A few float temporaries of a block's size each: bounded in values, not rows (a 4096-row block of an
-        # 8960-wide row took 0.5 GB more at the large model's loading peak).
-        block_rows = max(1, _DEQUANTIZE_VALUES // tensor.shape[-1])
-        for start in range(0, rows, block_rows):
-            block = tensor.data[start:start + block_rows]
-            dequantize_rows(block, tensor.ggml_type, out[start:start + len(block)])
-        values = out.numpy()
-    else:
-        # Row block by row block into one output: gguf's numpy dequantisation makes temporaries several
-        # times the size of what it returns (a 151936-row embedding took gigabytes at once).
-        rows = tensor.data.shape[0]
-        values = np.empty((rows, tensor.shape[-1]), dtype=np.float32)
-        for start in range(0, rows, _DEQUANTIZE_ROWS):
-            block = tensor.data[start:start + _DEQUANTIZE_ROWS]
+        return tensor.data.view(np.float32).reshape(tensor.shape)
+    if tensor.ggml_type == 1:  # F16
+        return tensor.data.view(np.float16).astype(np.float32).reshape(tensor.shape)
+    rows, width = tensor.data.shape[0], tensor.shape[-1]
+    values = np.empty((rows, width), dtype=np.float32)
+    block_rows = max(1, _DEQUANTIZE_VALUES // width)
+    for start in range(0, rows, block_rows):
+        block = tensor.data[start:start + block_rows]
+        if tensor.ggml_type in DEQUANTIZERS:  # the demo checkpoints' formats, in torch (engines/ggml.py)
+            dequantize_rows(block, tensor.ggml_type, torch.from_numpy(values[start:start + len(block)]))
+        else:
             values[start:start + len(block)] = gguf_dequantize(block, tensor.ggml_type).reshape(len(block), -1)
     return values.reshape(tensor.shape)
 

@@ -19,8 +19,8 @@ from gateway.config import PolicyConfig, Settings
 from gateway.cost import request_cost
 from gateway.counters import Admission, Charge, Limits, MinuteLeft
 
-# Prompts longer than this many characters are tokenised on a worker thread: a megabyte prompt
-# takes the tokenizer tens of milliseconds, during which no other request would move.
+# Prompts longer than this many characters are tokenised on a worker thread: the tokenizer takes about a
+# microsecond a character (a megabyte: about a second), during which no other request would move.
 OFFLOAD_PROMPT_CHARS = 16_384
 # More characters than any one token spans in the vocabularies we know (Qwen2's longest is 128; SentencePiece
 # pieces are far shorter), so a prompt of more characters than the token limit times this cannot fit it.
