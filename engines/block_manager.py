@@ -20,13 +20,16 @@ ROOT_HASH = 0  # the "previous block" of a sequence's first block
 
 
 class Block:
-    __slots__ = ("block_hash", "block_id", "ref_count", "token_ids")
+    __slots__ = ("block_hash", "block_id", "in_draft_cache", "ref_count", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.block_hash: int | None = None  # set once the block is full, computed and registered
         self.token_ids: tuple[int, ...] = ()
+        # A speculative drafter's KV cache (same block layout) holds this block's K/V too: a sequence sharing it
+        # from the prefix cache need not have the drafter compute it again.
+        self.in_draft_cache = False
 
     def __repr__(self) -> str:
         return f"Block({self.block_id}, ref={self.ref_count}, hash={self.block_hash})"
@@ -43,9 +46,6 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        # Set where a speculative drafter keeps a KV cache of its own beside the target's: a block is offered for
-        # sharing only once both caches hold it (the drafter lags the target while speculation is declined).
-        self.drafter_follows = False
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Insertion order is eviction order: blocks are appended when freed and taken from the front.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -91,14 +91,11 @@ class BlockManager:
         return block_ids
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Register `seq`'s full blocks whose K/V are now computed, so later sequences can share them (with a
-        drafter, computed in both KV caches)."""
+        """Register `seq`'s full blocks whose K/V are now computed, so later sequences can share them."""
         if not self.enable_prefix_caching:
             return
         # A speculative round advances the count before its tokens are appended: only known tokens are hashed.
         computed = min(seq.num_computed_tokens, seq.num_tokens)
-        if self.drafter_follows:
-            computed = min(computed, seq.num_draft_computed_tokens)
         num_full = min(computed // self.block_size, len(seq.block_table))
         if num_full <= seq.num_registered_blocks:
             return
@@ -113,6 +110,13 @@ class BlockManager:
                 self.hash_to_block_id[block_hash] = block.block_id
             # else: the same prefix is already cached in another block; this copy stays private.
         seq.num_registered_blocks = num_full
+
+    def mark_drafted_blocks(self, seq: Sequence) -> None:
+        """Note that a speculative drafter's cache now holds the K/V of `seq`'s full blocks up to its drafted
+        count (only ever tokens the target accepted: a round's drafts count once verified)."""
+        num_full = min(seq.num_draft_computed_tokens, seq.num_computed_tokens) // self.block_size
+        for block_id in seq.block_table[:num_full]:
+            self.blocks[block_id].in_draft_cache = True
 
     # -- allocation --------------------------------------------------------------------------------
 
@@ -133,8 +137,9 @@ class BlockManager:
             block.ref_count += 1
         seq.block_table = list(computed_blocks)
         seq.num_computed_tokens = len(computed_blocks) * self.block_size
-        # A speculative drafter's cache holds every registered block too (cache_computed_blocks' contract).
-        seq.num_draft_computed_tokens = seq.num_computed_tokens
+        num_drafted = next((i for i, block_id in enumerate(computed_blocks)
+                            if not self.blocks[block_id].in_draft_cache), len(computed_blocks))
+        seq.num_draft_computed_tokens = num_drafted * self.block_size
         seq.num_registered_blocks = len(computed_blocks)
         self.may_append(seq, num_new_tokens)
 
@@ -182,5 +187,6 @@ class BlockManager:
                 del self.hash_to_block_id[block.block_hash]
             block.block_hash = None
             block.token_ids = ()
+        block.in_draft_cache = False
         block.ref_count = 1
         return block_id

@@ -197,7 +197,6 @@ class LLMEngine:
         self.speculator = None
         if self._speculative:
             self.speculator = self._load_speculator(num_kv_blocks, drafter)
-            self.block_manager.drafter_follows = True
         release_free_memory()  # what loading freed (dequantised tensors), still mapped by malloc
         keep_freed_memory()  # from here on what a step frees serves the next one
         self._rng = random.Random(config.seed)
@@ -357,8 +356,6 @@ class LLMEngine:
         except StepYielded:
             self._num_yielded_steps_total += 1
             return []
-        if self.speculator is not None:
-            self.speculator.sync(batch)  # before postprocess, which frees the blocks of finished sequences
         token_ids, logprobs = ([], []) if not seqs else sample(
             logits, [s.params for s in seqs], [s.generator for s in seqs],
             [s.output_token_ids for s in seqs], [s.grammar for s in seqs])
@@ -383,6 +380,10 @@ class LLMEngine:
         num_needed = sum(manager.num_blocks_for(seq.num_computed_tokens + k + 1) - len(seq.block_table)
                          for seq in seqs)
         if k == 0 or num_needed > manager.num_free_blocks:
+            return None
+        budget = self.config.max_num_batched_tokens
+        if speculator.num_behind(seqs) > budget:  # a round would start with a long catch-up: spread it over steps
+            speculator.catch_up(seqs, budget, manager)
             return None
         for seq in seqs:
             manager.may_append(seq, k + 1)

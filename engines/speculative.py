@@ -13,9 +13,14 @@ KV cache: the drafter has a cache of its own with the same block layout, address
 target's block tables, so one block manager keeps the books of both. The target writes K/V at all
 k + 1 verified positions; those of rejected drafts are rolled back (the sequence's computed count
 stops after the accepted ones, and tail blocks holding only rejected positions return to the free
-list). After a fully accepted round the drafter lags by one token (it never ran its last draft) and
-catches up in its next first forward; blocks are offered to the prefix cache only once both caches
-hold them, so a prefix shared later is whole for the drafter too.
+list). The drafter computes only when a round is due: it catches up on what it has not seen (a prompt,
+tokens decoded while rounds were declined, a fully accepted round's last draft, which it never ran) in
+the round's first forward. So a prompt's first token waits for the target's prefill alone, and under a
+load that declines rounds the drafter costs nothing; when more is left to catch up than a step's token
+budget (`max_num_batched_tokens`), the step is a plain one beside a drafter forward over that budget
+(`catch_up`), so no step grows past what a prefill chunk costs. Each block records whether the drafter's
+cache holds it (`Block.in_draft_cache`): a prefix shared later brings the drafter's K/V along where it
+has them, and is caught up where not.
 
 Round lengths adapt. With per-draft acceptance probability α (a running average of what the target accepted) and
 drafter / target cost ratio r, a round of k drafts emits (1 - α^(k+1)) / (1 - α) tokens per sequence in k drafter
@@ -23,7 +28,7 @@ steps and one verification over k + 1 rows per sequence, whose extra rows are no
 are bound by arithmetic beyond a row or take more than one pass over the weights (`ForwardCost`,
 `best_num_drafts`). When no k beats plain decoding by a margin that grows with the batch
 (`MIN_MODELLED_GAIN_PER_SEQUENCE`) — a batch too large, drafts rejected too often — the round is declined: a plain
-step. While rounds are declined the drafter does not follow decode steps, and α drifts back towards its optimistic
+step. While rounds are declined the drafter computes nothing, and α drifts back towards its optimistic
 prior, so rounds are tried again. A round that runs drafts the best k for α. With `speculative_adaptive_drafts` it
 drafts instead while one more draft pays (`worth_another_draft`), up to num_speculative_tokens: the drafter's
 probability for its own token predicts the target's acceptance (`SpeculativeStats.accepted_by_confidence`;
@@ -49,7 +54,6 @@ from engines.cpu_kernels import ForwardCost
 from engines.model_runner import ModelRunner, TokenSpan
 from engines.outputs import TokenLogprob
 from engines.sampler import filtered_probs, token_logprobs
-from engines.scheduler import ScheduledBatch
 from engines.sequence import Sequence
 
 _EMA_WEIGHT = 0.1  # weight of the newest round in the running average of α
@@ -202,32 +206,37 @@ class Speculator:
         self.cost_ratio = cost_ratio  # drafter forward / target forward, in weight bytes streamed
         self.forward_cost = forward_cost  # the target's, see best_num_drafts
         self.stats = SpeculativeStats()
-        self.declined = False  # the last round asked for was not worth running (k = 0)
         self._alpha = _ALPHA_PRIOR
 
-    def sync(self, batch: ScheduledBatch) -> None:
-        """With a plain step (after the target ran it, before it is postprocessed): let the drafter compute the
-        K/V the target just did — prompt chunks always, decode tokens only while rounds run. While they are
-        declined (a batch too large for them to pay) a drafter forward per step would cost a third of the step
-        for nothing: the drafter lags instead, and catches up at the next round (`_propose`)."""
+    def num_behind(self, seqs: list[Sequence]) -> int:
+        """Tokens of `seqs` the drafter has yet to compute before it can draft (a round's first forward)."""
+        return sum(seq.num_tokens - seq.num_draft_computed_tokens for seq in seqs)
+
+    def catch_up(self, seqs: list[Sequence], budget: int, block_manager: BlockManager) -> None:
+        """One drafter forward over up to `budget` of the computed tokens it lags by, sequence by sequence: beside
+        a plain step, where a round is due but would begin with more than a step's budget of catching up."""
         spans = []
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            if self.declined and num_new == 1:
-                continue
-            end = seq.num_computed_tokens + num_new
-            start = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
+        for seq in seqs:
+            start = seq.num_draft_computed_tokens
+            end = min(seq.num_computed_tokens, start + budget)
             if start < end:
                 spans.append(TokenSpan(seq.token_ids[start:end], start, seq.block_table, "none"))
-            seq.num_draft_computed_tokens = end
+                seq.num_draft_computed_tokens = end
+                budget -= end - start
+            if not budget:
+                break
         if spans:
+            started = time.perf_counter()
             self.runner.forward(spans)
+            self.stats.draft_seconds += time.perf_counter() - started
+        for seq in seqs:
+            block_manager.mark_drafted_blocks(seq)
 
     def num_drafts(self, seqs: list[Sequence], max_model_len: int) -> int:
         """This round's most drafts, capped so that no sequence runs past its length limits (0: no round): the
         adapted k, or with adaptive drafts `max_drafts` (the round itself stops where drafts stop paying)."""
         k = best_num_drafts(self._alpha, self.cost_ratio, self.max_drafts, len(seqs), self.forward_cost)
-        self.declined = k == 0
-        if self.declined:
+        if k == 0:
             self._alpha += _DECLINED_WEIGHT * (_ALPHA_PRIOR - self._alpha)
             return 0
         if self.adaptive_drafts:
@@ -270,7 +279,7 @@ class Speculator:
         survival, expected_tokens = [1.0] * len(seqs), float(len(seqs))
         confidence: list[list[float]] = [[] for _ in seqs]
         # The drafter is one or two tokens behind (a fully accepted round's last draft was never fed back): decode
-        # rows; after declined rounds, the tokens decoded meanwhile: a prefill chunk.
+        # rows; at a sequence's first round or after declined ones, the prompt or tokens decoded meanwhile: a chunk.
         behind = [seq.token_ids[seq.num_draft_computed_tokens:] for seq in seqs]
         spans = [TokenSpan(tokens, seq.num_draft_computed_tokens, seq.block_table, as_decode_rows=len(tokens) <= 2)
                  for seq, tokens in zip(seqs, behind, strict=True)]
@@ -314,6 +323,7 @@ class Speculator:
         seq.num_computed_tokens += num_emitted
         seq.num_draft_computed_tokens = min(seq.num_draft_computed_tokens, seq.num_computed_tokens)
         block_manager.truncate(seq, seq.num_computed_tokens)
+        block_manager.mark_drafted_blocks(seq)
         # The emitted tokens are appended after this: blocks they fill are offered in the next round.
         block_manager.cache_computed_blocks(seq)
 

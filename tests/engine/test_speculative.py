@@ -216,6 +216,68 @@ def test_prefix_cache_hits_stay_exact_with_a_drafter(tiny_qwen2: TinyModel) -> N
     assert generated_ids(outputs) == expected
 
 
+def drafter_rows(engine: LLMEngine) -> list[int]:
+    """Tokens the drafter computes, one entry per drafter forward (recorded as the engine runs)."""
+    assert engine.speculator is not None
+    runner, rows = engine.speculator.runner, []
+    forward = runner.forward
+
+    def counting_forward(spans: list[TokenSpan], *args: object) -> torch.Tensor:
+        rows.append(sum(len(span.token_ids) for span in spans))
+        return forward(spans, *args)
+
+    runner.forward = counting_forward  # type: ignore[method-assign]
+    return rows
+
+
+def test_a_prompt_waits_for_the_targets_prefill_alone_and_the_drafter_catches_it_up_at_the_first_round(
+    tiny_qwen2: TinyModel,
+) -> None:
+    prompt = PROMPTS[1]
+    expected = generate_all(make_engine(tiny_qwen2), [prompt], GREEDY)[0]
+    engine = speculative_engine(tiny_qwen2, drafter_of(tiny_qwen2, 0.01))
+    rows = drafter_rows(engine)
+    engine.add_request("r", prompt, GREEDY)
+    first = engine.step()
+    assert len(first[0].new_token_ids) == 1 and rows == []  # the first token: no drafter forward ran
+    outputs = [*first, *run_to_completion(engine)["r"]]
+    assert generated_ids(outputs) == expected
+    assert rows[0] >= len(prompt)  # the first round's first forward: the whole prompt, then the first token
+    assert engine.speculator.stats.num_rounds > 0  # type: ignore[union-attr]
+
+
+def test_catching_up_a_long_prompt_is_spread_over_steps_within_the_token_budget(tiny_qwen2: TinyModel) -> None:
+    prompt = list(range(40, 90))
+    expected = generate_all(make_engine(tiny_qwen2), [prompt], GREEDY)[0]
+    engine = speculative_engine(tiny_qwen2, drafter_of(tiny_qwen2, 0.01), max_num_batched_tokens=16)
+    rows = drafter_rows(engine)
+    assert generate_all(engine, [prompt], GREEDY)[0] == expected
+    assert max(rows) <= 16
+    assert sum(rows[:3]) == 48 and rows[3] > 2  # three catch-up chunks, then a round catches up the rest
+
+
+def test_a_prefix_cached_before_the_drafter_saw_it_is_caught_up_and_shared_with_the_drafter_after(
+    tiny_qwen2: TinyModel,
+) -> None:
+    shared = list(range(100, 123))
+    prompt = [*shared, 7, 8, 9]
+    expected = generate_all(make_engine(tiny_qwen2, enable_prefix_caching=False), [prompt], GREEDY)[0]
+    engine = speculative_engine(tiny_qwen2, drafter_of(tiny_qwen2, 0.01))
+    rows = drafter_rows(engine)
+    generate_all(engine, [[*shared, 1]], dataclasses.replace(GREEDY, max_tokens=1))  # finishes at its prefill
+    assert rows == []
+    engine.add_request("second", prompt, GREEDY)
+    outputs = run_to_completion(engine)["second"]
+    assert outputs[0].num_cached_tokens == 20  # the target's blocks are shared though the drafter never ran
+    assert generated_ids(outputs) == expected
+    assert rows[0] >= len(prompt)  # its drafter computed the shared prefix too
+    rows.clear()
+    engine.add_request("third", prompt, GREEDY)
+    outputs = run_to_completion(engine)["third"]
+    assert generated_ids(outputs) == expected
+    assert rows[0] < len(prompt) - 20 + 2  # now the drafter's cache holds the prefix: only the rest is computed
+
+
 def test_seeded_sampling_through_the_drafter_is_reproducible(tiny_llama: TinyModel) -> None:
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=20, ignore_eos=True, seed=11, logprobs=True)
     first = generate_all(speculative_engine(tiny_llama, drafter_of(tiny_llama, 0.01)), PROMPTS[:2], params)
