@@ -484,7 +484,15 @@ class AsyncLLMEngine:
     @classmethod
     def build(cls, config: EngineConfig) -> AsyncLLMEngine:
         """Load `config`'s model on the step thread and serve it (slow: run it in a thread from async code)."""
-        return cls(STEP_THREAD.call(lambda: LLMEngine(config)))
+
+        def load() -> LLMEngine:
+            engine = LLMEngine(config)
+            # Index the vocabulary for constrained decoding now (most of a second for a 152k-token vocabulary): the
+            # first request with a schema validates it on the event loop, which would stall every stream that long.
+            _ = engine.grammars
+            return engine
+
+        return cls(STEP_THREAD.call(load))
 
     @property
     def tokenizer(self) -> Tokenizer:

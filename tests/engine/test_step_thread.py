@@ -38,6 +38,8 @@ async def test_an_engine_is_built_on_the_step_thread(tiny_llama: TinyModel, monk
     engine = await asyncio.to_thread(AsyncLLMEngine.build, EngineConfig(model="tiny"))
     try:
         assert built_on == ["sluice-engine-step"]
+        # Constrained decoding's vocabulary index is built there too, not by the first request with a schema.
+        assert engine.engine._grammars is not None
         assert [o async for o in engine.generate("r", PROMPT, GREEDY)][-1].finished
     finally:
         await engine.shutdown()
