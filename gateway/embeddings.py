@@ -20,7 +20,8 @@ MAX_INPUTS = 2048  # OpenAI's limit per request
 
 class EmbeddingsRequest(msgspec.Struct, kw_only=True):
     model: str
-    input: str | list[str]
+    # Token-id arrays decode too, so that they are refused with an error that names them (`texts_of`).
+    input: str | list[str | int | list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
@@ -53,9 +54,16 @@ def texts_of(request: EmbeddingsRequest, dim: int) -> list[str]:
             code="model_not_found",
             param="model",
         )
-    texts = [request.input] if isinstance(request.input, str) else request.input
-    if not texts:
+    given = [request.input] if isinstance(request.input, str) else request.input
+    if not given:
         raise invalid("`input` must not be an empty list", "input", "empty_array")
+    texts = [text for text in given if isinstance(text, str)]
+    if len(texts) < len(given):
+        # LangChain's OpenAIEmbeddings, for one, sends tiktoken's ids unless told not to: ids of another
+        # tokenizer, which would embed as some other text.
+        raise invalid(f"`{EMBED_MODEL}` embeds text: `input` must be a string or a list of strings. Token-id arrays "
+                      "are not accepted (clients that count tokens with tiktoken send them, e.g. LangChain's "
+                      "OpenAIEmbeddings unless `check_embedding_ctx_length=False`).", "input")
     if len(texts) > MAX_INPUTS:
         raise invalid(f"`input` holds {len(texts)} texts; at most {MAX_INPUTS} per request", "input")
     if any(not text for text in texts):

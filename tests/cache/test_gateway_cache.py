@@ -163,9 +163,13 @@ async def test_embeddings_over_http_follow_the_openai_shape_and_are_accounted(sq
             ({"model": EMBED_MODEL, "input": [""]}, 400, "input"),
             ({"model": EMBED_MODEL, "input": "a", "dimensions": 8}, 400, "dimensions"),
             ({"model": EMBED_MODEL, "input": 5}, 400, "input"),
+            ({"model": EMBED_MODEL, "input": [[9906, 1917]]}, 400, "input"),  # token ids, as tiktoken counts them
+            ({"model": EMBED_MODEL, "input": [9906, 1917]}, 400, "input"),
         ]:
             response = await client.post("/v1/embeddings", json=bad)
             assert response.status_code == status and response.json()["error"]["param"] == param, response.text
+            if isinstance(bad["input"], list) and bad["input"]:
+                assert ("Token-id arrays" in response.text) == (not isinstance(bad["input"][0], str))
     served = [r for r in records if r.status == 200]
     assert [(r.endpoint, r.tier, r.prompt_tokens) for r in served] == [
         ("embeddings", "embed", 4),
