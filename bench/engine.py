@@ -780,6 +780,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                               help="speculative decoding's drafter (a demo name or a path; \"\" = off), as "
                                    "`[tiers.<tier>] speculative_draft` sets it")
     parser.add_argument("--skip-hf", action="store_true", help="measure only our engine")
+    parser.add_argument("--skip-quality", action="store_true",
+                        help="speed only: no perplexity or decode-path quality against float32 (comparing runs of one "
+                             "precision, e.g. with and without a drafter)")
     parser.add_argument(
         "--batch1-only",
         action="store_true",
@@ -877,12 +880,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     print("batch-1 decode against the memory roofline ...", flush=True)
     batch1 = ours["batch1"]
     print_batch1(args.model, batch1)
-    print("measuring quality against float32 ...", flush=True)
-    unused_texts = _corpus_texts()[1][-400:]  # the system prompts come from the start of these
-    quality_tokens = token_stream(checkpoint.tokenizer, unused_texts, QUALITY_TOKENS)[:QUALITY_TOKENS]
-    quality = STEP_THREAD.call(functools.partial(quality_vs_float32, checkpoint, config, quality_tokens))
-    print("measuring decode-path quality against float32 ...", flush=True)
-    decode_quality = STEP_THREAD.call(functools.partial(decode_quality_vs_float32, checkpoint, config))
+    quality: dict[str, Any] | None = None
+    decode_quality: dict[str, Any] | None = None
+    if not args.skip_quality:
+        print("measuring quality against float32 ...", flush=True)
+        unused_texts = _corpus_texts()[1][-400:]  # the system prompts come from the start of these
+        quality_tokens = token_stream(checkpoint.tokenizer, unused_texts, QUALITY_TOKENS)[:QUALITY_TOKENS]
+        quality = STEP_THREAD.call(functools.partial(quality_vs_float32, checkpoint, config, quality_tokens))
+        print("measuring decode-path quality against float32 ...", flush=True)
+        decode_quality = STEP_THREAD.call(functools.partial(decode_quality_vs_float32, checkpoint, config))
     del checkpoint
     gc.collect()
 
@@ -923,12 +929,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         [[prefix["uncached_s"], prefix["cached_s"], speedup]],
     )
 
-    print_table(
-        f"Quality against float32 (teacher-forced, {quality['tokens']} held-out tokens)",
-        ["perplexity float32", "perplexity ours", "increase %", "top-1 agreement %"],
-        [[quality["perplexity_float32"], quality["perplexity_ours"], quality["perplexity_increase_pct"],
-          quality["top1_agreement_with_float32_pct"]]],
-    )  # fmt: skip
+    if quality is not None:
+        print_table(
+            f"Quality against float32 (teacher-forced, {quality['tokens']} held-out tokens)",
+            ["perplexity float32", "perplexity ours", "increase %", "top-1 agreement %"],
+            [[quality["perplexity_float32"], quality["perplexity_ours"], quality["perplexity_increase_pct"],
+              quality["top1_agreement_with_float32_pct"]]],
+        )  # fmt: skip
     if decode_quality is not None:
         print_decode_quality(decode_quality)
 
@@ -969,7 +976,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "batch1_decode_at_least_60_pct_of_roofline": batch1["roofline_fraction_pct"] >= 60,
         "same_precision_at_least_2x": (same_precision_ratio or 0) >= 2,
         "full_stack_at_least_5x_within_1pct_perplexity": (full_stack_ratio or 0) >= 5
-        and quality["perplexity_increase_pct"] <= 1,
+        and quality is not None and quality["perplexity_increase_pct"] <= 1,
     }
     if hf_best is not None and full_stack_ratio is not None:
         ratio_rows = [["full-stack", ours_label, f"HF {hf_best[0]}, batch {hf_best[1]}", full_stack_ratio,
@@ -979,8 +986,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             ratio_rows.append(["same-precision", "sluice engine float32", f"HF {hf_float32[0]}, batch {hf_float32[1]}",
                                same_precision_ratio, comparison["same_precision_ttft_p99_ours_over_hf"], "≥ 2×",
                                targets["same_precision_at_least_2x"]])  # fmt: skip
+        perplexity = "not measured" if quality is None else f"{quality['perplexity_increase_pct']:+.2f}%"
         print_table(
-            f"Ours over HF in output tokens/s (full-stack perplexity {quality['perplexity_increase_pct']:+.2f}%)",
+            f"Ours over HF in output tokens/s (full-stack perplexity {perplexity})",
             ["ratio", "ours", "HF", "throughput x", "TTFT p99 ours/HF", "target", "met"],
             ratio_rows,
         )

@@ -16,9 +16,10 @@ interleaved group by group so that the machine's drift during the run weighs on 
                    pays, judged by the drafter's probability for its own tokens (`adaptive_drafts_*` keys).
 
 Reported per batch size: decode tokens/s (output tokens after each request's first, over the time
-after its first token) and its ratio to plain decoding, pooled and as the median of per-group paired
-ratios, end-to-end tokens/s, the drafter's acceptance rate, mean tokens per target forward, and whether
-the greedy outputs are token-identical. Writes bench/results/speculative.json.
+after its first token; with the drafter that time includes its pass over the prompt, which it makes at
+the first round, not while the target prefills) and its ratio to plain decoding, pooled and as the
+median of per-group paired ratios, end-to-end tokens/s, the drafter's acceptance rate, mean tokens per
+target forward, and whether the greedy outputs are token-identical. Writes bench/results/speculative.json.
 """
 
 from __future__ import annotations
