@@ -139,3 +139,31 @@ def test_prefix_caching_disabled_never_hits() -> None:
     manager = BlockManager(num_blocks=8, block_size=BLOCK_SIZE, enable_prefix_caching=False)
     admit(manager, make_seq("a", [1, 2, 3, 4, 5]))
     assert manager.get_computed_blocks(make_seq("b", [1, 2, 3, 4, 5])) == []
+
+
+
+def test_a_shared_prefix_brings_the_drafters_kv_only_where_it_computed_them_since_the_block_was_taken() -> None:
+    manager = BlockManager(num_blocks=2, block_size=BLOCK_SIZE)
+    a = make_seq("a", list(range(8)))
+    admit(manager, a)
+    a.num_draft_computed_tokens = 8  # a speculative drafter computed both blocks
+    manager.mark_drafted_blocks(a)
+    manager.deallocate(a)
+    # Other tokens take both blocks over: what the drafter held there is gone.
+    other = make_seq("other", list(range(100, 108)))
+    admit(manager, other)
+    assert sorted(other.block_table) == [0, 1]
+    manager.deallocate(other)
+    later = make_seq("later", list(range(100, 108)))
+    manager.allocate(later, manager.get_computed_blocks(later), 4)
+    assert later.num_computed_tokens == 4 and later.num_draft_computed_tokens == 0
+    manager.deallocate(later)
+
+    drafted = make_seq("drafted", list(range(200, 208)))
+    admit(manager, drafted)
+    drafted.num_draft_computed_tokens = 8
+    manager.mark_drafted_blocks(drafted)
+    manager.deallocate(drafted)
+    again = make_seq("again", list(range(200, 208)))
+    manager.allocate(again, manager.get_computed_blocks(again), 4)
+    assert again.num_computed_tokens == 4 and again.num_draft_computed_tokens == 4

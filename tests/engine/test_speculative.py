@@ -147,6 +147,47 @@ def test_a_drafter_equal_to_the_target_has_every_draft_accepted(tiny_qwen2: Tiny
     assert stats.num_accepted_tokens == stats.num_tested_tokens == stats.num_draft_tokens > 0
 
 
+def test_a_drafter_equal_to_the_target_keeps_every_draft_through_sharing_preemption_aborts_and_catch_ups(
+    tiny_qwen2: TinyModel,
+) -> None:
+    """The drafter's K/V are right wherever it drafts from them: a twin of the target has every draft accepted
+    while prefixes are shared before and after the drafter computed them, sequences are preempted and readmitted,
+    requests are aborted, and catch-ups are cut to the step budget. Stale or missing drafter K/V would show as
+    rejected drafts (the output itself is the target's whatever the drafter holds)."""
+    import random
+
+    rng = random.Random(5)
+    prefixes = [list(range(200, 213)), list(range(300, 309))]
+    prompts = [[*rng.choice(prefixes), *(rng.randrange(1, 500) for _ in range(rng.randrange(1, 9)))] for _ in range(10)]
+    lengths = [rng.randrange(8, 28) for _ in prompts]
+    aborted_at = {12: "r3", 40: "r7"}  # step -> request
+    aborted = set(aborted_at.values())
+    settings = dict(num_kv_blocks=16, max_num_seqs=4, max_num_batched_tokens=12)
+
+    def run(engine: LLMEngine) -> dict[str, list[int]]:
+        outputs: dict[str, list] = {}
+        pending = list(enumerate(zip(prompts, lengths, strict=True)))
+        step = 0
+        while pending or engine.has_unfinished_requests():
+            while pending and step >= 25 * (pending[0][0] // 5):  # two waves, the second after the first decodes
+                i, (prompt, max_tokens) = pending.pop(0)
+                engine.add_request(f"r{i}", prompt, dataclasses.replace(GREEDY, max_tokens=max_tokens))
+            if step in aborted_at:
+                engine.abort_request(aborted_at[step])
+            for output in engine.step():
+                outputs.setdefault(output.request_id, []).append(output)
+            step += 1
+        return {rid: generated_ids(out) for rid, out in outputs.items() if rid not in aborted}
+
+    expected = run(make_engine(tiny_qwen2, **settings))
+    engine = speculative_engine(tiny_qwen2, tiny_qwen2.checkpoint, num_speculative_tokens=3, **settings)
+    assert run(engine) == expected
+    stats = engine.speculator.stats  # type: ignore[union-attr]
+    assert stats.num_rounds > 10 and stats.num_accepted_tokens == stats.num_tested_tokens
+    assert engine.scheduler.num_preempted_total > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0, max_tokens=10, grammar=GrammarSpec("json_object")),
     SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5),
