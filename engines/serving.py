@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -125,8 +126,13 @@ class _Reply:
         self.text = ""
         self.parser = tool_calls.StreamParser(plan.tool_names)
         self.calls: list[ToolCall] = []
+        self.finished = False
+        self._num_fed = 0  # characters of the reply fed so far
+        # Streamed logprobs not sent yet, each output's with where its text ends in the reply.
+        self._waiting_logprobs: deque[tuple[int, Sequence[EngineTokenLogprob]]] = deque()
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self._num_fed += len(text)
         if self.plan.tools is None:
             return text, []
         if self.plan.tools == "forced":
@@ -135,6 +141,7 @@ class _Reply:
         return self._keep(*self.parser.feed(text))
 
     def finish(self) -> tuple[str, list[ToolCall]]:
+        self.finished = True
         if self.plan.tools == "forced":
             self.calls = tool_calls.parse_forced(self.text)
             return ("", self.calls) if self.calls else (self.text, [])
@@ -150,6 +157,22 @@ class _Reply:
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
         return "tool_calls" if self.calls and engine_reason == "stop" else engine_reason
+
+    def logprobs_to_send(self, logprobs: Sequence[EngineTokenLogprob]) -> list[EngineTokenLogprob]:
+        """After `feed` (and `finish`) of an output: the logprobs whose text has gone out, as content or as a call.
+        Text that may be a tool call is held back, and its tokens' logprobs with it, so that a chunk's logprobs
+        are those of what it sends."""
+        self._waiting_logprobs.append((self._num_fed, logprobs))
+        num_sent = self._num_fed - self._num_held()
+        ready: list[EngineTokenLogprob] = []
+        while self._waiting_logprobs and self._waiting_logprobs[0][0] <= num_sent:
+            ready.extend(self._waiting_logprobs.popleft()[1])
+        return ready
+
+    def _num_held(self) -> int:
+        if self.finished or self.plan.tools is None:
+            return 0
+        return len(self.text) if self.plan.tools == "forced" else len(self.parser.buffer)
 
 
 @dataclass(frozen=True)
@@ -445,7 +468,8 @@ class OpenAIServing:
             if output.finished:
                 rest, last_calls = reply.finish()
                 content, new_calls = content + rest, new_calls + last_calls
-            if not (content or new_calls or output.finished or (request.logprobs and output.logprobs)):
+            logprobs = reply.logprobs_to_send(output.logprobs) if request.logprobs else []
+            if not (content or new_calls or output.finished or logprobs):
                 continue
             first = call.index not in announced
             announced.add(call.index)
@@ -456,9 +480,7 @@ class OpenAIServing:
                                    content=(content or None) if new_calls else content,
                                    tool_calls=tool_call_deltas(new_calls, first_call) or None),
                 finish_reason=reply.finish_reason(output.finish_reason) if output.finished else None,
-                logprobs=(
-                    ChoiceLogprobs(content=self._chat_logprobs(output.logprobs, top)) if request.logprobs else None
-                ),
+                logprobs=ChoiceLogprobs(content=self._chat_logprobs(logprobs, top)) if request.logprobs else None,
             )
             yield ChatCompletionChunk(id=response_id, created=created, model=self.model_name, choices=[choice])
         yield ChatCompletionChunk(

@@ -213,6 +213,17 @@ async def test_required_streams_one_call_as_tool_call_deltas(tool_serving: OpenA
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
 
 
+async def test_a_streamed_calls_logprobs_come_with_the_call_not_ahead_of_it(tool_serving: OpenAIServing) -> None:
+    """The call's text is held until it is whole; its tokens' logprobs are held with it, so each chunk's logprobs
+    are those of what that chunk sends."""
+    request = ask(tools=[WEATHER, TIME], tool_choice="required", logprobs=True, top_logprobs=2)
+    chunks = [chunk async for chunk in tool_serving.chat_stream(request)]
+    sent = [(bool(c.delta.tool_calls or c.delta.content), len(c.logprobs.content) if c.logprobs else 0)
+            for chunk in chunks for c in chunk.choices]
+    assert all(sends for sends, num_logprobs in sent if num_logprobs)  # no logprobs in a chunk that sends nothing
+    assert sum(num_logprobs for _, num_logprobs in sent) == chunks[-1].usage.completion_tokens  # none lost
+
+
 @pytest.mark.parametrize("seed", range(3))
 async def test_a_json_schema_response_format_yields_valid_json(serving: OpenAIServing, seed: int) -> None:
     schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 8},
