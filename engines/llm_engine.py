@@ -372,7 +372,7 @@ class LLMEngine:
         """A draft-and-verify round when every scheduled sequence decodes and the cache has room; else None."""
         seqs = batch.seqs
         if any(num_new != 1 for num_new in batch.num_new_tokens):
-            return None  # prefill chunks in the step: a plain step, and the drafter follows
+            return None  # prefill chunks in the step: a plain step (the drafter catches up at the next round)
         if not all(_speculable(seq) for seq in seqs):
             return None
         k = speculator.num_drafts(seqs, self.max_model_len)

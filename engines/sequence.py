@@ -36,7 +36,8 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
-        # Speculative decoding: leading tokens whose K/V the drafter holds (may lag num_computed_tokens by one).
+        # Speculative decoding: leading tokens whose K/V the drafter holds. It lags num_computed_tokens by the
+        # tokens it has not caught up on (a prompt until its first round, tokens decoded while rounds were declined).
         self.num_draft_computed_tokens = 0
         self.block_table: list[int] = []
         # Chained hashes of this sequence's full blocks, extended lazily by the block manager.
