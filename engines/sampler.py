@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from engines.outputs import TokenLogprob
@@ -70,9 +71,18 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
     return logits
 
 
+def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)`: the same ids (the first of equal maxima; NaN counts as the maximum). Float32
+    logits on the CPU go through numpy, whose argmax is vectorised; torch's CPU argmax is not, and over a 152k-token
+    vocabulary it was a tenth of a 32-row decode step (BENCHMARKS.md, 2026-12-06)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(np.asarray(logits.detach().numpy().argmax(axis=-1)))
+    return logits.argmax(dim=-1)
+
+
 def _choose(logits: torch.Tensor, params: Sequence[SamplingParams],
             generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    token_ids = logits.argmax(dim=-1)
+    token_ids = argmax_ids(logits)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         rows = torch.tensor(random_rows)

@@ -53,7 +53,7 @@ from engines.block_manager import BlockManager
 from engines.cpu_kernels import ForwardCost
 from engines.model_runner import ModelRunner, TokenSpan
 from engines.outputs import TokenLogprob
-from engines.sampler import filtered_probs, token_logprobs
+from engines.sampler import argmax_ids, filtered_probs, token_logprobs
 from engines.sequence import Sequence
 
 _EMA_WEIGHT = 0.1  # weight of the newest round in the running average of α
@@ -291,7 +291,7 @@ class Speculator:
             for i, seq in enumerate(seqs):
                 if seq.params.greedy:
                     row = torch.softmax(logits[i].float(), dim=-1) if self.adaptive_drafts else logits[i]
-                    token_id = int(row.argmax())
+                    token_id = int(argmax_ids(row))
                 else:
                     row = filtered_probs(logits[i:i + 1], [seq.params])[0]
                     token_id = int(torch.multinomial(row, 1, generator=seq.generator))
@@ -310,7 +310,7 @@ class Speculator:
     def _accept(self, seq: Sequence, draft: list[int], draft_probs: torch.Tensor | None,
                 logits: torch.Tensor) -> Verified:
         if draft_probs is None:
-            token_ids = greedy_accept(logits.argmax(dim=-1).tolist(), draft)
+            token_ids = greedy_accept(argmax_ids(logits).tolist(), draft)
         else:
             target_probs = filtered_probs(logits, [seq.params] * len(logits))
             token_ids = rejection_sample(target_probs, draft_probs, draft, seq.generator)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.sampler import sample
+from engines.sampler import argmax_ids, sample
 from engines.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([[1.0, 3.0, 2.0, 0.5, -1.0], [0.0, 0.1, 0.2, 5.0, 0.3]])
@@ -24,6 +24,18 @@ def test_greedy_takes_the_argmax_of_each_row() -> None:
     tokens, logprobs = sample(LOGITS, [SamplingParams(temperature=0)] * 2, [None, None])
     assert tokens == [1, 3]
     assert logprobs == [None, None]
+
+
+def test_greedy_ids_are_torchs_argmax_ties_nan_and_infinities_included() -> None:
+    logits = torch.randn(6, 151_936, generator=torch.Generator().manual_seed(0))
+    logits[0, [7, 90_000]] = float("nan")  # NaN counts as the maximum, the first one wins
+    logits[1] = float("-inf")
+    logits[2, [3, 9]] = 100.0  # equal maxima: the first
+    logits[3, [151_935, 2]] = float("inf")
+    strided = logits[:, ::2]  # a view that is not contiguous
+    for rows in (logits, strided, logits[4], logits.bfloat16()):
+        assert torch.equal(argmax_ids(rows), rows.argmax(dim=-1))
+    assert argmax_ids(logits).tolist()[:4] == [7, 0, 3, 2]
 
 
 def test_top_k_keeps_only_the_k_most_likely_tokens() -> None:
