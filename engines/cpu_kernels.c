@@ -218,6 +218,12 @@ static inline float hsum8(const __m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
 }
 
+static inline float hmax8(const __m256 v) {
+    const __m128 four = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 two = _mm_max_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_max_ss(two, _mm_movehdup_ps(two)));
+}
+
 static inline __m256 load8(const void *base, const int64_t index, const int bf16) {
     if (!bf16) return _mm256_loadu_ps((const float *)base + index);
     const __m128i raw = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + index));
@@ -253,8 +259,10 @@ static inline __m256 scale_pow2_256(const __m256 y, const __m256 n) {
 #define V_SCALE_POW2 scale_pow2_256
 #define V_LOAD_KV load8
 #define V_HSUM hsum8
+#define V_HMAX hmax8
 #define V_HSUM4 hsum4_ps8
 #define V_EXP exp256
+#define TILE_ROWS tile_rows_avx2
 #define PAGED_DECODE_ATTEND paged_decode_attend_avx2
 #define PAGED_DECODE_ATTENTION paged_decode_attention_avx2
 #include "cpu_attention.inc"
@@ -274,8 +282,10 @@ static inline __m256 scale_pow2_256(const __m256 y, const __m256 n) {
 #undef V_SCALE_POW2
 #undef V_LOAD_KV
 #undef V_HSUM
+#undef V_HMAX
 #undef V_HSUM4
 #undef V_EXP
+#undef TILE_ROWS
 #undef PAGED_DECODE_ATTEND
 #undef PAGED_DECODE_ATTENTION
 
@@ -317,6 +327,11 @@ void w8a8_tile_pack(const int8_t *w, const int64_t N, const int64_t K, const int
 static void quantize_rows_int8(const float *x, const int64_t rows, const int64_t K, int8_t *xq, float *x_scale);
 static void w8a8_amx_share(const int8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
                            const int8_t *packed, const float *w_scale, const float *bias, float *out, const int64_t N);
+static void paged_decode_attend_avx512(const float *q, const void *k_cache, const void *v_cache, const int bf16,
+                                       const int64_t *block_tables, const int64_t max_blocks,
+                                       const int64_t *context_lens, const int64_t rows, const int64_t heads,
+                                       const int64_t kv_heads, const int64_t head_dim, const int block_shift,
+                                       const float scale, float *out, int *status);
 static void quantize_rows_vnni(const float *x, const int64_t rows, const int64_t K, uint8_t *xq, float *x_scale);
 static void w8a8_vnni_share(const uint8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
                             const int8_t *packed, const int32_t *w_sum, const float *w_scale, const float *bias,
@@ -498,9 +513,11 @@ int decode_layer_int8(const struct decoder_layer *layer, const struct decoder_sh
         /* q rows are qkv_size apart: attend from a packed copy (the attention kernel's layout). */
         #pragma omp for schedule(static)
         for (int64_t m = 0; m < rows; m++) memcpy(y + m * q_size, qkv + m * qkv_size, sizeof(float) * (size_t)q_size);
-        paged_decode_attend_avx2(y, layer->k_cache, layer->v_cache, s->kv_bf16, step->block_tables, step->max_blocks,
-                                 step->context_lens, rows, s->heads, s->kv_heads, head_dim, block_shift,
-                                 s->attention_scale, h, &status);
+        /* w8a8 layers run only on CPUs with AVX-512 (AMX or VNNI): their attention takes the sixteen-lane build
+         * where the head fills whole vectors of it. */
+        (s->products != INT8_WEIGHT_ONLY && head_dim % 16 == 0 ? paged_decode_attend_avx512 : paged_decode_attend_avx2)(
+            y, layer->k_cache, layer->v_cache, s->kv_bf16, step->block_tables, step->max_blocks, step->context_lens,
+            rows, s->heads, s->kv_heads, head_dim, block_shift, s->attention_scale, h, &status);
         quantize_inputs(s, h, rows, q_size, xq, x_scale);
         project(s, xq, x_scale, rows, q_size, &layer->o, y, hidden);
         #pragma omp for schedule(static)
@@ -683,8 +700,10 @@ static inline __m128 hsum4_ps(const __m512 a, const __m512 b, const __m512 c, co
 #define V_SCALE_POW2 _mm512_scalef_ps
 #define V_LOAD_KV load16
 #define V_HSUM _mm512_reduce_add_ps
+#define V_HMAX _mm512_reduce_max_ps
 #define V_HSUM4 hsum4_ps
 #define V_EXP exp512
+#define TILE_ROWS tile_rows_avx512
 #define PAGED_DECODE_ATTEND paged_decode_attend_avx512
 #define PAGED_DECODE_ATTENTION paged_decode_attention_avx512
 #include "cpu_attention.inc"
