@@ -562,7 +562,8 @@ int decode_layer_int8(const struct decoder_layer *layer, const struct decoder_sh
 
 static inline __attribute__((always_inline)) void vnni_group_rows(
     const int rows, const uint8_t *xq, const int64_t Kp, const float *x_scale, const int8_t *weight,
-    const int32_t *w_sum, const float *w_scale, const float *bias, float *out, const int64_t N, const int64_t n_group) {
+    const int32_t *w_sum, const float *w_scale, const float *bias, float *out, const int64_t stride, const int64_t N,
+    const int64_t n_group) {
     const int64_t chunks = Kp / TILE_K_CHUNK;
     __m512i acc[4][VNNI_ROWS];
     for (int s = 0; s < 4; s++)
@@ -594,7 +595,7 @@ static inline __attribute__((always_inline)) void vnni_group_rows(
             const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[s][r], shift));
             __m512 y = _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(x_scale[r])), scale16);
             if (bias) y = _mm512_add_ps(y, bias16);
-            _mm512_mask_storeu_ps(out + r * N + n0, valid, y);
+            _mm512_mask_storeu_ps(out + r * stride + s * 16, valid, y);
         }
     }
 }
@@ -628,25 +629,48 @@ static void quantize_rows_vnni(const float *x, const int64_t rows, const int64_t
     for (int64_t m = 0; m < rows; m++) quantize_row_bytes(x + m * K, K, Kp, 128, xq + m * Kp, x_scale + m);
 }
 
+/* Every row of the product for the 64 features of `group`, into `out` (row 0's first feature of the group; rows
+ * `stride` apart). */
+static void vnni_group(const uint8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
+                       const int8_t *packed, const int64_t group, const int32_t *w_sum, const float *w_scale,
+                       const float *bias, float *out, const int64_t stride, const int64_t N) {
+    const int64_t chunks = (K + TILE_K_CHUNK - 1) / TILE_K_CHUNK, Kp = chunks * TILE_K_CHUNK;
+    const int8_t *weight = packed + group * chunks * TILE_BLOCK_BYTES;
+    for (int64_t m0 = 0; m0 < rows; m0 += VNNI_ROWS) {
+        const uint8_t *x_rows = xq + m0 * Kp;
+        float *rows_out = out + m0 * stride;
+        switch (rows - m0 < VNNI_ROWS ? rows - m0 : VNNI_ROWS) {  /* constant counts: registers */
+#define ROWS(r) case r: vnni_group_rows(r, x_rows, Kp, x_scale + m0, weight, w_sum, w_scale, bias, rows_out, stride, \
+                                        N, group * TILE_GROUP); break;
+            ROWS(1) ROWS(2) ROWS(3) ROWS(4)
+#undef ROWS
+        }
+    }
+}
+
 /* This thread's share of the output groups: called by every thread of a team, no barrier. */
 static void w8a8_vnni_share(const uint8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
                             const int8_t *packed, const int32_t *w_sum, const float *w_scale, const float *bias,
                             float *out, const int64_t N) {
-    const int64_t chunks = (K + TILE_K_CHUNK - 1) / TILE_K_CHUNK, Kp = chunks * TILE_K_CHUNK;
     int64_t begin, end;
     thread_share((N + TILE_GROUP - 1) / TILE_GROUP, &begin, &end);
+    for (int64_t group = begin; group < end; group++)
+        vnni_group(xq, x_scale, rows, K, packed, group, w_sum, w_scale, bias, out + group * TILE_GROUP, N, N);
+}
+
+/* w8a8_amx_silu_mul_share's arithmetic through VNNI (see there). */
+static void w8a8_vnni_silu_mul_share(const uint8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
+                                     const int8_t *packed, const int32_t *w_sum, const float *w_scale,
+                                     const float *bias, float *out, const int64_t N, float *scratch) {
+    const int64_t half = N / 2, half_groups = half / TILE_GROUP;
+    float *gate = scratch, *up = scratch + rows * TILE_GROUP;
+    int64_t begin, end;
+    thread_share(half_groups, &begin, &end);
     for (int64_t group = begin; group < end; group++) {
-        const int8_t *weight = packed + group * chunks * TILE_BLOCK_BYTES;
-        for (int64_t m0 = 0; m0 < rows; m0 += VNNI_ROWS) {
-            const uint8_t *x_rows = xq + m0 * Kp;
-            float *rows_out = out + m0 * N;
-            switch (rows - m0 < VNNI_ROWS ? rows - m0 : VNNI_ROWS) {  /* constant counts: registers */
-#define ROWS(r) case r: vnni_group_rows(r, x_rows, Kp, x_scale + m0, weight, w_sum, w_scale, bias, rows_out, N, \
-                                        group * TILE_GROUP); break;
-                ROWS(1) ROWS(2) ROWS(3) ROWS(4)
-#undef ROWS
-            }
-        }
+        vnni_group(xq, x_scale, rows, K, packed, group, w_sum, w_scale, bias, gate, TILE_GROUP, N);
+        vnni_group(xq, x_scale, rows, K, packed, group + half_groups, w_sum, w_scale, bias, up, TILE_GROUP, N);
+        for (int64_t m = 0; m < rows; m++)
+            silu_mul_row(gate + m * TILE_GROUP, up + m * TILE_GROUP, TILE_GROUP, out + m * half + group * TILE_GROUP);
     }
 }
 
@@ -660,6 +684,19 @@ int w8a8_vnni(const float *x, const int64_t rows, const int64_t K, const int8_t 
     {
         quantize_rows_vnni(x, rows, K, xq, x_scale);
         w8a8_vnni_share(xq, x_scale, rows, K, packed, w_sum, w_scale, bias, out, N);
+    }
+    return 0;
+}
+
+/* w8a8_amx_silu_mul through VNNI: w_sum as w8a8_vnni takes it. Returns 0. */
+int w8a8_vnni_silu_mul(const float *x, const int64_t rows, const int64_t K, const int8_t *packed, const int32_t *w_sum,
+                       const float *w_scale, const float *bias, float *out, const int64_t N, uint8_t *xq,
+                       float *x_scale, float *scratch, const int threads) {
+    #pragma omp parallel num_threads(threads)
+    {
+        quantize_rows_vnni(x, rows, K, xq, x_scale);
+        w8a8_vnni_silu_mul_share(xq, x_scale, rows, K, packed, w_sum, w_scale, bias, out, N,
+                                 scratch + omp_get_thread_num() * 2 * rows * TILE_GROUP);
     }
     return 0;
 }
@@ -749,10 +786,11 @@ static void amx_configure(const int rows) {
     _tile_loadconfig(&config);
 }
 
-/* out rows [m0, m0 + rows) × the 64 features of `group` from the four C tiles, as W8A8Linear rescales. */
+/* Rows [m0, m0 + rows) × the 64 features of `group` from the four C tiles, as W8A8Linear rescales, into `out`
+ * (row 0's first feature of the group; rows `stride` apart). */
 static inline void amx_store_group(int32_t acc[4][AMX_TILE_ROWS * 16], const int rows, const int64_t m0,
                                    const int64_t group, const float *x_scale, const float *w_scale,
-                                   const float *bias, float *out, const int64_t N) {
+                                   const float *bias, float *out, const int64_t stride, const int64_t N) {
     for (int slice = 0; slice < 4; slice++) {
         const int64_t n0 = group * TILE_GROUP + slice * 16;
         if (n0 >= N) break;
@@ -763,7 +801,7 @@ static inline void amx_store_group(int32_t acc[4][AMX_TILE_ROWS * 16], const int
             const __m512 dot = _mm512_cvtepi32_ps(_mm512_loadu_si512((const void *)(acc[slice] + r * 16)));
             __m512 y = _mm512_mul_ps(_mm512_mul_ps(dot, _mm512_set1_ps(x_scale[m0 + r])), scale16);
             if (bias) y = _mm512_add_ps(y, bias16);
-            _mm512_mask_storeu_ps(out + (m0 + r) * N + n0, valid, y);
+            _mm512_mask_storeu_ps(out + (m0 + r) * stride + slice * 16, valid, y);
         }
     }
 }
@@ -776,41 +814,76 @@ static void quantize_rows_int8(const float *x, const int64_t rows, const int64_t
     for (int64_t m = 0; m < rows; m++) quantize_row_bytes(x + m * K, K, Kp, 0, (uint8_t *)xq + m * Kp, x_scale + m);
 }
 
+/* Every row of q(x) · wᵀ for the 64 features of `group`, into `out` (row 0's first feature of the group; rows
+ * `stride` apart); `*configured_rows`: the tile configuration's row count (0: none loaded yet). */
+static void amx_group(const int8_t *xq, const float *x_scale, const int64_t rows, const int64_t K, const int8_t *packed,
+                      const int64_t group, const float *w_scale, const float *bias, float *out, const int64_t stride,
+                      const int64_t N, int *configured_rows) {
+    const int64_t chunks = (K + TILE_K_CHUNK - 1) / TILE_K_CHUNK, Kp = chunks * TILE_K_CHUNK;
+    const int8_t *weight = packed + group * chunks * TILE_BLOCK_BYTES;
+    int32_t acc[4][AMX_TILE_ROWS * 16];
+    for (int64_t m0 = 0; m0 < rows; m0 += AMX_TILE_ROWS) {
+        const int block_rows = (int)(rows - m0 < AMX_TILE_ROWS ? rows - m0 : AMX_TILE_ROWS);
+        if (block_rows != *configured_rows) amx_configure(*configured_rows = block_rows);
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t chunk = 0; chunk < chunks; chunk++) {
+            const int8_t *block = weight + chunk * TILE_BLOCK_BYTES;
+            _tile_loadd(4, xq + m0 * Kp + chunk * TILE_K_CHUNK, Kp);
+            _tile_loadd(5, block, 64); _tile_dpbssd(0, 4, 5);
+            _tile_loadd(6, block + 1024, 64); _tile_dpbssd(1, 4, 6);
+            _tile_loadd(5, block + 2048, 64); _tile_dpbssd(2, 4, 5);
+            _tile_loadd(6, block + 3072, 64); _tile_dpbssd(3, 4, 6);
+        }
+        _tile_stored(0, acc[0], 64); _tile_stored(1, acc[1], 64);
+        _tile_stored(2, acc[2], 64); _tile_stored(3, acc[3], 64);
+        amx_store_group(acc, block_rows, m0, group, x_scale, w_scale, bias, out, stride, N);
+    }
+}
+
+/* Other AMX users on a thread may keep their tile configuration between calls (onnxruntime's MLAS caches it per
+ * thread and reloads it only when it sees another): a product puts it back as it was (all zeros: none). */
+static void amx_restore(const amx_tile_config *before, const int configured_rows) {
+    if (before->palette_id)
+        _tile_loadconfig(before);
+    else if (configured_rows)
+        _tile_release();
+}
+
 /* This thread's share of the output groups of q(x) · wᵀ: called by every thread of a team, no barrier. */
 static void w8a8_amx_share(const int8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
                            const int8_t *packed, const float *w_scale, const float *bias, float *out, const int64_t N) {
-    const int64_t chunks = (K + TILE_K_CHUNK - 1) / TILE_K_CHUNK, Kp = chunks * TILE_K_CHUNK;
     int64_t begin, end;
     thread_share((N + TILE_GROUP - 1) / TILE_GROUP, &begin, &end);
-    int32_t acc[4][AMX_TILE_ROWS * 16];
-    /* Other AMX users on this thread may keep their tile configuration between calls (onnxruntime's MLAS caches
-     * it per thread and reloads it only when it sees another): it is put back as it was (all zeros: none). */
+    amx_tile_config before;
+    _tile_storeconfig(&before);
+    int configured_rows = 0;
+    for (int64_t group = begin; group < end; group++)
+        amx_group(xq, x_scale, rows, K, packed, group, w_scale, bias, out + group * TILE_GROUP, N, N,
+                  &configured_rows);
+    amx_restore(&before, configured_rows);
+}
+
+/* This thread's share of silu(gate) · up for a gate_up weight [gate; up] of N = 2 · I features, I a multiple of 64:
+ * gate group g and up group g + I / 64 cover the same 64 features, computed into `scratch` (this thread's
+ * [2, rows, 64]) and combined into out [rows, I] while they are in cache. */
+static void w8a8_amx_silu_mul_share(const int8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
+                                    const int8_t *packed, const float *w_scale, const float *bias, float *out,
+                                    const int64_t N, float *scratch) {
+    const int64_t half = N / 2, half_groups = half / TILE_GROUP;
+    float *gate = scratch, *up = scratch + rows * TILE_GROUP;
+    int64_t begin, end;
+    thread_share(half_groups, &begin, &end);
     amx_tile_config before;
     _tile_storeconfig(&before);
     int configured_rows = 0;
     for (int64_t group = begin; group < end; group++) {
-        const int8_t *weight = packed + group * chunks * TILE_BLOCK_BYTES;
-        for (int64_t m0 = 0; m0 < rows; m0 += AMX_TILE_ROWS) {
-            const int block_rows = (int)(rows - m0 < AMX_TILE_ROWS ? rows - m0 : AMX_TILE_ROWS);
-            if (block_rows != configured_rows) amx_configure(configured_rows = block_rows);
-            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-            for (int64_t chunk = 0; chunk < chunks; chunk++) {
-                const int8_t *block = weight + chunk * TILE_BLOCK_BYTES;
-                _tile_loadd(4, xq + m0 * Kp + chunk * TILE_K_CHUNK, Kp);
-                _tile_loadd(5, block, 64); _tile_dpbssd(0, 4, 5);
-                _tile_loadd(6, block + 1024, 64); _tile_dpbssd(1, 4, 6);
-                _tile_loadd(5, block + 2048, 64); _tile_dpbssd(2, 4, 5);
-                _tile_loadd(6, block + 3072, 64); _tile_dpbssd(3, 4, 6);
-            }
-            _tile_stored(0, acc[0], 64); _tile_stored(1, acc[1], 64);
-            _tile_stored(2, acc[2], 64); _tile_stored(3, acc[3], 64);
-            amx_store_group(acc, block_rows, m0, group, x_scale, w_scale, bias, out, N);
-        }
+        amx_group(xq, x_scale, rows, K, packed, group, w_scale, bias, gate, TILE_GROUP, N, &configured_rows);
+        amx_group(xq, x_scale, rows, K, packed, group + half_groups, w_scale, bias, up, TILE_GROUP, N,
+                  &configured_rows);
+        for (int64_t m = 0; m < rows; m++)
+            silu_mul_row(gate + m * TILE_GROUP, up + m * TILE_GROUP, TILE_GROUP, out + m * half + group * TILE_GROUP);
     }
-    if (before.palette_id)
-        _tile_loadconfig(&before);
-    else if (configured_rows)
-        _tile_release();
+    amx_restore(&before, configured_rows);
 }
 
 /* x [rows, K] float32; packed from w8a8_tile_pack (slice-major); w_scale [N] float32; bias [N] float32 or NULL;
@@ -821,6 +894,20 @@ int w8a8_amx(const float *x, const int64_t rows, const int64_t K, const int8_t *
     {
         quantize_rows_int8(x, rows, K, xq, x_scale);
         w8a8_amx_share(xq, x_scale, rows, K, packed, w_scale, bias, out, N);
+    }
+    return 0;
+}
+
+/* w8a8_amx's product of x with a gate_up weight [gate; up] (N = 2 · I, I a multiple of 64), returned as
+ * out [rows, I] = silu(gate) · up (the decode layer's SiLU); scratch: [threads, 2, rows, 64] float32. Returns 0. */
+int w8a8_amx_silu_mul(const float *x, const int64_t rows, const int64_t K, const int8_t *packed, const float *w_scale,
+                      const float *bias, float *out, const int64_t N, int8_t *xq, float *x_scale, float *scratch,
+                      const int threads) {
+    #pragma omp parallel num_threads(threads)
+    {
+        quantize_rows_int8(x, rows, K, xq, x_scale);
+        w8a8_amx_silu_mul_share(xq, x_scale, rows, K, packed, w_scale, bias, out, N,
+                                scratch + omp_get_thread_num() * 2 * rows * TILE_GROUP);
     }
     return 0;
 }

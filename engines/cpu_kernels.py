@@ -14,7 +14,8 @@ replaces the third, for every decode row of every step, so a row's result never 
 Beside them, the ~20 small PyTorch ops of a decode layer (norms, RoPE, KV store, SiLU, residuals) cost a third
 of a batch-1 step; `decode_layer_int8` runs a whole layer for a step's decode rows in one call on the AVX2
 kernels' arithmetic (`engines.models.llama.NativeDecoder`, where every product is int8 weight-only on float32,
-or w8a8: on AMX tiles, or through VNNI dot products).
+or w8a8: on AMX tiles, or through VNNI dot products). Prefill rows run through the PyTorch modules, where a
+tiled gate_up product applies SiLU · up itself (`TiledW8A8Kernel.silu_mul`).
 `python -m bench.kernels` times the GEMVs against the PyTorch ops, `python -m bench.engine --batch1-only`
 a decode step with the kernels against the PyTorch ops; BENCHMARKS.md has the figures.
 
@@ -90,6 +91,10 @@ class TiledW8A8Kernel:
         self._product.restype = ctypes.c_int
         self._product.argtypes = [_POINTER, _INT64, _INT64, _POINTER, *([_POINTER] if self.needs_weight_sum else []),
                                   _POINTER, _POINTER, _POINTER, _INT64, _POINTER, _POINTER, ctypes.c_int]
+        # The same, then silu(gate) · up: (..., xq, x_scale, scratch, threads)
+        self._silu_mul = getattr(library, f"{self.symbol}_silu_mul")
+        self._silu_mul.restype = ctypes.c_int
+        self._silu_mul.argtypes = [*self._product.argtypes[:-1], _POINTER, ctypes.c_int]
 
     def pack(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The tiled weight, and its row sums `[N]` int32 where this product takes them (else None). Taken in
@@ -119,18 +124,43 @@ class TiledW8A8Kernel:
         self, x: torch.Tensor, tiled: torch.Tensor, out_features: int, scales: torch.Tensor, bias: torch.Tensor | None,
         weight_sum: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        out = torch.empty(x.shape[0], out_features)
+        self._run(self._product, x, tiled, out_features, scales, bias, weight_sum, out)
+        return out
+
+    def gates(self, out_features: int) -> bool:
+        """Whether `silu_mul` takes a gate_up weight of `out_features` ([gate; up], each whole groups)."""
+        return out_features % (2 * self.group) == 0
+
+    def silu_mul(
+        self, x: torch.Tensor, tiled: torch.Tensor, out_features: int, scales: torch.Tensor, bias: torch.Tensor | None,
+        weight_sum: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`silu(gate) · up` of the product with a gate_up weight [gate; up] (`gates(out_features)`), `[rows,
+        out_features / 2]`: each gate group meets its up group while both are in cache, instead of the product
+        writing [rows, out_features] for SiLU and the multiply to read back. SiLU is the decode layer's (a few ulp
+        from torch's)."""
+        assert self.gates(out_features)
+        out = torch.empty(x.shape[0], out_features // 2)
+        scratch = torch.empty(torch.get_num_threads(), 2, x.shape[0], self.group)  # each thread's gate and up group
+        self._run(self._silu_mul, x, tiled, out_features, scales, bias, weight_sum, out, scratch.data_ptr())
+        return out
+
+    def _run(
+        self, product: ctypes._CFuncPtr, x: torch.Tensor, tiled: torch.Tensor, out_features: int, scales: torch.Tensor,
+        bias: torch.Tensor | None, weight_sum: torch.Tensor | None, out: torch.Tensor, *extra: int,
+    ) -> None:
+        """`product(x, rows, K, tiled[, weight_sum], scales, bias, out, N, xq, x_scale, *extra, threads)`."""
         rows, in_features = x.shape
         assert tiled.shape[1] * self.k_chunk >= in_features and tiled.shape[0] * self.group >= out_features
         assert (weight_sum is not None) == self.needs_weight_sum
         x = x.contiguous()
-        out = torch.empty(rows, out_features)
         scratch = torch.empty(rows, tiled.shape[1] * self.k_chunk, dtype=torch.uint8)  # int8 or uint8 rows
         row_scales = torch.empty(rows)
-        self._product(x.data_ptr(), rows, in_features, tiled.data_ptr(),
-                      *(() if weight_sum is None else (weight_sum.data_ptr(),)), scales.data_ptr(),
-                      None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, scratch.data_ptr(),
-                      row_scales.data_ptr(), torch.get_num_threads())
-        return out
+        product(x.data_ptr(), rows, in_features, tiled.data_ptr(),
+                *(() if weight_sum is None else (weight_sum.data_ptr(),)), scales.data_ptr(),
+                None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, scratch.data_ptr(),
+                row_scales.data_ptr(), *extra, torch.get_num_threads())
 
 
 class W8A8Amx(TiledW8A8Kernel):

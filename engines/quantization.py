@@ -320,6 +320,17 @@ class TiledW8A8Linear(nn.Module):
         out = self.kernel(rows, self.weight, self.out_features, self.scales, self.bias, self.weight_sum)
         return out.to(self.activation_dtype).reshape(*x.shape[:-1], self.out_features)
 
+    @property
+    def gates(self) -> bool:
+        """Whether `silu_and_mul` runs: this is a gate_up projection [gate; up] the kernel can combine."""
+        return self.kernel.gates(self.out_features)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """`silu(gate) * up` of `gate, up = self(x).split(out_features // 2, -1)`, in the product's own pass."""
+        rows = x.reshape(-1, self.in_features).float()
+        out = self.kernel.silu_mul(rows, self.weight, self.out_features, self.scales, self.bias, self.weight_sum)
+        return out.to(self.activation_dtype).reshape(*x.shape[:-1], self.out_features // 2)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 

@@ -109,6 +109,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self.gate_up_proj, "gates", False):  # a CPU kernel's product that applies SiLU · up itself
+            return self.down_proj(self.gate_up_proj.silu_and_mul(x))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

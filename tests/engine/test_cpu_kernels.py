@@ -9,11 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engines import cpu_kernels
 from engines.attention import AttentionMetadata, paged_attention
+from engines.config import ModelConfig
 from engines.cpu_kernels import PagedDecodeAttention, int8_gemv, w8a8_amx, w8a8_vnni
+from engines.models.llama import MLP
 from engines.quantization import (
     PACKED_MAX_ROWS,
     Int8Embedding,
@@ -101,6 +104,38 @@ def test_the_tiled_weight_is_the_only_copy_and_serves_rows_a_cut_head_and_a_tied
     shared = Int8Embedding.from_embedding(embedding, torch.float32, tied_head=tiled)
     assert shared.weight.data_ptr() == tiled.weight.data_ptr()
     assert torch.equal(shared(ids), Int8Embedding(reference.weight, reference.scales, torch.float32)(ids))
+
+
+@pytest.mark.parametrize("kernel_name", TILED_KERNELS)
+@pytest.mark.parametrize("rows", [1, 5, 17, 40])  # AMX: a block of 16 and the rest; VNNI: of 4
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_gate_up_product_applies_silu_and_the_product_itself(kernel_name: str, rows: int, bias: bool) -> None:
+    intermediate = 192  # three groups of 64 per half: gate group g meets up group g + 3
+    tiled, reference = tiled_pair(kernel_name, 200, 2 * intermediate, bias)
+    assert tiled.gates
+    x = torch.randn(rows, 200) * torch.logspace(-2, 2, rows).unsqueeze(1)
+    gate, up = reference(x).split(intermediate, dim=-1)
+    out = torch.full((rows, intermediate), float("nan"))
+    out.copy_(tiled.silu_and_mul(x))  # an unwritten element would stay NaN
+    torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-5, atol=1e-6)  # SiLU's exponential: a few ulp
+
+
+@pytest.mark.parametrize("kernel_name", TILED_KERNELS)
+def test_an_mlp_on_a_tiled_gate_up_takes_the_combined_product_and_gives_the_same_result(kernel_name: str) -> None:
+    config = ModelConfig(architecture="qwen2", vocab_size=64, hidden_size=200, intermediate_size=128,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=50)
+    mlp = MLP(config)
+    fused = MLP(config)
+    fused.load_state_dict(mlp.state_dict())
+    kernel = {"amx": w8a8_amx, "vnni": w8a8_vnni}[kernel_name]()
+    fused.gate_up_proj = TiledW8A8Linear.from_linear(mlp.gate_up_proj, torch.float32, kernel)
+    mlp.gate_up_proj = W8A8Linear.from_linear(mlp.gate_up_proj, torch.float32)
+    x = torch.randn(7, 200)
+    calls = []
+    fused.gate_up_proj.forward = lambda *args: calls.append(args)  # the unfused path would call it (and fail)
+    torch.testing.assert_close(fused(x), mlp(x), rtol=1e-5, atol=1e-5)
+    assert not calls
+    assert not TiledW8A8Linear.from_linear(nn.Linear(200, 2 * 96), torch.float32, kernel).gates  # 96: not whole groups
 
 
 def int16_rows_product(layer: Int8Linear, x: torch.Tensor, x_levels: int) -> torch.Tensor:
