@@ -263,6 +263,7 @@ static inline __m256 scale_pow2_256(const __m256 y, const __m256 n) {
 #define V_HSUM4 hsum4_ps8
 #define V_EXP exp256
 #define TILE_ROWS tile_rows_avx2
+#define ACCUMULATE_V accumulate_v_avx2
 #define PAGED_DECODE_ATTEND paged_decode_attend_avx2
 #define PAGED_DECODE_ATTENTION paged_decode_attention_avx2
 #include "cpu_attention.inc"
@@ -286,6 +287,7 @@ static inline __m256 scale_pow2_256(const __m256 y, const __m256 n) {
 #undef V_HSUM4
 #undef V_EXP
 #undef TILE_ROWS
+#undef ACCUMULATE_V
 #undef PAGED_DECODE_ATTEND
 #undef PAGED_DECODE_ATTENTION
 
@@ -741,6 +743,7 @@ static inline __m128 hsum4_ps(const __m512 a, const __m512 b, const __m512 c, co
 #define V_HSUM4 hsum4_ps
 #define V_EXP exp512
 #define TILE_ROWS tile_rows_avx512
+#define ACCUMULATE_V accumulate_v_avx512
 #define PAGED_DECODE_ATTEND paged_decode_attend_avx512
 #define PAGED_DECODE_ATTENTION paged_decode_attention_avx512
 #include "cpu_attention.inc"
