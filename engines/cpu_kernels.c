@@ -335,6 +335,12 @@ static void paged_decode_attend_avx512(const float *q, const void *k_cache, cons
                                        const int64_t kv_heads, const int64_t head_dim, const int block_shift,
                                        const float scale, float *out, int *status);
 static void quantize_rows_vnni(const float *x, const int64_t rows, const int64_t K, uint8_t *xq, float *x_scale);
+static void w8a8_amx_silu_mul_share(const int8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
+                                    const int8_t *packed, const float *w_scale, const float *bias, float *out,
+                                    const int64_t N, float *scratch);
+static void w8a8_vnni_silu_mul_share(const uint8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
+                                     const int8_t *packed, const int32_t *w_sum, const float *w_scale,
+                                     const float *bias, float *out, const int64_t N, float *scratch);
 static void w8a8_vnni_share(const uint8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
                             const int8_t *packed, const int32_t *w_sum, const float *w_scale, const float *bias,
                             float *out, const int64_t N);
@@ -474,6 +480,32 @@ static void project(const struct decoder_shape *s, const void *xq, const float *
     #pragma omp barrier
 }
 
+/* silu(gate) · up of the rows' gate_up product into out [rows, I], then a barrier. w8a8 products over whole
+ * 64-feature groups per half combine each gate group with its up group while both are in cache (the
+ * `*_silu_mul_share`s, each thread's [2, rows, 64] scratch in `gate_up`), the same bits as the product of all
+ * of them followed by `silu_mul_row`, which the other layers run: `gate_up` [rows, 2 I] holds that product. */
+static void project_silu_mul(const struct decoder_shape *s, const void *xq, const float *x_scale, const int64_t rows,
+                             const int64_t K, const struct int8_linear *linear, float *gate_up, float *out) {
+    const int64_t inter = s->intermediate;
+    const int gated = s->products != INT8_WEIGHT_ONLY && inter % TILE_GROUP == 0
+                      && omp_get_num_threads() * 2 * TILE_GROUP <= 2 * inter;  /* the scratch fits in gate_up */
+    float *scratch = gate_up + omp_get_thread_num() * 2 * rows * TILE_GROUP;
+    if (gated && s->products == W8A8_AMX)
+        w8a8_amx_silu_mul_share(xq, x_scale, rows, K, linear->weight, linear->scale, linear->bias, out, 2 * inter,
+                                scratch);
+    else if (gated)
+        w8a8_vnni_silu_mul_share(xq, x_scale, rows, K, linear->weight, linear->weight_sum, linear->scale,
+                                 linear->bias, out, 2 * inter, scratch);
+    if (gated) {
+        #pragma omp barrier
+        return;
+    }
+    project(s, xq, x_scale, rows, K, linear, gate_up, 2 * inter);
+    #pragma omp for schedule(static)
+    for (int64_t m = 0; m < rows; m++)
+        silu_mul_row(gate_up + m * 2 * inter, gate_up + m * 2 * inter + inter, inter, out + m * inter);
+}
+
 /* x [rows, hidden] float32, the rows' hidden states, updated in place. Returns 0; -1 if the sizes are not
  * the kernels' (rows, a product's in_features, head_dim, heads per KV head, block size); -2 if attention
  * found no scratch memory (x is then not meaningful). */
@@ -529,10 +561,7 @@ int decode_layer_int8(const struct decoder_layer *layer, const struct decoder_sh
             rms_norm_row(x_row, layer->post_attention_norm, hidden, s->rms_norm_eps, h + m * hidden);
         }
         quantize_inputs(s, h, rows, hidden, xq, x_scale);
-        project(s, xq, x_scale, rows, hidden, &layer->gate_up, gate_up, 2 * inter);
-        #pragma omp for schedule(static)
-        for (int64_t m = 0; m < rows; m++)
-            silu_mul_row(gate_up + m * 2 * inter, gate_up + m * 2 * inter + inter, inter, h + m * inter);
+        project_silu_mul(s, xq, x_scale, rows, hidden, &layer->gate_up, gate_up, h);
         quantize_inputs(s, h, rows, inter, xq, x_scale);
         project(s, xq, x_scale, rows, inter, &layer->down, y, hidden);
         #pragma omp for schedule(static)
@@ -924,5 +953,11 @@ static void quantize_rows_int8(const float *x, const int64_t rows, const int64_t
 static void w8a8_amx_share(const int8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
                            const int8_t *packed, const float *w_scale, const float *bias, float *out, const int64_t N) {
     (void)xq, (void)x_scale, (void)rows, (void)K, (void)packed, (void)w_scale, (void)bias, (void)out, (void)N;
+}
+static void w8a8_amx_silu_mul_share(const int8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
+                                    const int8_t *packed, const float *w_scale, const float *bias, float *out,
+                                    const int64_t N, float *scratch) {
+    (void)xq, (void)x_scale, (void)rows, (void)K, (void)packed, (void)w_scale, (void)bias, (void)out, (void)N;
+    (void)scratch;
 }
 #endif
