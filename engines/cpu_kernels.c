@@ -489,14 +489,14 @@ static void project_silu_mul(const struct decoder_shape *s, const void *xq, cons
     const int64_t inter = s->intermediate;
     const int gated = s->products != INT8_WEIGHT_ONLY && inter % TILE_GROUP == 0
                       && omp_get_num_threads() * 2 * TILE_GROUP <= 2 * inter;  /* the scratch fits in gate_up */
-    float *scratch = gate_up + omp_get_thread_num() * 2 * rows * TILE_GROUP;
-    if (gated && s->products == W8A8_AMX)
-        w8a8_amx_silu_mul_share(xq, x_scale, rows, K, linear->weight, linear->scale, linear->bias, out, 2 * inter,
-                                scratch);
-    else if (gated)
-        w8a8_vnni_silu_mul_share(xq, x_scale, rows, K, linear->weight, linear->weight_sum, linear->scale,
-                                 linear->bias, out, 2 * inter, scratch);
     if (gated) {
+        float *scratch = gate_up + omp_get_thread_num() * 2 * rows * TILE_GROUP;
+        if (s->products == W8A8_AMX)
+            w8a8_amx_silu_mul_share(xq, x_scale, rows, K, linear->weight, linear->scale, linear->bias, out, 2 * inter,
+                                    scratch);
+        else
+            w8a8_vnni_silu_mul_share(xq, x_scale, rows, K, linear->weight, linear->weight_sum, linear->scale,
+                                     linear->bias, out, 2 * inter, scratch);
         #pragma omp barrier
         return;
     }
