@@ -73,6 +73,22 @@ def test_logprobs_ignore_temperature_and_filters() -> None:
     assert [value for _, value in logprob.top] == pytest.approx(expected[[1, 2, 0]].tolist())
 
 
+def test_logprobs_match_log_softmax_on_wide_rows_of_large_logits() -> None:
+    logits = torch.randn(4, 5000, generator=torch.Generator().manual_seed(0)) * 60
+    params = [SamplingParams(temperature=0, logprobs=True, top_logprobs=5), SamplingParams(temperature=0),
+              SamplingParams(temperature=0, logprobs=True),
+              SamplingParams(temperature=0, logprobs=True, top_logprobs=2)]
+    tokens, logprobs = sample(logits, params, [None] * 4)
+    expected = torch.log_softmax(logits, dim=-1)
+    for row in (0, 2, 3):
+        logprob = logprobs[row]
+        assert logprob is not None and logprob.logprob == pytest.approx(expected[row, tokens[row]].item(), abs=1e-4)
+        top_values, top_ids = expected[row].topk(params[row].top_logprobs)
+        assert [token for token, _ in logprob.top] == top_ids.tolist()
+        assert [value for _, value in logprob.top] == pytest.approx(top_values.tolist(), abs=1e-4)
+    assert logprobs[1] is None
+
+
 def test_logprobs_are_given_only_to_the_rows_that_asked() -> None:
     params = [SamplingParams(temperature=0, logprobs=True), SamplingParams(temperature=0)]
     _, logprobs = sample(LOGITS, params, [None, None])
