@@ -13,6 +13,9 @@ Otherwise context is gathered a whole block at a time (one `index_select` row pe
 a block of K is one contiguous run of memory, and copying it whole is much faster than slot by
 slot, which matters because decode attention on CPU is bound by these copies. Slots past a
 sequence's length in its last block (and padding blocks) are masked out.
+Where the kernel reads a bfloat16 cache with bfloat16 dot products (`PagedDecodeAttention.attends_prefill`),
+prefill chunks take it too, each query token as a decode row over its causal context: faster than SDPA there
+(BENCHMARKS.md), and a prompt's tokens attend as its decoded tokens do.
 
 On CUDA (`AttentionMetadata.triton`) the K/V store (fused with RoPE, `kernels.rope`) and the decode rows
 run Triton kernels over the same cache memory, viewed as [num_blocks, block_size, KVH, D]; prefill
@@ -39,13 +42,18 @@ DecodeAttention = PagedDecodeAttention | Callable[
 
 @dataclass
 class PrefillChunk:
-    """Query rows [start, end) of the step belong to one sequence whose first `num_computed` tokens are cached."""
+    """Query rows [start, end) of the step belong to one sequence whose first `num_computed` tokens are cached.
+
+    With `context_lens` set, the chunk attends through `AttentionMetadata.prefill_kernel`: query row i as a decode
+    row over the sequence's positions [0, context_lens[i]), read from the cache through `row_block_tables`."""
 
     start: int
     end: int
     num_computed: int
     block_table: torch.Tensor | None  # [blocks covering the context] long; None when nothing is cached
     mask: torch.Tensor | None  # [end - start, blocks * block_size] bool, True = may attend; None when purely causal
+    row_block_tables: torch.Tensor | None = None  # [end - start, blocks covering the context] long
+    context_lens: torch.Tensor | None = None  # [end - start] long: num_computed + 1 + i
 
 
 class NativeDecodeRows(Protocol):
@@ -80,13 +88,14 @@ class AttentionMetadata:
     should_yield: Callable[[], bool] | None = None  # asked before each layer: True gives the step up (StepYielded)
     native_decode: NativeDecodeRows | None = None  # runs the decode rows' layers natively; None: PyTorch modules
     triton: bool = False  # the Triton path (CUDA): K/V stored with RoPE, decode rows through the Triton kernel
+    prefill_kernel: PagedDecodeAttention | None = None  # attends the chunks with `context_lens`; None: SDPA
 
     def prefill_only(self) -> AttentionMetadata:
         """This step's prefill chunks alone, their rows numbered from 0 (for when the decode rows go elsewhere)."""
         n = self.num_decode_tokens
         chunks = [replace(chunk, start=chunk.start - n, end=chunk.end - n) for chunk in self.prefills]
         return AttentionMetadata(self.block_size, self.slot_mapping[n:], 0, None, None, chunks,
-                                 should_yield=self.should_yield, triton=self.triton)
+                                 should_yield=self.should_yield, triton=self.triton, prefill_kernel=self.prefill_kernel)
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -156,6 +165,11 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=metadata.decode_mask, scale=scale)
         output[:num_decode] = out.reshape(batch, num_heads, head_dim)
     for chunk in metadata.prefills:
+        if chunk.context_lens is not None and metadata.prefill_kernel is not None:
+            output[chunk.start:chunk.end] = metadata.prefill_kernel(
+                query[chunk.start:chunk.end], k_cache, v_cache, chunk.row_block_tables, chunk.context_lens,
+                metadata.block_size, scale)
+            continue
         q = query[chunk.start:chunk.end].to(kv_dtype).transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if chunk.block_table is None:
             k = key[chunk.start:chunk.end]

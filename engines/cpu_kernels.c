@@ -334,6 +334,11 @@ static void paged_decode_attend_avx512(const float *q, const void *k_cache, cons
                                        const int64_t *context_lens, const int64_t rows, const int64_t heads,
                                        const int64_t kv_heads, const int64_t head_dim, const int block_shift,
                                        const float scale, float *out, int *status);
+static void paged_decode_attend_avx512bf16(const float *q, const void *k_cache, const void *v_cache, const int bf16,
+                                           const int64_t *block_tables, const int64_t max_blocks,
+                                           const int64_t *context_lens, const int64_t rows, const int64_t heads,
+                                           const int64_t kv_heads, const int64_t head_dim, const int block_shift,
+                                           const float scale, float *out, int *status);
 static void quantize_rows_vnni(const float *x, const int64_t rows, const int64_t K, uint8_t *xq, float *x_scale);
 static void w8a8_amx_silu_mul_share(const int8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
                                     const int8_t *packed, const float *w_scale, const float *bias, float *out,
@@ -378,6 +383,7 @@ struct decoder_shape {
     float rms_norm_eps, attention_scale;
     int32_t kv_bf16;
     int32_t products;  /* enum layer_products */
+    int32_t bf16_dot;  /* the CPU has AVX512_BF16: a bfloat16 cache is attended by the `vdpbf16ps` build */
 };
 
 struct decode_rows {  /* this step's decode rows, shared by every layer of the step */
@@ -528,6 +534,12 @@ int decode_layer_int8(const struct decoder_layer *layer, const struct decoder_sh
     float *gate_up = qkv + rows * ALIGN_FLOATS(qkv_size);
     float *y = gate_up + rows * ALIGN_FLOATS(2 * inter);  /* a product's output rows or the packed q, [rows, widest] */
     float *x_scale = y + rows * ALIGN_FLOATS(widest);
+    /* w8a8 layers run only on CPUs with AVX-512 (AMX or VNNI): their attention takes the sixteen-lane build where
+     * the head fills whole vectors of it, with bfloat16 dot products where the CPU has them. */
+    void (*const attend)(const float *, const void *, const void *, int, const int64_t *, int64_t, const int64_t *,
+                         int64_t, int64_t, int64_t, int64_t, int, float, float *, int *) =
+        s->products == INT8_WEIGHT_ONLY || head_dim % 16 ? paged_decode_attend_avx2
+        : s->bf16_dot ? paged_decode_attend_avx512bf16 : paged_decode_attend_avx512;
     int status = 0;
     #pragma omp parallel num_threads(threads)
     {
@@ -547,9 +559,7 @@ int decode_layer_int8(const struct decoder_layer *layer, const struct decoder_sh
         /* q rows are qkv_size apart: attend from a packed copy (the attention kernel's layout). */
         #pragma omp for schedule(static)
         for (int64_t m = 0; m < rows; m++) memcpy(y + m * q_size, qkv + m * qkv_size, sizeof(float) * (size_t)q_size);
-        /* w8a8 layers run only on CPUs with AVX-512 (AMX or VNNI): their attention takes the sixteen-lane build
-         * where the head fills whole vectors of it. */
-        (s->products != INT8_WEIGHT_ONLY && head_dim % 16 == 0 ? paged_decode_attend_avx512 : paged_decode_attend_avx2)(
+        attend(
             y, layer->k_cache, layer->v_cache, s->kv_bf16, step->block_tables, step->max_blocks, step->context_lens,
             rows, s->heads, s->kv_heads, head_dim, block_shift, s->attention_scale, h, &status);
         quantize_inputs(s, h, rows, q_size, xq, x_scale);
@@ -776,6 +786,147 @@ static inline __m128 hsum4_ps(const __m512 a, const __m512 b, const __m512 c, co
 #define PAGED_DECODE_ATTEND paged_decode_attend_avx512
 #define PAGED_DECODE_ATTENTION paged_decode_attention_avx512
 #include "cpu_attention.inc"
+
+#undef V_EXP
+#undef TILE_ROWS
+#undef ACCUMULATE_V
+#undef PAGED_DECODE_ATTEND
+#undef PAGED_DECODE_ATTENTION
+
+#pragma GCC pop_options
+
+/* -- paged_decode_attention (AVX-512 with BF16): a bfloat16 cache read by `vdpbf16ps` ---------------------------
+ * The sixteen-lane build, except over a bfloat16 cache (and heads of a multiple of 32 dims), which it reads as it is
+ * stored: each `vdpbf16ps` multiplies 32 bfloat16 pairs and adds each pair's two products into a float32 lane, so
+ * q · k takes half the instructions of float32 FMAs and no K is widened; for Σ weight · v the softmax numerators
+ * are rounded to bfloat16 and two positions' V vectors interleaved, so each instruction adds two positions. The
+ * query and the weights are rounded to bfloat16 as the PyTorch path (SDPA in the cache's dtype) rounds them;
+ * sums stay float32. Taken where the CPU has AVX512_BF16 (Zen 4, Sapphire Rapids): see `paged_decode_attention`. */
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vnni,avx512bf16")
+
+#define BF16_PAIRS 32  /* bfloat16 per vector: one `vdpbf16ps` operand */
+
+static inline __m512bh load_bf16(const uint16_t *source) { return (__m512bh)_mm512_loadu_si512(source); }
+
+/* scores[g * length + p] = scale · q_g · k_p for the group's heads g and positions [0, length), q in bfloat16. */
+static void bf16_dot_scores(const float *q_group, const void *k_cache, const int64_t *table, const int block_shift,
+                            const int64_t kv_heads, const int64_t kvh, const int64_t head_dim, const int64_t group,
+                            const int64_t length, const float scale, float *scores) {
+    const int64_t parts = head_dim / BF16_PAIRS;
+    __m512bh q[MAX_GROUP][MAX_HEAD_DIM / BF16_PAIRS];
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t i = 0; i < parts; i++) {
+            const float *source = q_group + g * head_dim + BF16_PAIRS * i;
+            q[g][i] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(source + 16), _mm512_loadu_ps(source));
+        }
+    int64_t p = 0;
+    for (; p + 4 <= length; p += 4) {  /* four positions at a time: one reduction for four */
+        const uint16_t *k[4];
+        for (int j = 0; j < 4; j++) k[j] = key_vector(k_cache, table, block_shift, kv_heads, kvh, head_dim, p + j, 1);
+        for (int64_t g = 0; g < group; g++) {
+            __m512 dot[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            for (int64_t i = 0; i < parts; i++)
+                for (int j = 0; j < 4; j++) dot[j] = _mm512_dpbf16_ps(dot[j], q[g][i], load_bf16(k[j] + BF16_PAIRS * i));
+            _mm_storeu_ps(scores + g * length + p, _mm_mul_ps(hsum4_ps(dot[0], dot[1], dot[2], dot[3]), _mm_set1_ps(scale)));
+        }
+    }
+    for (; p < length; p++) {
+        const uint16_t *k = key_vector(k_cache, table, block_shift, kv_heads, kvh, head_dim, p, 1);
+        for (int64_t g = 0; g < group; g++) {
+            __m512 dot = _mm512_setzero_ps();
+            for (int64_t i = 0; i < parts; i++) dot = _mm512_dpbf16_ps(dot, q[g][i], load_bf16(k + BF16_PAIRS * i));
+            scores[g * length + p] = _mm512_reduce_add_ps(dot) * scale;
+        }
+    }
+}
+
+/* The float's nearest bfloat16 (ties to even), as `vcvtneps2bf16` rounds; x is finite (a softmax numerator). */
+static inline uint16_t bf16_nearest(const float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+/* Each row of `numerators` ([group, length] float32) as bfloat16 in place, its first half: row g's weight p at
+ * ((uint16_t *)(numerators + g * length))[p], and a zero after the last when length is odd (a pair's partner). */
+static void round_weights_bf16(float *numerators, const int64_t group, const int64_t length) {
+    for (int64_t g = 0; g < group; g++) {
+        float *row = numerators + g * length;
+        uint16_t *weights = (uint16_t *)row;  /* writes stay behind the reads: weight p lands in float p / 2 */
+        int64_t p = 0;
+        for (; p + 16 <= length; p += 16)
+            _mm256_storeu_si256((__m256i *)(weights + p), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + p)));
+        for (; p < length; p++) weights[p] = bf16_nearest(row[p]);
+        if (length % 2) weights[length] = 0;
+    }
+}
+
+/* out[g] = Σ_p weight_g,p · v_p / total[g] for the group's heads, from the softmax numerators in `scores` (rounded
+ * to bfloat16 here, in place): HEADS heads × 64 dims at a time, their sums in registers through a pass over the
+ * positions, two positions a step. `_mm512_unpacklo/hi_epi16` of two positions' 32 dims gives each float32 lane a
+ * pair (v_p, v_p+1) of one dim: dims 8k..8k+3 (lo) and 8k+4..8k+7 (hi) in the lanes 4k..4k+3 of the 128-bit lane
+ * k, put back in order once per head (`permutex2var`). */
+static void bf16_weighted_values(float *scores, const void *v_cache, const int64_t *table, const int block_shift,
+                                 const int64_t kv_heads, const int64_t kvh, const int64_t head_dim,
+                                 const int64_t group, const int64_t length, const float *total, float *out) {
+    enum { HEADS = 4, PARTS = 2 };
+    const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const int64_t parts = head_dim / BF16_PAIRS;
+    round_weights_bf16(scores, group, length);
+    for (int64_t g0 = 0; g0 < group; g0 += HEADS) {
+        const int64_t heads_here = group - g0 < HEADS ? group - g0 : HEADS;
+        const uint16_t *weights[HEADS];
+        for (int64_t h = 0; h < heads_here; h++) weights[h] = (const uint16_t *)(scores + (g0 + h) * length);
+        for (int64_t i0 = 0; i0 < parts; i0 += PARTS) {
+            const int64_t parts_here = parts - i0 < PARTS ? parts - i0 : PARTS;
+            __m512 lo[HEADS][PARTS], hi[HEADS][PARTS];
+            for (int h = 0; h < HEADS; h++)
+                for (int i = 0; i < PARTS; i++) lo[h][i] = hi[h][i] = _mm512_setzero_ps();
+            for (int64_t p = 0; p < length; p += 2) {
+                const uint16_t *v0 = key_vector(v_cache, table, block_shift, kv_heads, kvh, head_dim, p, 1);
+                const uint16_t *v1 = p + 1 < length
+                    ? key_vector(v_cache, table, block_shift, kv_heads, kvh, head_dim, p + 1, 1) : NULL;
+                __m512bh even[PARTS], odd[PARTS];
+                for (int64_t i = 0; i < parts_here; i++) {
+                    const __m512i a = _mm512_loadu_si512(v0 + BF16_PAIRS * (i0 + i));
+                    const __m512i b = v1 ? _mm512_loadu_si512(v1 + BF16_PAIRS * (i0 + i)) : _mm512_setzero_si512();
+                    even[i] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+                    odd[i] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+                }
+                for (int64_t h = 0; h < heads_here; h++) {
+                    uint32_t pair;
+                    memcpy(&pair, weights[h] + p, sizeof pair);
+                    const __m512bh w = (__m512bh)_mm512_set1_epi32((int32_t)pair);
+                    for (int64_t i = 0; i < parts_here; i++) {
+                        lo[h][i] = _mm512_dpbf16_ps(lo[h][i], w, even[i]);
+                        hi[h][i] = _mm512_dpbf16_ps(hi[h][i], w, odd[i]);
+                    }
+                }
+            }
+            for (int64_t h = 0; h < heads_here; h++) {
+                const __m512 inverse = _mm512_set1_ps(length > 0 ? 1.f / total[g0 + h] : 0.f);
+                for (int64_t i = 0; i < parts_here; i++) {
+                    float *o = out + (g0 + h) * head_dim + BF16_PAIRS * (i0 + i);
+                    _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_permutex2var_ps(lo[h][i], first_half, hi[h][i]), inverse));
+                    _mm512_storeu_ps(o + 16,
+                                     _mm512_mul_ps(_mm512_permutex2var_ps(lo[h][i], second_half, hi[h][i]), inverse));
+                }
+            }
+        }
+    }
+}
+
+#define V_BF16_DOT
+#define V_EXP exp512_bf16
+#define TILE_ROWS tile_rows_avx512bf16
+#define ACCUMULATE_V accumulate_v_avx512bf16
+#define PAGED_DECODE_ATTEND paged_decode_attend_avx512bf16
+#define PAGED_DECODE_ATTENTION paged_decode_attention_avx512bf16
+#include "cpu_attention.inc"
+#undef V_BF16_DOT
+#undef BF16_PAIRS
 
 #pragma GCC pop_options
 

@@ -52,6 +52,7 @@ CACHE_DIR = Path("~/.cache/sluice/native")
 REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma"})  # the library's baseline: `int8_gemv`
 AVX512_VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})  # `w8a8_vnni`, `paged_decode_attention`
 AMX_INT8_FLAGS = AVX512_VNNI_FLAGS | {"amx_tile", "amx_int8"}  # `w8a8_amx`
+AVX512_BF16_FLAGS = AVX512_VNNI_FLAGS | {"avx512_bf16"}  # `paged_decode_attention` on a bfloat16 cache by `vdpbf16ps`
 # -ffp-contract=off: no a * b + c fused where the source does not say so — GCC would fuse in some inlined
 # copies of a kernel and not others, and a row's result would then depend on the batch it came in.
 COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -228,17 +229,26 @@ class Int8Gemv:
 class PagedDecodeAttention:
     """`(query [T, H, D] float32, k_cache, v_cache [slots, KVH, D] float32 or bfloat16, block_tables [T, B]
     long, context_lens [T] long, block_size, scale)` → `[T, H, D]` float32: row t attends over positions
-    [0, context_lens[t]) of its sequence, read in place through its block table."""
+    [0, context_lens[t]) of its sequence, read in place through its block table. `isa`: the build — "avx2",
+    "avx512", or "avx512bf16" (the AVX-512 one, reading a bfloat16 cache with `vdpbf16ps`)."""
 
     def __init__(self, library: ctypes.CDLL, isa: str) -> None:
         self._attention = getattr(library, f"paged_decode_attention_{isa}")
-        self.lanes = {"avx2": 8, "avx512": 16}[isa]  # head_dim must be a multiple of it
+        self.isa = isa
+        self.lanes = {"avx2": 8, "avx512": 16, "avx512bf16": 16}[isa]  # head_dim must be a multiple of it
         self._attention.restype = ctypes.c_int
         self._attention.argtypes = [_POINTER, _POINTER, _POINTER, ctypes.c_int, _POINTER, _INT64, _POINTER]
         self._attention.argtypes += [_INT64] * 5 + [ctypes.c_float, _POINTER, ctypes.c_int]
         max_head_dim, max_group = _INT64(), _INT64()
         library.paged_decode_attention_limits(ctypes.byref(max_head_dim), ctypes.byref(max_group))
         self.max_head_dim, self.max_group = max_head_dim.value, max_group.value
+
+    def attends_prefill(self, head_dim: int, kv_dtype: torch.dtype) -> bool:
+        """Whether prefill chunks should attend through this kernel, as decode rows, rather than SDPA: where it
+        reads a bfloat16 cache with `vdpbf16ps`, it beat SDPA by ~2× on a Zen 4 (BENCHMARKS.md, 2026-12-06). On AMX
+        CPUs SDPA's bfloat16 products run on tiles, and this was not measured against them: SDPA stays there."""
+        return (self.isa == "avx512bf16" and kv_dtype == torch.bfloat16 and head_dim % 32 == 0
+                and "amx_bf16" not in cpu_flags())
 
     def supports(
         self, num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype, block_size: int
@@ -327,6 +337,7 @@ class DecoderShape(ctypes.Structure):
         ("attention_scale", ctypes.c_float),
         ("kv_bf16", ctypes.c_int32),
         ("products", ctypes.c_int32),  # `LayerProducts`
+        ("bf16_dot", ctypes.c_int32),  # `bf16_dot_products()`: a bfloat16 cache attended by `vdpbf16ps`
     ]
 
 
@@ -486,7 +497,14 @@ def paged_decode_attention() -> PagedDecodeAttention | None:
     library = _library()
     if library is None:
         return None
-    return PagedDecodeAttention(library, "avx512" if cpu_flags() >= AVX512_VNNI_FLAGS else "avx2")
+    isa = "avx512bf16" if bf16_dot_products() else "avx512" if cpu_flags() >= AVX512_VNNI_FLAGS else "avx2"
+    return PagedDecodeAttention(library, isa)
+
+
+def bf16_dot_products() -> bool:
+    """Whether the attention reads a bfloat16 cache with `vdpbf16ps` here (AVX512_BF16: Zen 4, Sapphire Rapids):
+    the query and the softmax weights are then rounded to bfloat16, as SDPA in the cache's dtype rounds them."""
+    return cpu_flags() >= AVX512_BF16_FLAGS
 
 
 @functools.cache

@@ -22,6 +22,7 @@ from engines.cpu_kernels import (
     DecodeRows,
     DecoderShape,
     LayerProducts,
+    bf16_dot_products,
     decode_layer,
 )
 from engines.quantization import RowDispatchLinear, first_output_rows, native_operands
@@ -221,7 +222,8 @@ class LlamaForCausalLM(nn.Module):
         products = kinds.pop()
         shape = DecoderShape(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                              config.head_dim, config.intermediate_size, block_size, config.rms_norm_eps,
-                             config.head_dim ** -0.5, int(kv_dtype == torch.bfloat16), products)
+                             config.head_dim ** -0.5, int(kv_dtype == torch.bfloat16), products,
+                             int(kv_dtype == torch.bfloat16 and bf16_dot_products()))
         return NativeDecoder(kernel, shape, layers, self.rope_cos, self.rope_sin)
 
     def move_to(self, device: torch.device) -> None:

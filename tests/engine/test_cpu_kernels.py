@@ -16,7 +16,8 @@ from engines import cpu_kernels
 from engines.attention import AttentionMetadata, paged_attention
 from engines.config import ModelConfig
 from engines.cpu_kernels import PagedDecodeAttention, int8_gemv, w8a8_amx, w8a8_vnni
-from engines.models.llama import MLP
+from engines.model_runner import ModelRunner, TokenSpan
+from engines.models.llama import MLP, LlamaForCausalLM
 from engines.quantization import (
     PACKED_MAX_ROWS,
     Int8Embedding,
@@ -36,8 +37,9 @@ needs_amx = pytest.mark.skipif(
 needs_library = pytest.mark.skipif(
     int8_gemv() is None, reason="the CPU decode kernels need AVX2, FMA and a C compiler; this machine lacks one"
 )
-# Both builds of the attention kernel where this CPU runs them (AVX-512 CPUs run the AVX2 one too).
-ATTENTION_ISAS = ["avx2", *(["avx512"] if w8a8_vnni() is not None else [])]
+# Every build of the attention kernel this CPU runs (AVX-512 CPUs run the AVX2 one too).
+ATTENTION_ISAS = ["avx2", *(["avx512"] if w8a8_vnni() is not None else []),
+                  *(["avx512bf16"] if w8a8_vnni() is not None and cpu_kernels.bf16_dot_products() else [])]
 # The two products over a weight in tile order, each where this CPU runs it.
 TILED_KERNELS = [pytest.param("amx", marks=needs_amx), pytest.param("vnni", marks=needs_vnni)]
 
@@ -316,6 +318,46 @@ def test_decode_attention_reads_the_paged_cache_as_the_pytorch_path_does(
     # The PyTorch path rounds queries and outputs to the cache dtype; the kernel keeps float32.
     tolerance = 1e-5 if kv_dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outputs[1], outputs[0], atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.skipif("avx512bf16" not in ATTENTION_ISAS, reason="the bfloat16 dot-product build needs AVX512_BF16")
+def test_bf16_dot_products_change_nothing_on_a_float32_cache_or_a_head_they_do_not_fill() -> None:
+    """`vdpbf16ps` reads bfloat16 caches with heads of a multiple of 32 dims; anything else takes the AVX-512 code."""
+    torch.manual_seed(1)
+    block_tables, context_lens = torch.tensor([[3, 1, 4, 0], [2, 5, 0, 0]]), torch.tensor([13, 6])
+    for kv_dtype, head_dim in ((torch.float32, 64), (torch.bfloat16, 16)):
+        k_cache, v_cache = (torch.randn(6 * BLOCK_SIZE, 2, head_dim).to(kv_dtype) for _ in range(2))
+        query = torch.randn(2, 6, head_dim)
+        outputs = [attention_kernel(isa)(query, k_cache, v_cache, block_tables, context_lens, BLOCK_SIZE, 0.125)
+                   for isa in ("avx512", "avx512bf16")]
+        assert torch.equal(outputs[0], outputs[1])
+
+
+@pytest.mark.skipif("avx512bf16" not in ATTENTION_ISAS, reason="prefill through the kernel needs AVX512_BF16")
+def test_prefill_chunks_attend_through_the_kernel_as_sdpa_would_over_a_bfloat16_cache() -> None:
+    """A prompt prefilled in two chunks (the second over the cached first), every row's logits: through the kernel,
+    each query token a decode row over its causal context, against SDPA's causal and masked attention."""
+    config = ModelConfig(architecture="qwen2", vocab_size=96, hidden_size=128, intermediate_size=192,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         attention_bias=True)
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(config, max_positions=64)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    prompt = torch.randint(0, 96, (23,)).tolist()
+    table = [5, 2, 7, 0, 3, 6]  # blocks out of order
+    logits = []
+    for through_kernel in (True, False):
+        runner = ModelRunner(model, config, BLOCK_SIZE, num_kv_blocks=8, kv_cache_dtype=torch.bfloat16)
+        if runner.prefill_attention is None:
+            pytest.skip("prefill chunks attend through SDPA on this CPU (AMX: see `attends_prefill`)")
+        if not through_kernel:
+            runner.prefill_attention = None
+        chunks = [TokenSpan(prompt[:10], 0, table, "all"), TokenSpan(prompt[10:], 10, table, "all")]
+        logits.append(torch.cat([runner.forward([chunk]) for chunk in chunks]))
+    scale = logits[1].abs().max().item()
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=2e-2 * scale)  # bfloat16 q, weights: as SDPA's
 
 
 @needs_library
