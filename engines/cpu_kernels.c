@@ -604,14 +604,16 @@ int decode_layer_int8(const struct decoder_layer *layer, const struct decoder_sh
 static inline __attribute__((always_inline)) void vnni_group_rows(
     const int rows, const uint8_t *xq, const int64_t Kp, const float *x_scale, const int8_t *weight,
     const int32_t *w_sum, const float *w_scale, const float *bias, float *out, const int64_t stride, const int64_t N,
-    const int64_t n_group) {
-    const int64_t chunks = Kp / TILE_K_CHUNK;
+    const int64_t n_group, const int8_t *ahead, const int64_t ahead_lines) {
+    const int64_t chunks = Kp / TILE_K_CHUNK, ahead_per_chunk = (ahead_lines + chunks - 1) / chunks;
     __m512i acc[4][VNNI_ROWS];
     for (int s = 0; s < 4; s++)
         for (int r = 0; r < rows; r++) acc[s][r] = _mm512_setzero_si512();
     for (int64_t chunk = 0; chunk < chunks; chunk++) {
         const int8_t *block = weight + chunk * TILE_BLOCK_BYTES;
         const uint8_t *x_chunk = xq + chunk * TILE_K_CHUNK;
+        for (int64_t line = chunk * ahead_per_chunk; line < (chunk + 1) * ahead_per_chunk && line < ahead_lines; line++)
+            _mm_prefetch((const char *)(ahead + line * 64), _MM_HINT_T1);
         for (int q = 0; q < 16; q++) {
             for (int line = 0; line < 4; line++)  /* the next block, a 256-byte quarter per quad */
                 _mm_prefetch((const char *)(block + TILE_BLOCK_BYTES + q * 256 + line * 64), _MM_HINT_T0);
@@ -671,18 +673,29 @@ static void quantize_rows_vnni(const float *x, const int64_t rows, const int64_t
 }
 
 /* Every row of the product for the 64 features of `group`, into `out` (row 0's first feature of the group; rows
- * `stride` apart). */
+ * `stride` apart). The first block of VNNI_ROWS rows reads the group's weight from memory, the others from L2; where
+ * there are several blocks, each also fetches its share of `next_group`'s weight (the group this thread takes next;
+ * -1: none) into L2, so that the next group's first block does not wait on memory. A 32-row step over 24 layers'
+ * weights had taken ~1.35x its time over one layer's in cache; this took ~8-13% off 8- and 32-row products in a
+ * scratch comparison, the same bits (BENCHMARKS.md, 2026-12-06). */
 static void vnni_group(const uint8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
-                       const int8_t *packed, const int64_t group, const int32_t *w_sum, const float *w_scale,
-                       const float *bias, float *out, const int64_t stride, const int64_t N) {
+                       const int8_t *packed, const int64_t group, const int64_t next_group, const int32_t *w_sum,
+                       const float *w_scale, const float *bias, float *out, const int64_t stride, const int64_t N) {
     const int64_t chunks = (K + TILE_K_CHUNK - 1) / TILE_K_CHUNK, Kp = chunks * TILE_K_CHUNK;
+    const int64_t group_lines = chunks * TILE_BLOCK_BYTES / 64, passes = (rows + VNNI_ROWS - 1) / VNNI_ROWS;
+    const int64_t share = next_group >= 0 && passes > 1 ? (group_lines + passes - 1) / passes : 0;
     const int8_t *weight = packed + group * chunks * TILE_BLOCK_BYTES;
+    const int8_t *next = packed + (next_group >= 0 ? next_group : 0) * chunks * TILE_BLOCK_BYTES;
     for (int64_t m0 = 0; m0 < rows; m0 += VNNI_ROWS) {
         const uint8_t *x_rows = xq + m0 * Kp;
         float *rows_out = out + m0 * stride;
+        const int64_t first_line = m0 / VNNI_ROWS * share;
+        const int8_t *ahead = next + first_line * 64;
+        const int64_t ahead_lines = first_line >= group_lines ? 0
+                                    : first_line + share < group_lines ? share : group_lines - first_line;
         switch (rows - m0 < VNNI_ROWS ? rows - m0 : VNNI_ROWS) {  /* constant counts: registers */
 #define ROWS(r) case r: vnni_group_rows(r, x_rows, Kp, x_scale + m0, weight, w_sum, w_scale, bias, rows_out, stride, \
-                                        N, group * TILE_GROUP); break;
+                                        N, group * TILE_GROUP, ahead, ahead_lines); break;
             ROWS(1) ROWS(2) ROWS(3) ROWS(4)
 #undef ROWS
         }
@@ -696,7 +709,8 @@ static void w8a8_vnni_share(const uint8_t *xq, const float *x_scale, const int64
     int64_t begin, end;
     thread_share((N + TILE_GROUP - 1) / TILE_GROUP, &begin, &end);
     for (int64_t group = begin; group < end; group++)
-        vnni_group(xq, x_scale, rows, K, packed, group, w_sum, w_scale, bias, out + group * TILE_GROUP, N, N);
+        vnni_group(xq, x_scale, rows, K, packed, group, group + 1 < end ? group + 1 : -1, w_sum, w_scale, bias,
+                   out + group * TILE_GROUP, N, N);
 }
 
 /* w8a8_amx_silu_mul_share's arithmetic through VNNI (see there). */
@@ -708,8 +722,10 @@ static void w8a8_vnni_silu_mul_share(const uint8_t *xq, const float *x_scale, co
     int64_t begin, end;
     thread_share(half_groups, &begin, &end);
     for (int64_t group = begin; group < end; group++) {
-        vnni_group(xq, x_scale, rows, K, packed, group, w_sum, w_scale, bias, gate, TILE_GROUP, N);
-        vnni_group(xq, x_scale, rows, K, packed, group + half_groups, w_sum, w_scale, bias, up, TILE_GROUP, N);
+        vnni_group(xq, x_scale, rows, K, packed, group, group + half_groups, w_sum, w_scale, bias, gate, TILE_GROUP,
+                   N);
+        vnni_group(xq, x_scale, rows, K, packed, group + half_groups, group + 1 < end ? group + 1 : -1, w_sum,
+                   w_scale, bias, up, TILE_GROUP, N);
         for (int64_t m = 0; m < rows; m++)
             silu_mul_row(gate + m * TILE_GROUP, up + m * TILE_GROUP, TILE_GROUP, out + m * half + group * TILE_GROUP);
     }
