@@ -498,25 +498,19 @@ QUALITY_CHUNK_TOKENS = 512
 @torch.inference_mode()
 def teacher_forced(llm_engine: Any, token_ids: list[int]) -> tuple[float, torch.Tensor]:
     """Mean negative log-likelihood per token of `token_ids` under the engine's model, and the argmax
-    at each position: chunks prefilled through the engine's own layers, quantisation and KV-cache
-    dtype. The engine must be otherwise unused (its first cache slots are overwritten)."""
-    from engines.attention import AttentionMetadata, PrefillChunk
+    at each position: chunks prefilled through the engine's model runner (its layers, quantisation, KV-cache
+    dtype and prefill attention, as a request's prompt is). The engine must be otherwise unused (its first cache
+    blocks are overwritten)."""
+    from engines.model_runner import TokenSpan
 
-    model, runner = llm_engine.model, llm_engine.runner
+    runner = llm_engine.runner
     total, count, argmaxes = 0.0, 0, []
     for start in range(0, len(token_ids) - 1, QUALITY_CHUNK_TOKENS):
-        chunk = torch.tensor(token_ids[start : start + QUALITY_CHUNK_TOKENS + 1])
-        positions = torch.arange(len(chunk))
-        metadata = AttentionMetadata(
-            block_size=runner.block_size,
-            slot_mapping=positions,
-            num_decode_tokens=0,
-            decode_block_tables=None,
-            decode_mask=None,
-            prefills=[PrefillChunk(0, len(chunk), 0, block_table=None, mask=None)],
-        )
-        logits = model.compute_logits(model(chunk, positions, runner.kv_caches, metadata)).float()[:-1]
-        total -= torch.log_softmax(logits, dim=-1).gather(1, chunk[1:, None]).sum().item()
+        chunk = token_ids[start : start + QUALITY_CHUNK_TOKENS + 1]
+        blocks = list(range(-(-len(chunk) // runner.block_size)))
+        logits = runner.forward([TokenSpan(chunk, 0, blocks, "all")])[:-1]
+        targets = torch.tensor(chunk[1:])
+        total -= torch.log_softmax(logits, dim=-1).gather(1, targets[:, None]).sum().item()
         count += len(chunk) - 1
         argmaxes.append(logits.argmax(dim=-1))
     return total / count, torch.cat(argmaxes)

@@ -21,6 +21,11 @@ bf16, else float32: what `kv_cache_dtype = "auto"` picks) with the `paged_decode
 the PyTorch path it replaces (blocks gathered, masked, SDPA), for both demo models' head layouts, from
 one row of 300 tokens to 64 rows of 900; best of `--repeat`.
 
+Prefill attention (fourth table, where the kernel takes prefill chunks: `PagedDecodeAttention.attends_prefill`):
+one layer's attention of a chunk of a prompt, fresh or over a cached prefix, as the model runner builds it —
+through the kernel, each query token a decode row over its causal context, against SDPA (causal, or masked over
+the gathered prefix), what it replaces; best of `--repeat`.
+
     python -m bench.kernels [--threads N] [--repeat 10]
 """
 
@@ -38,8 +43,10 @@ from torch import nn
 from bench.common import print_table, write_results
 from bench.engine import memory_bandwidth
 from engines.attention import AttentionMetadata, paged_attention
+from engines.config import ModelConfig
 from engines.cpu import has_int8_dot_product, has_native_bf16
 from engines.cpu_kernels import TiledW8A8Kernel, int8_gemv, paged_decode_attention, w8a8_tiled
+from engines.model_runner import ModelRunner, TokenSpan
 from engines.quantization import Int8Linear, TiledW8A8Linear, W8A8Linear, resolve_quantization
 
 SHAPES = {"gate_up 896→9728": (896, 9728), "down 4864→896": (4864, 896), "lm_head 896→151936": (896, 151936)}
@@ -49,6 +56,7 @@ TILED_ROWS = (1, 2, 3, 4, 5, 8, 16, 32)  # a speculative verification is k + 1 r
 STREAMED_BYTES = 256 << 20  # weights cycled per timing: well past any last-level cache here
 HEAD_LAYOUTS = {"small 14/2 heads × 64": (14, 2, 64), "large 12/2 heads × 128": (12, 2, 128)}
 ATTENTION_BATCHES = ((1, 300), (4, 500), (16, 900), (64, 900))  # (decode rows, context tokens each)
+PREFILL_CHUNKS = ((480, 0), (480, 480), (160, 640))  # (chunk tokens, cached tokens before it)
 BLOCK_SIZE = 16
 
 
@@ -199,6 +207,52 @@ def measure_decode_attention(repeat: int) -> list[dict[str, Any]]:
     return results
 
 
+def prefill_step(chunk: int, cached: int, heads: tuple[int, int, int], kernel: bool
+                 ) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:  # fmt: skip
+    """One layer's attention (a function of the queries, and queries) for a chunk of `chunk` tokens after `cached`
+    cached ones, in a shuffled bfloat16 paged cache, as a model runner builds it with the kernel or SDPA."""
+    num_heads, num_kv_heads, head_dim = heads
+    config = ModelConfig(architecture="llama", vocab_size=1, hidden_size=num_heads * head_dim, intermediate_size=1,
+                         num_hidden_layers=1, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                         head_dim=head_dim)  # fmt: skip
+    blocks = -(-(chunk + cached) // BLOCK_SIZE)
+    runner = ModelRunner(nn.Module(), config, BLOCK_SIZE, blocks, torch.bfloat16)
+    if not kernel:
+        runner.prefill_attention = None
+    table = torch.randperm(blocks).tolist()
+    span = TokenSpan([0] * chunk, cached, table)
+    for cache in runner.kv_caches[0]:
+        cache.copy_(torch.randn(cache.shape))
+    positions = torch.arange(cached, cached + chunk)
+    slots = torch.tensor(table)[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+    metadata = AttentionMetadata(block_size=BLOCK_SIZE, slot_mapping=slots, num_decode_tokens=0,
+                                 decode_block_tables=None, decode_mask=None, prefills=[runner.prefill_chunk(span, 0)],
+                                 prefill_kernel=runner.prefill_attention)  # fmt: skip
+    key, value = torch.randn(2, chunk, num_kv_heads, head_dim)
+
+    def attend(query: torch.Tensor) -> torch.Tensor:
+        return paged_attention(query, key, value, *runner.kv_caches[0], metadata, head_dim**-0.5)
+
+    return attend, torch.randn(chunk, num_heads, head_dim)
+
+
+@torch.inference_mode()
+def measure_prefill_attention(repeat: int) -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    results = []
+    for name, heads in HEAD_LAYOUTS.items():
+        for chunk, cached in PREFILL_CHUNKS:
+            timed = {}
+            for path in ("kernel", "sdpa"):
+                attend, query = prefill_step(chunk, cached, heads, kernel=path == "kernel")
+                timed[path] = min(milliseconds(attend, query, 1) for _ in range(repeat))
+            results.append({
+                "heads": name, "chunk_tokens": chunk, "cached_tokens": cached, "sdpa_ms": timed["sdpa"],
+                "kernel_ms": timed["kernel"], "sdpa_over_kernel_x": timed["sdpa"] / timed["kernel"],
+            })  # fmt: skip
+    return results
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
@@ -267,6 +321,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         )  # fmt: skip
         figures |= {"decode_attention_baseline": "gather + mask + SDPA (paged_attention without the kernel)",
                     "decode_attention_kv_dtype": kv_dtype, "decode_attention": attention}  # fmt: skip
+        attention_kernel = paged_decode_attention()
+        if attention_kernel is not None and attention_kernel.attends_prefill(64, torch.bfloat16):
+            prefill = measure_prefill_attention(max(3, args.repeat // 2))
+            print_table(
+                "Prefill attention over a bfloat16 paged cache, ms per layer: the kernel (each query token a decode "
+                "row) against SDPA",
+                ["heads", "chunk tokens", "cached tokens", "SDPA ms", "kernel ms", "SDPA/kernel x"],
+                [[r["heads"], r["chunk_tokens"], r["cached_tokens"], r["sdpa_ms"], r["kernel_ms"],
+                  r["sdpa_over_kernel_x"]] for r in prefill],
+            )  # fmt: skip
+            figures |= {"prefill_attention_baseline": "SDPA (causal, or masked over the gathered cached prefix)",
+                        "prefill_attention": prefill}  # fmt: skip
+        else:
+            print("prefill chunks attend through SDPA on this CPU (the kernel takes them only with AVX512_BF16 and "
+                  "no AMX): not timed")
     else:
         print("decode attention kernel unavailable on this machine (needs AVX2, FMA and a C compiler): not timed")
     write_results("kernels", figures)

@@ -675,9 +675,9 @@ static void quantize_rows_vnni(const float *x, const int64_t rows, const int64_t
 /* Every row of the product for the 64 features of `group`, into `out` (row 0's first feature of the group; rows
  * `stride` apart). The first block of VNNI_ROWS rows reads the group's weight from memory, the others from L2; where
  * there are several blocks, each also fetches its share of `next_group`'s weight (the group this thread takes next;
- * -1: none) into L2, so that the next group's first block does not wait on memory. A 32-row step over 24 layers'
- * weights had taken ~1.35x its time over one layer's in cache; this took ~8-13% off 8- and 32-row products in a
- * scratch comparison, the same bits (BENCHMARKS.md, 2026-12-06). */
+ * -1: none) into L2, so that the next group's first block does not wait on memory: without it, 32-row products
+ * over a model's weights (from memory) took markedly longer than over one layer's (in cache) (BENCHMARKS.md,
+ * 2026-12-06). */
 static void vnni_group(const uint8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
                        const int8_t *packed, const int64_t group, const int64_t next_group, const int32_t *w_sum,
                        const float *w_scale, const float *bias, float *out, const int64_t stride, const int64_t N) {

@@ -245,8 +245,9 @@ class PagedDecodeAttention:
 
     def attends_prefill(self, head_dim: int, kv_dtype: torch.dtype) -> bool:
         """Whether prefill chunks should attend through this kernel, as decode rows, rather than SDPA: where it
-        reads a bfloat16 cache with `vdpbf16ps`, it beat SDPA by ~2× on a Zen 4 (BENCHMARKS.md, 2026-12-06). On AMX
-        CPUs SDPA's bfloat16 products run on tiles, and this was not measured against them: SDPA stays there."""
+        reads a bfloat16 cache with `vdpbf16ps`, it beat SDPA on a Zen 4 (`python -m bench.kernels`' prefill table,
+        BENCHMARKS.md 2026-12-06). On AMX CPUs SDPA's bfloat16 products run on tiles, and this was not measured
+        against them: SDPA stays there."""
         return (self.isa == "avx512bf16" and kv_dtype == torch.bfloat16 and head_dim % 32 == 0
                 and "amx_bf16" not in cpu_flags())
 

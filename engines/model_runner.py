@@ -141,7 +141,7 @@ class ModelRunner:
             elif span.as_decode_rows:
                 decode_spans.extend(TokenSpan([token], start + j, table) for j, token in enumerate(span.token_ids))
             else:
-                prefills.append(self._prefill_chunk(span, row))
+                prefills.append(self.prefill_chunk(span, row))
             if span.logits == "last":
                 logit_rows[i] = [row + num_new - 1]
             elif span.logits == "all":
@@ -194,7 +194,8 @@ class ModelRunner:
         mask = torch.arange(max_blocks * self.block_size).unsqueeze(0) < torch.tensor(context_lens).unsqueeze(1)
         metadata.decode_mask = mask[:, None, None, :].to(self.device)
 
-    def _prefill_chunk(self, span: TokenSpan, start_row: int) -> PrefillChunk:
+    def prefill_chunk(self, span: TokenSpan, start_row: int) -> PrefillChunk:
+        """How the span's tokens (the step's rows from `start_row`) attend, as a prefill chunk on this runner."""
         num_computed, num_new = span.start, len(span.token_ids)
         end_row = start_row + num_new
         if self.prefill_attention is not None:  # each query row attends as a decode row: no mask

@@ -1,0 +1,23 @@
+"""`python -m bench.kernels`' prefill attention table times the two paths on the same work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.kernels import prefill_step
+from engines.cpu_kernels import paged_decode_attention
+
+
+@pytest.mark.parametrize(("chunk", "cached"), [(37, 0), (21, 50)])
+def test_the_prefill_attention_bench_compares_the_kernel_and_sdpa_on_the_same_attention(chunk: int, cached: int
+                                                                                        ) -> None:  # fmt: skip
+    kernel = paged_decode_attention()
+    if kernel is None or not kernel.attends_prefill(64, torch.bfloat16):
+        pytest.skip("prefill chunks attend through SDPA on this CPU: the table is not printed")
+    outputs = []
+    for through_kernel in (True, False):
+        torch.manual_seed(0)  # the same cache, keys, values and queries for both paths
+        attend, query = prefill_step(chunk, cached, (14, 2, 64), kernel=through_kernel)
+        outputs.append(attend(query))
+    torch.testing.assert_close(outputs[0], outputs[1], atol=2e-2, rtol=2e-2)  # bfloat16 on both sides
