@@ -119,24 +119,17 @@ def _constrain(logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[S
 
 def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int],
                    params: Sequence[SamplingParams]) -> list[TokenLogprob | None]:
-    """Each row's chosen token's logprob (and the top ones) under the unmodified distribution, for rows that ask.
-
-    logprob = logit - logsumexp(row): a reduction per row and a gather, where `log_softmax` would write a
-    whole [rows, vocab] tensor only for one entry of each row to be read (the cascade asks for every token's).
-    """
+    """Each row's chosen token's logprob (and the top ones) under the unmodified distribution, for rows that ask."""
     logprobs: list[TokenLogprob | None] = [None] * len(params)
     wanted = [i for i, p in enumerate(params) if p.logprobs]
     if not wanted:
         return logprobs
-    rows = logits if len(wanted) == len(params) else logits[torch.tensor(wanted, device=logits.device)]
-    rows = rows.float()
-    normaliser = torch.logsumexp(rows, dim=-1, keepdim=True)
+    rows = torch.tensor(wanted)
+    log_probs = torch.log_softmax(logits[rows], dim=-1)
     chosen = torch.tensor([token_ids[i] for i in wanted], device=logits.device)
-    chosen_lp = (rows.gather(1, chosen.unsqueeze(1)) - normaliser).squeeze(1).tolist()
+    chosen_lp = log_probs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
     num_top = max(params[i].top_logprobs for i in wanted)
-    top_values, top_ids = rows.topk(num_top, dim=-1) if num_top else (None, None)
-    if top_values is not None:
-        top_values = top_values - normaliser
+    top_values, top_ids = log_probs.topk(num_top, dim=-1) if num_top else (None, None)
     for j, row in enumerate(wanted):
         top: list[tuple[int, float]] = []
         if top_ids is not None and top_values is not None:
