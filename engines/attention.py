@@ -44,8 +44,9 @@ DecodeAttention = PagedDecodeAttention | Callable[
 class PrefillChunk:
     """Query rows [start, end) of the step belong to one sequence whose first `num_computed` tokens are cached.
 
-    With `context_lens` set, the chunk attends through `AttentionMetadata.prefill_kernel`: query row i as a decode
-    row over the sequence's positions [0, context_lens[i]), read from the cache through `row_block_tables`."""
+    Where `AttentionMetadata.prefill_kernel` is set, the chunk attends through it and has `context_lens` and
+    `row_block_tables`: query row i as a decode row over the sequence's positions [0, context_lens[i]), read from
+    the cache through row i of the tables."""
 
     start: int
     end: int
@@ -88,7 +89,7 @@ class AttentionMetadata:
     should_yield: Callable[[], bool] | None = None  # asked before each layer: True gives the step up (StepYielded)
     native_decode: NativeDecodeRows | None = None  # runs the decode rows' layers natively; None: PyTorch modules
     triton: bool = False  # the Triton path (CUDA): K/V stored with RoPE, decode rows through the Triton kernel
-    prefill_kernel: PagedDecodeAttention | None = None  # attends the chunks with `context_lens`; None: SDPA
+    prefill_kernel: PagedDecodeAttention | None = None  # attends every prefill chunk; None: SDPA
 
     def prefill_only(self) -> AttentionMetadata:
         """This step's prefill chunks alone, their rows numbered from 0 (for when the decode rows go elsewhere)."""
@@ -165,7 +166,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=metadata.decode_mask, scale=scale)
         output[:num_decode] = out.reshape(batch, num_heads, head_dim)
     for chunk in metadata.prefills:
-        if chunk.context_lens is not None and metadata.prefill_kernel is not None:
+        if metadata.prefill_kernel is not None:  # the runner gave each chunk its rows' contexts for it
+            assert chunk.context_lens is not None and chunk.row_block_tables is not None
             output[chunk.start:chunk.end] = metadata.prefill_kernel(
                 query[chunk.start:chunk.end], k_cache, v_cache, chunk.row_block_tables, chunk.context_lens,
                 metadata.block_size, scale)
