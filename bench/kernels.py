@@ -21,6 +21,13 @@ bf16, else float32: what `kv_cache_dtype = "auto"` picks) with the `paged_decode
 the PyTorch path it replaces (blocks gathered, masked, SDPA), for both demo models' head layouts, from
 one row of 300 tokens to 64 rows of 900; best of `--repeat`.
 
+Decode attention by block order (fifth table): one 32-sequence decode step of the small model's 24 layers,
+each sequence 430 tokens, through the kernel over caches of the small tier's size (`kv_cache_mb`: far past
+any last-level cache), with each sequence's blocks adjacent and ascending (what the block manager hands out),
+in runs that go backwards (what it handed a sequence reusing freed blocks before 2026-12-06: blocks are freed
+tail first) and scattered (blocks taken one at a time as sequences grow); the orders alternate within each
+repetition, median of `--repeat`.
+
 Prefill attention (fourth table, where the kernel takes prefill chunks: `PagedDecodeAttention.attends_prefill`):
 one layer's attention of a chunk of a prompt, fresh or over a cached prefix, as the model runner builds it —
 through the kernel, each query token a decode row over its causal context, against SDPA (causal, or masked over
@@ -32,6 +39,7 @@ the gathered prefix), what it replaces; best of `--repeat`.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -57,6 +65,8 @@ STREAMED_BYTES = 256 << 20  # weights cycled per timing: well past any last-leve
 HEAD_LAYOUTS = {"small 14/2 heads × 64": (14, 2, 64), "large 12/2 heads × 128": (12, 2, 128)}
 ATTENTION_BATCHES = ((1, 300), (4, 500), (16, 900), (64, 900))  # (decode rows, context tokens each)
 PREFILL_CHUNKS = ((480, 0), (480, 480), (160, 640))  # (chunk tokens, cached tokens before it)
+BLOCK_ORDER_STEP = (32, 430, 24)  # (decode rows, context tokens each, layers): a loaded step of the small model
+BLOCK_ORDERS = ("adjacent", "backward runs", "scattered")
 BLOCK_SIZE = 16
 
 
@@ -217,6 +227,47 @@ def measure_decode_attention(repeat: int) -> list[dict[str, Any]]:
     return results
 
 
+def block_tables(order: str, rows: int, blocks_each: int, num_blocks: int) -> torch.Tensor:
+    """`rows` block tables of `blocks_each` blocks out of `num_blocks`, in `order` (`BLOCK_ORDERS`)."""
+    ascending = torch.arange(rows * blocks_each).view(rows, blocks_each)
+    if order == "adjacent":
+        return ascending
+    if order == "backward runs":
+        return ascending.flip(1).contiguous()
+    return torch.randperm(num_blocks)[: rows * blocks_each].view(rows, blocks_each)
+
+
+@torch.inference_mode()
+def measure_block_order(repeat: int) -> list[dict[str, Any]]:
+    from engines.small.spec import SPEC
+
+    torch.manual_seed(0)
+    kernel = paged_decode_attention()
+    assert kernel is not None
+    rows, context, layers = BLOCK_ORDER_STEP
+    num_heads, num_kv_heads, head_dim = HEAD_LAYOUTS["small 14/2 heads × 64"]
+    kv_dtype = torch.bfloat16 if has_native_bf16() else torch.float32
+    slot_bytes = 2 * layers * num_kv_heads * head_dim * kv_dtype.itemsize  # K and V of one token, every layer
+    num_blocks = (SPEC.kv_cache_mb << 20) // (slot_bytes * BLOCK_SIZE)
+    caches = [tuple(torch.randn(num_blocks * BLOCK_SIZE, num_kv_heads, head_dim).to(kv_dtype) for _ in range(2))
+              for _ in range(layers)]  # fmt: skip
+    tables = {order: block_tables(order, rows, -(-context // BLOCK_SIZE), num_blocks) for order in BLOCK_ORDERS}
+    lens, query = torch.full((rows,), context), torch.randn(rows, num_heads, head_dim)
+    timings: dict[str, list[float]] = {order: [] for order in BLOCK_ORDERS}
+    for _ in range(repeat):
+        for order, table in tables.items():
+            start = time.perf_counter()
+            for k_cache, v_cache in caches:
+                kernel(query, k_cache, v_cache, table, lens, BLOCK_SIZE, head_dim**-0.5)
+            timings[order].append((time.perf_counter() - start) * 1e3)
+    adjacent_ms = statistics.median(timings["adjacent"])
+    return [{
+        "block_order": order, "rows": rows, "context_tokens": context, "layers": layers,
+        "kv_cache_mb": SPEC.kv_cache_mb, "kernel_ms_per_step": statistics.median(times),
+        "over_adjacent_x": statistics.median(times) / adjacent_ms,
+    } for order, times in timings.items()]  # fmt: skip
+
+
 def prefill_step(chunk: int, cached: int, heads: tuple[int, int, int], kernel: bool
                  ) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:  # fmt: skip
     """One layer's attention (a function of the queries, and queries) for a chunk of `chunk` tokens after `cached`
@@ -328,6 +379,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         )  # fmt: skip
         figures |= {"decode_attention_baseline": "gather + mask + SDPA (paged_attention without the kernel)",
                     "decode_attention_kv_dtype": kv_dtype, "decode_attention": attention}  # fmt: skip
+        order = measure_block_order(max(5, args.repeat))
+        print_table(
+            f"Decode attention by block order: a step of {order[0]['layers']} layers, {order[0]['rows']} rows of "
+            f"{order[0]['context_tokens']} tokens, caches of {order[0]['kv_cache_mb']} MB, ms per step (median)",
+            ["block order", "kernel ms", "over adjacent x"],
+            [[r["block_order"], r["kernel_ms_per_step"], r["over_adjacent_x"]] for r in order],
+        )  # fmt: skip
+        figures |= {"decode_attention_block_order_baseline": "backward runs (what a sequence reusing freed blocks "
+                    "held before 2026-12-06)", "decode_attention_block_order": order}  # fmt: skip
         attention_kernel = paged_decode_attention()
         if attention_kernel is not None and attention_kernel.attends_prefill(64, torch.bfloat16):
             prefill = measure_prefill_attention(max(3, args.repeat // 2))

@@ -170,7 +170,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             assert chunk.context_lens is not None and chunk.row_block_tables is not None
             output[chunk.start:chunk.end] = metadata.prefill_kernel(
                 query[chunk.start:chunk.end], k_cache, v_cache, chunk.row_block_tables, chunk.context_lens,
-                metadata.block_size, scale)
+                metadata.block_size, scale, fetch_ahead=False)
             continue
         q = query[chunk.start:chunk.end].to(kv_dtype).transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if chunk.block_table is None:

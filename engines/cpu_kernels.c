@@ -212,6 +212,26 @@ static inline const void *key_vector(const void *cache, const int64_t *table, co
     return bf16 ? (const void *)((const uint16_t *)cache + index) : (const void *)((const float *)cache + index);
 }
 
+/* Positions a decode row's read of the cache asks ahead for (software prefetch). Once blocks have been freed and taken
+ * again, a sequence's blocks are seldom all adjacent in memory, and at each jump the hardware's prefetchers start
+ * over: attention over blocks lying backwards or scattered took up to twice as long as over adjacent ones, and
+ * asking 24 positions ahead won back most of the difference (`python -m bench.kernels`' block-order table;
+ * BENCHMARKS.md, 2026-12-06, "blocks in memory order"). */
+#define KV_PREFETCH_AHEAD 24
+
+/* Position p's K (or V) vector of KV head kvh into L1, if p < fetch_end: the context's length, or 0 where nothing is
+ * fetched ahead (prefill chunks, whose rows read one sequence's K/V again and again from cache: there the lookups
+ * only cost time). Always inlined: GCC deletes calls to a function that only prefetches, as calls without side
+ * effects. */
+static inline __attribute__((always_inline)) void prefetch_position(
+    const void *cache, const int64_t *table, const int block_shift, const int64_t kv_heads, const int64_t kvh,
+    const int64_t head_dim, const int64_t p, const int64_t fetch_end, const int bf16) {
+    if (p >= fetch_end) return;
+    const char *vector = key_vector(cache, table, block_shift, kv_heads, kvh, head_dim, p, bf16);
+    const int64_t bytes = head_dim * (bf16 ? 2 : 4);
+    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(vector + line, _MM_HINT_T0);
+}
+
 static inline float hsum8(const __m256 v) {
     const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
@@ -264,6 +284,7 @@ static inline __m256 scale_pow2_256(const __m256 y, const __m256 n) {
 #define V_EXP exp256
 #define TILE_ROWS tile_rows_avx2
 #define ACCUMULATE_V accumulate_v_avx2
+#define ATTEND_TASKS attend_tasks_avx2
 #define PAGED_DECODE_ATTEND paged_decode_attend_avx2
 #define PAGED_DECODE_ATTENTION paged_decode_attention_avx2
 #include "cpu_attention.inc"
@@ -288,6 +309,7 @@ static inline __m256 scale_pow2_256(const __m256 y, const __m256 n) {
 #undef V_EXP
 #undef TILE_ROWS
 #undef ACCUMULATE_V
+#undef ATTEND_TASKS
 #undef PAGED_DECODE_ATTEND
 #undef PAGED_DECODE_ATTENTION
 
@@ -333,12 +355,12 @@ static void paged_decode_attend_avx512(const float *q, const void *k_cache, cons
                                        const int64_t *block_tables, const int64_t max_blocks,
                                        const int64_t *context_lens, const int64_t rows, const int64_t heads,
                                        const int64_t kv_heads, const int64_t head_dim, const int block_shift,
-                                       const float scale, float *out, int *status);
+                                       const float scale, const int fetch_ahead, float *out, int *status);
 static void paged_decode_attend_avx512bf16(const float *q, const void *k_cache, const void *v_cache, const int bf16,
                                            const int64_t *block_tables, const int64_t max_blocks,
                                            const int64_t *context_lens, const int64_t rows, const int64_t heads,
                                            const int64_t kv_heads, const int64_t head_dim, const int block_shift,
-                                           const float scale, float *out, int *status);
+                                           const float scale, const int fetch_ahead, float *out, int *status);
 static void quantize_rows_vnni(const float *x, const int64_t rows, const int64_t K, uint8_t *xq, float *x_scale);
 static void w8a8_amx_silu_mul_share(const int8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
                                     const int8_t *packed, const float *w_scale, const float *bias, float *out,
@@ -537,7 +559,7 @@ int decode_layer_int8(const struct decoder_layer *layer, const struct decoder_sh
     /* w8a8 layers run only on CPUs with AVX-512 (AMX or VNNI): their attention takes the sixteen-lane build where
      * the head fills whole vectors of it, with bfloat16 dot products where the CPU has them. */
     void (*const attend)(const float *, const void *, const void *, int, const int64_t *, int64_t, const int64_t *,
-                         int64_t, int64_t, int64_t, int64_t, int, float, float *, int *) =
+                         int64_t, int64_t, int64_t, int64_t, int, float, int, float *, int *) =
         s->products == INT8_WEIGHT_ONLY || head_dim % 16 ? paged_decode_attend_avx2
         : s->bf16_dot ? paged_decode_attend_avx512bf16 : paged_decode_attend_avx512;
     int status = 0;
@@ -561,7 +583,7 @@ int decode_layer_int8(const struct decoder_layer *layer, const struct decoder_sh
         for (int64_t m = 0; m < rows; m++) memcpy(y + m * q_size, qkv + m * qkv_size, sizeof(float) * (size_t)q_size);
         attend(
             y, layer->k_cache, layer->v_cache, s->kv_bf16, step->block_tables, step->max_blocks, step->context_lens,
-            rows, s->heads, s->kv_heads, head_dim, block_shift, s->attention_scale, h, &status);
+            rows, s->heads, s->kv_heads, head_dim, block_shift, s->attention_scale, 1, h, &status);
         quantize_inputs(s, h, rows, q_size, xq, x_scale);
         project(s, xq, x_scale, rows, q_size, &layer->o, y, hidden);
         #pragma omp for schedule(static)
@@ -799,6 +821,7 @@ static inline __m128 hsum4_ps(const __m512 a, const __m512 b, const __m512 c, co
 #define V_EXP exp512
 #define TILE_ROWS tile_rows_avx512
 #define ACCUMULATE_V accumulate_v_avx512
+#define ATTEND_TASKS attend_tasks_avx512
 #define PAGED_DECODE_ATTEND paged_decode_attend_avx512
 #define PAGED_DECODE_ATTENTION paged_decode_attention_avx512
 #include "cpu_attention.inc"
@@ -806,6 +829,7 @@ static inline __m128 hsum4_ps(const __m512 a, const __m512 b, const __m512 c, co
 #undef V_EXP
 #undef TILE_ROWS
 #undef ACCUMULATE_V
+#undef ATTEND_TASKS
 #undef PAGED_DECODE_ATTEND
 #undef PAGED_DECODE_ATTENTION
 
@@ -826,9 +850,9 @@ static inline __m128 hsum4_ps(const __m512 a, const __m512 b, const __m512 c, co
 static inline __m512bh load_bf16(const uint16_t *source) { return (__m512bh)_mm512_loadu_si512(source); }
 
 /* scores[g * length + p] = scale · q_g · k_p for the group's heads g and positions [0, length), q in bfloat16. */
-static void bf16_dot_scores(const float *q_group, const void *k_cache, const int64_t *table, const int block_shift,
+static inline __attribute__((always_inline)) void bf16_dot_scores(const float *q_group, const void *k_cache, const int64_t *table, const int block_shift,
                             const int64_t kv_heads, const int64_t kvh, const int64_t head_dim, const int64_t group,
-                            const int64_t length, const float scale, float *scores) {
+                            const int64_t length, const int64_t fetch_end, const float scale, float *scores) {
     const int64_t parts = head_dim / BF16_PAIRS;
     __m512bh q[MAX_GROUP][MAX_HEAD_DIM / BF16_PAIRS];
     for (int64_t g = 0; g < group; g++)
@@ -839,7 +863,11 @@ static void bf16_dot_scores(const float *q_group, const void *k_cache, const int
     int64_t p = 0;
     for (; p + 4 <= length; p += 4) {  /* four positions at a time: one reduction for four */
         const uint16_t *k[4];
-        for (int j = 0; j < 4; j++) k[j] = key_vector(k_cache, table, block_shift, kv_heads, kvh, head_dim, p + j, 1);
+        for (int j = 0; j < 4; j++) {
+            k[j] = key_vector(k_cache, table, block_shift, kv_heads, kvh, head_dim, p + j, 1);
+            prefetch_position(k_cache, table, block_shift, kv_heads, kvh, head_dim, p + j + KV_PREFETCH_AHEAD, fetch_end,
+                              1);
+        }
         for (int64_t g = 0; g < group; g++) {
             __m512 dot[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
             for (int64_t i = 0; i < parts; i++)
@@ -883,9 +911,10 @@ static void round_weights_bf16(float *numerators, const int64_t group, const int
  * positions, two positions a step. `_mm512_unpacklo/hi_epi16` of two positions' 32 dims gives each float32 lane a
  * pair (v_p, v_p+1) of one dim: dims 8k..8k+3 (lo) and 8k+4..8k+7 (hi) in the lanes 4k..4k+3 of the 128-bit lane
  * k, put back in order once per head (`permutex2var`). */
-static void bf16_weighted_values(float *scores, const void *v_cache, const int64_t *table, const int block_shift,
+static inline __attribute__((always_inline)) void bf16_weighted_values(float *scores, const void *v_cache, const int64_t *table, const int block_shift,
                                  const int64_t kv_heads, const int64_t kvh, const int64_t head_dim,
-                                 const int64_t group, const int64_t length, const float *total, float *out) {
+                                 const int64_t group, const int64_t length, const int64_t fetch_end, const float *total,
+                                 float *out) {
     enum { HEADS = 4, PARTS = 2 };
     const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
@@ -901,6 +930,10 @@ static void bf16_weighted_values(float *scores, const void *v_cache, const int64
             for (int h = 0; h < HEADS; h++)
                 for (int i = 0; i < PARTS; i++) lo[h][i] = hi[h][i] = _mm512_setzero_ps();
             for (int64_t p = 0; p < length; p += 2) {
+                if (g0 == 0 && i0 == 0)  /* the first pass reads V from memory, later ones from L2 */
+                    for (int64_t j = 0; j < 2; j++)
+                        prefetch_position(v_cache, table, block_shift, kv_heads, kvh, head_dim, p + j + KV_PREFETCH_AHEAD,
+                                          fetch_end, 1);
                 const uint16_t *v0 = key_vector(v_cache, table, block_shift, kv_heads, kvh, head_dim, p, 1);
                 const uint16_t *v1 = p + 1 < length
                     ? key_vector(v_cache, table, block_shift, kv_heads, kvh, head_dim, p + 1, 1) : NULL;
@@ -938,6 +971,7 @@ static void bf16_weighted_values(float *scores, const void *v_cache, const int64
 #define V_EXP exp512_bf16
 #define TILE_ROWS tile_rows_avx512bf16
 #define ACCUMULATE_V accumulate_v_avx512bf16
+#define ATTEND_TASKS attend_tasks_avx512bf16
 #define PAGED_DECODE_ATTEND paged_decode_attend_avx512bf16
 #define PAGED_DECODE_ATTENTION paged_decode_attention_avx512bf16
 #include "cpu_attention.inc"

@@ -238,7 +238,7 @@ class PagedDecodeAttention:
         self.lanes = {"avx2": 8, "avx512": 16, "avx512bf16": 16}[isa]  # head_dim must be a multiple of it
         self._attention.restype = ctypes.c_int
         self._attention.argtypes = [_POINTER, _POINTER, _POINTER, ctypes.c_int, _POINTER, _INT64, _POINTER]
-        self._attention.argtypes += [_INT64] * 5 + [ctypes.c_float, _POINTER, ctypes.c_int]
+        self._attention.argtypes += [_INT64] * 5 + [ctypes.c_float, ctypes.c_int, _POINTER, ctypes.c_int]
         max_head_dim, max_group = _INT64(), _INT64()
         library.paged_decode_attention_limits(ctypes.byref(max_head_dim), ctypes.byref(max_group))
         self.max_head_dim, self.max_group = max_head_dim.value, max_group.value
@@ -273,7 +273,10 @@ class PagedDecodeAttention:
         context_lens: torch.Tensor,
         block_size: int,
         scale: float,
+        fetch_ahead: bool = True,
     ) -> torch.Tensor:
+        """`fetch_ahead`: read each row's cache ahead of need (decode rows, each its own sequence's blocks; a prefill
+        chunk's rows read their one sequence's K/V from cache after the first, and pass False)."""
         rows, num_heads, head_dim = query.shape
         query, block_tables = query.float().contiguous(), block_tables.contiguous()
         out = torch.empty(rows, num_heads, head_dim)
@@ -291,6 +294,7 @@ class PagedDecodeAttention:
             head_dim,
             block_size,
             scale,
+            int(fetch_ahead),
             out.data_ptr(),
             torch.get_num_threads(),
         )

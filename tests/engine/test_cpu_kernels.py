@@ -320,6 +320,23 @@ def test_decode_attention_reads_the_paged_cache_as_the_pytorch_path_does(
     torch.testing.assert_close(outputs[1], outputs[0], atol=tolerance, rtol=tolerance)
 
 
+@needs_library
+@pytest.mark.parametrize("isa", ATTENTION_ISAS)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_reading_the_cache_ahead_changes_no_bit(isa: str, kv_dtype: torch.dtype) -> None:
+    """Decode rows ask for positions two dozen ahead of the one they read (prefill chunks do not): over contexts
+    long enough to do so through scattered blocks, the same bits either way."""
+    torch.manual_seed(2)
+    k_cache, v_cache = (torch.randn(40 * BLOCK_SIZE, 2, 64).to(kv_dtype) for _ in range(2))
+    block_tables = torch.randperm(40)[:36].view(3, 12)
+    context_lens = torch.tensor([12 * BLOCK_SIZE, 7 * BLOCK_SIZE + 5, 30])
+    query = torch.randn(3, 14, 64)
+    kernel = attention_kernel(isa)
+    ahead, not_ahead = (kernel(query, k_cache, v_cache, block_tables, context_lens, BLOCK_SIZE, 0.125,
+                               fetch_ahead=fetch) for fetch in (True, False))  # fmt: skip
+    assert torch.equal(ahead, not_ahead)
+
+
 @pytest.mark.skipif("avx512bf16" not in ATTENTION_ISAS, reason="the bfloat16 dot-product build needs AVX512_BF16")
 def test_bf16_dot_products_change_nothing_on_a_float32_cache_or_a_head_they_do_not_fill() -> None:
     """`vdpbf16ps` reads bfloat16 caches with heads of a multiple of 32 dims; anything else takes the AVX-512 code."""
