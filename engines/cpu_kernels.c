@@ -850,9 +850,10 @@ static inline __m128 hsum4_ps(const __m512 a, const __m512 b, const __m512 c, co
 static inline __m512bh load_bf16(const uint16_t *source) { return (__m512bh)_mm512_loadu_si512(source); }
 
 /* scores[g * length + p] = scale · q_g · k_p for the group's heads g and positions [0, length), q in bfloat16. */
-static inline __attribute__((always_inline)) void bf16_dot_scores(const float *q_group, const void *k_cache, const int64_t *table, const int block_shift,
-                            const int64_t kv_heads, const int64_t kvh, const int64_t head_dim, const int64_t group,
-                            const int64_t length, const int64_t fetch_end, const float scale, float *scores) {
+static inline __attribute__((always_inline)) void bf16_dot_scores(
+    const float *q_group, const void *k_cache, const int64_t *table, const int block_shift, const int64_t kv_heads,
+    const int64_t kvh, const int64_t head_dim, const int64_t group, const int64_t length, const int64_t fetch_end,
+    const float scale, float *scores) {
     const int64_t parts = head_dim / BF16_PAIRS;
     __m512bh q[MAX_GROUP][MAX_HEAD_DIM / BF16_PAIRS];
     for (int64_t g = 0; g < group; g++)
@@ -865,8 +866,8 @@ static inline __attribute__((always_inline)) void bf16_dot_scores(const float *q
         const uint16_t *k[4];
         for (int j = 0; j < 4; j++) {
             k[j] = key_vector(k_cache, table, block_shift, kv_heads, kvh, head_dim, p + j, 1);
-            prefetch_position(k_cache, table, block_shift, kv_heads, kvh, head_dim, p + j + KV_PREFETCH_AHEAD, fetch_end,
-                              1);
+            prefetch_position(k_cache, table, block_shift, kv_heads, kvh, head_dim, p + j + KV_PREFETCH_AHEAD,
+                              fetch_end, 1);
         }
         for (int64_t g = 0; g < group; g++) {
             __m512 dot[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -911,10 +912,10 @@ static void round_weights_bf16(float *numerators, const int64_t group, const int
  * positions, two positions a step. `_mm512_unpacklo/hi_epi16` of two positions' 32 dims gives each float32 lane a
  * pair (v_p, v_p+1) of one dim: dims 8k..8k+3 (lo) and 8k+4..8k+7 (hi) in the lanes 4k..4k+3 of the 128-bit lane
  * k, put back in order once per head (`permutex2var`). */
-static inline __attribute__((always_inline)) void bf16_weighted_values(float *scores, const void *v_cache, const int64_t *table, const int block_shift,
-                                 const int64_t kv_heads, const int64_t kvh, const int64_t head_dim,
-                                 const int64_t group, const int64_t length, const int64_t fetch_end, const float *total,
-                                 float *out) {
+static inline __attribute__((always_inline)) void bf16_weighted_values(
+    float *scores, const void *v_cache, const int64_t *table, const int block_shift, const int64_t kv_heads,
+    const int64_t kvh, const int64_t head_dim, const int64_t group, const int64_t length, const int64_t fetch_end,
+    const float *total, float *out) {
     enum { HEADS = 4, PARTS = 2 };
     const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
@@ -932,8 +933,8 @@ static inline __attribute__((always_inline)) void bf16_weighted_values(float *sc
             for (int64_t p = 0; p < length; p += 2) {
                 if (g0 == 0 && i0 == 0)  /* the first pass reads V from memory, later ones from L2 */
                     for (int64_t j = 0; j < 2; j++)
-                        prefetch_position(v_cache, table, block_shift, kv_heads, kvh, head_dim, p + j + KV_PREFETCH_AHEAD,
-                                          fetch_end, 1);
+                        prefetch_position(v_cache, table, block_shift, kv_heads, kvh, head_dim,
+                                          p + j + KV_PREFETCH_AHEAD, fetch_end, 1);
                 const uint16_t *v0 = key_vector(v_cache, table, block_shift, kv_heads, kvh, head_dim, p, 1);
                 const uint16_t *v1 = p + 1 < length
                     ? key_vector(v_cache, table, block_shift, kv_heads, kvh, head_dim, p + 1, 1) : NULL;
