@@ -28,10 +28,11 @@ in runs that go backwards (what it handed a sequence reusing freed blocks before
 tail first) and scattered (blocks taken one at a time as sequences grow); the orders alternate within each
 repetition, median of `--repeat`.
 
-Prefill attention (fourth table, where the kernel takes prefill chunks: `PagedDecodeAttention.attends_prefill`):
-one layer's attention of a chunk of a prompt, fresh or over a cached prefix, as the model runner builds it —
-through the kernel, each query token a decode row over its causal context, against SDPA (causal, or masked over
-the gathered prefix), what it replaces; best of `--repeat`.
+Prefill attention (fourth table, wherever the kernel reads bfloat16 with bfloat16 dot products or AMX tiles,
+whether or not the model runner gives it prefill chunks on this CPU: `PagedDecodeAttention.attends_prefill`,
+which the table's title names): one layer's attention of a chunk of a prompt, fresh or over a cached prefix, as
+the model runner builds it — through the kernel, each query token a decode row over its causal context, against
+SDPA (causal, or masked over the gathered prefix), what it replaces; best of `--repeat`.
 
     python -m bench.kernels [--threads N] [--repeat 10]
 """
@@ -278,8 +279,7 @@ def prefill_step(chunk: int, cached: int, heads: tuple[int, int, int], kernel: b
                          head_dim=head_dim)  # fmt: skip
     blocks = -(-(chunk + cached) // BLOCK_SIZE)
     runner = ModelRunner(nn.Module(), config, BLOCK_SIZE, blocks, torch.bfloat16)
-    if not kernel:
-        runner.prefill_attention = None
+    runner.prefill_attention = paged_decode_attention() if kernel else None  # timed where the runner would not take it
     table = torch.randperm(blocks).tolist()
     span = TokenSpan([0] * chunk, cached, table)
     for cache in runner.kv_caches[0]:
@@ -389,20 +389,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         figures |= {"decode_attention_block_order_baseline": "backward runs (what a sequence reusing freed blocks "
                     "held before 2026-12-06)", "decode_attention_block_order": order}  # fmt: skip
         attention_kernel = paged_decode_attention()
-        if attention_kernel is not None and attention_kernel.attends_prefill(64, torch.bfloat16):
+        if attention_kernel is not None and attention_kernel.isa in ("avx512bf16", "amx"):
             prefill = measure_prefill_attention(max(3, args.repeat // 2))
+            taken = "taken" if attention_kernel.attends_prefill(64, torch.bfloat16) else "NOT taken"
             print_table(
                 "Prefill attention over a bfloat16 paged cache, ms per layer: the kernel (each query token a decode "
-                "row) against SDPA",
+                f"row; {taken} by the model runner on this CPU) against SDPA",
                 ["heads", "chunk tokens", "cached tokens", "SDPA ms", "kernel ms", "SDPA/kernel x"],
                 [[r["heads"], r["chunk_tokens"], r["cached_tokens"], r["sdpa_ms"], r["kernel_ms"],
                   r["sdpa_over_kernel_x"]] for r in prefill],
             )  # fmt: skip
             figures |= {"prefill_attention_baseline": "SDPA (causal, or masked over the gathered cached prefix)",
-                        "prefill_attention": prefill}  # fmt: skip
+                        "prefill_attention": prefill, "prefill_attention_kernel_taken": taken == "taken"}  # fmt: skip
         else:
-            print("prefill chunks attend through SDPA on this CPU (the kernel takes them only with AVX512_BF16 and "
-                  "no AMX): not timed")
+            print("prefill chunks attend through SDPA on this CPU (the kernel reads bfloat16 with bfloat16 dot "
+                  "products only with AVX512_BF16 or AMX): not timed")
     else:
         print("decode attention kernel unavailable on this machine (needs AVX2, FMA and a C compiler): not timed")
     write_results("kernels", figures)

@@ -306,12 +306,6 @@ static inline __m256 scale_pow2_256(const __m256 y, const __m256 n) {
 #undef V_HSUM
 #undef V_HMAX
 #undef V_HSUM4
-#undef V_EXP
-#undef TILE_ROWS
-#undef ACCUMULATE_V
-#undef ATTEND_TASKS
-#undef PAGED_DECODE_ATTEND
-#undef PAGED_DECODE_ATTENTION
 
 /* -- the tile order: the int8 weight layout of `w8a8_amx` and `w8a8_vnni` -------------------------------------
  * Groups of TILE_GROUP output features, and in each group one 4 KiB block per TILE_K_CHUNK inputs holding four
@@ -361,6 +355,11 @@ static void paged_decode_attend_avx512bf16(const float *q, const void *k_cache, 
                                            const int64_t *context_lens, const int64_t rows, const int64_t heads,
                                            const int64_t kv_heads, const int64_t head_dim, const int block_shift,
                                            const float scale, const int fetch_ahead, float *out, int *status);
+static void paged_decode_attend_amx(const float *q, const void *k_cache, const void *v_cache, const int bf16,
+                                    const int64_t *block_tables, const int64_t max_blocks, const int64_t *context_lens,
+                                    const int64_t rows, const int64_t heads, const int64_t kv_heads,
+                                    const int64_t head_dim, const int block_shift, const float scale,
+                                    const int fetch_ahead, float *out, int *status);
 static void quantize_rows_vnni(const float *x, const int64_t rows, const int64_t K, uint8_t *xq, float *x_scale);
 static void w8a8_amx_silu_mul_share(const int8_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
                                     const int8_t *packed, const float *w_scale, const float *bias, float *out,
@@ -405,7 +404,7 @@ struct decoder_shape {
     float rms_norm_eps, attention_scale;
     int32_t kv_bf16;
     int32_t products;  /* enum layer_products */
-    int32_t bf16_dot;  /* the CPU has AVX512_BF16: a bfloat16 cache is attended by the `vdpbf16ps` build */
+    int32_t bf16_dot;  /* a bfloat16 cache is attended by the `vdpbf16ps` build (1), or with q · k on AMX tiles (2) */
 };
 
 struct decode_rows {  /* this step's decode rows, shared by every layer of the step */
@@ -561,6 +560,7 @@ int decode_layer_int8(const struct decoder_layer *layer, const struct decoder_sh
     void (*const attend)(const float *, const void *, const void *, int, const int64_t *, int64_t, const int64_t *,
                          int64_t, int64_t, int64_t, int64_t, int, float, int, float *, int *) =
         s->products == INT8_WEIGHT_ONLY || head_dim % 16 ? paged_decode_attend_avx2
+        : s->bf16_dot == 2 ? paged_decode_attend_amx
         : s->bf16_dot ? paged_decode_attend_avx512bf16 : paged_decode_attend_avx512;
     int status = 0;
     #pragma omp parallel num_threads(threads)
@@ -825,13 +825,6 @@ static inline __m128 hsum4_ps(const __m512 a, const __m512 b, const __m512 c, co
 #define PAGED_DECODE_ATTEND paged_decode_attend_avx512
 #define PAGED_DECODE_ATTENTION paged_decode_attention_avx512
 #include "cpu_attention.inc"
-
-#undef V_EXP
-#undef TILE_ROWS
-#undef ACCUMULATE_V
-#undef ATTEND_TASKS
-#undef PAGED_DECODE_ATTEND
-#undef PAGED_DECODE_ATTENTION
 
 #pragma GCC pop_options
 
@@ -1147,6 +1140,155 @@ int w8a8_amx_silu_mul(const float *x, const int64_t rows, const int64_t K, const
 }
 
 #pragma GCC pop_options
+
+/* -- paged_decode_attention (AMX): the BF16 build with q · k on AMX tiles ---------------------------------------
+ * `tdpbf16ps` multiplies a tile of 16 rows × 32 bfloat16 by a tile of 16 bfloat16 pairs × 16 columns into 16 × 16
+ * float32. A block's positions lie in the cache at a fixed stride, so 16 positions' K vectors (32 dims of each) are
+ * one A tile loaded in place; the group's query heads, rounded to bfloat16 as the BF16 build rounds them, are the B
+ * tile's columns (at most 16: MAX_GROUP). One instruction scores 16 positions for every head of the group, where
+ * the BF16 build takes a `vdpbf16ps` per head and 32 dims of a position, then a reduction. The softmax and Σ weight ·
+ * v are the BF16 build's. Taken for a bfloat16 cache of blocks of at least 16 positions on CPUs with AMX-BF16;
+ * otherwise the BF16 build's path, unchanged. */
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,amx-tile,amx-bf16")
+
+#define BF16_PAIRS 32
+
+/* q · k: tile 0 the scores (16 positions × 16 heads, float32), 1 K (16 positions × 32 bfloat16), 2 q (16 pairs of
+ * dims × 16 heads × 2). Σ weight · v: 2 V (16 pairs of positions × 16 dims × 2), 3 the weights (a row per head of
+ * the group × 32 positions), 4-7 the sums (a row per head × 16 dims, float32). */
+static void amx_attention_configure(const int group) {
+    amx_tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette_id = 1;
+    for (int tile = 0; tile < 8; tile++) config.rows[tile] = (uint8_t)(tile < 3 ? 16 : group), config.colsb[tile] = 64;
+    _tile_loadconfig(&config);
+}
+
+/* bf16_dot_scores' scores (scores[g * length + p] = scale · q_g · k_p) on AMX tiles, the tiles configured by
+ * `amx_attention_configure`; blocks of at least 16 positions (block_shift ≥ 4). Reading ahead, it asks for V's
+ * positions as well as K's. A last tile past `length` reads the
+ * rest of its block (cache memory, whatever it holds): each score row depends on its own position only, and those
+ * rows are not kept. */
+static inline __attribute__((always_inline)) void amx_dot_scores(
+    const float *q_group, const void *k_cache, const void *v_cache, const int64_t *table, const int block_shift,
+    const int64_t kv_heads, const int64_t kvh, const int64_t head_dim, const int64_t group, const int64_t length,
+    const int64_t fetch_end, const float scale, float *scores) {
+    const int64_t parts = head_dim / BF16_PAIRS, stride = kv_heads * head_dim * (int64_t)sizeof(uint16_t);
+    uint16_t q_pairs[MAX_HEAD_DIM / BF16_PAIRS][16][32] __attribute__((aligned(64)));  /* [part][pair][head, 2] */
+    float tile[16][16] __attribute__((aligned(64)));  /* [position][head] */
+    memset(q_pairs, 0, sizeof(q_pairs[0]) * (size_t)parts);
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t d = 0; d < head_dim; d++)
+            q_pairs[d / BF16_PAIRS][d % BF16_PAIRS / 2][2 * g + d % 2] = bf16_nearest(q_group[g * head_dim + d]);
+    const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(16));
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    for (int64_t p0 = 0; p0 < length; p0 += 16) {
+        for (int64_t m = 0; m < 16; m++) {  /* V too: at this pace, Σ weight · v would otherwise wait on memory */
+            prefetch_position(k_cache, table, block_shift, kv_heads, kvh, head_dim, p0 + m + KV_PREFETCH_AHEAD,
+                              fetch_end, 1);
+            prefetch_position(v_cache, table, block_shift, kv_heads, kvh, head_dim, p0 + m + KV_PREFETCH_AHEAD,
+                              fetch_end, 1);
+        }
+        const uint16_t *keys = key_vector(k_cache, table, block_shift, kv_heads, kvh, head_dim, p0, 1);
+        _tile_zero(0);
+        for (int64_t i = 0; i < parts; i++) {
+            _tile_loadd(1, keys + BF16_PAIRS * i, stride);
+            _tile_loadd(2, q_pairs[i], 64);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, tile, 64);
+        const __mmask16 valid = length - p0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (length - p0)) - 1);
+        for (int64_t g = 0; g < group; g++)  /* head g's column, transposed into its row of scores */
+            _mm512_mask_storeu_ps(scores + g * length + p0, valid,
+                                  _mm512_mul_ps(_mm512_i32gather_ps(column, &tile[0][g], 4), scale16));
+    }
+}
+
+/* bf16_weighted_values on AMX tiles (the tiles configured by `amx_attention_configure`): 32 positions at a time,
+ * the weights of the group's heads (rounded to bfloat16 in place, as there) are one A tile, read in place, and two
+ * positions' V vectors interleaved by `_mm512_unpacklo/hi_epi16` (as there) are a row of a B tile, built in `pairs`;
+ * each head's sums over 32 dims are two C tiles (the lo and hi halves, put back in order at the end as there), so
+ * 64 dims at a time. Positions past `length` in the last 32 have zero V and zero weights. */
+static inline __attribute__((always_inline)) void amx_weighted_values(
+    float *scores, const void *v_cache, const int64_t *table, const int block_shift, const int64_t kv_heads,
+    const int64_t kvh, const int64_t head_dim, const int64_t group, const int64_t length, const int64_t fetch_end,
+    const float *total, float *out) {
+    const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const int64_t parts = head_dim / BF16_PAIRS, weight_stride = length * (int64_t)sizeof(float);
+    uint16_t pairs[4][16][32] __attribute__((aligned(64)));  /* [part, lo / hi][pair of positions][dim, 2] */
+    uint16_t tail[MAX_GROUP][32] __attribute__((aligned(64)));  /* the last 32 positions' weights, zero-padded */
+    float sums[4][MAX_GROUP][16] __attribute__((aligned(64)));
+    round_weights_bf16(scores, group, length);
+    const int64_t whole = length / 32 * 32;
+    if (whole < length) {
+        memset(tail, 0, sizeof tail);
+        for (int64_t g = 0; g < group; g++)
+            memcpy(tail[g], (const uint16_t *)(scores + g * length) + whole,
+                   (size_t)(length - whole) * sizeof(uint16_t));
+    }
+    for (int64_t i0 = 0; i0 < parts; i0 += 2) {
+        const int64_t parts_here = parts - i0 < 2 ? parts - i0 : 2;
+        _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+        for (int64_t p0 = 0; p0 < length; p0 += 32) {
+            for (int64_t r = 0; r < 16; r++) {
+                const int64_t p = p0 + 2 * r;
+                if (i0 == 0)  /* the first pass reads V from memory, a later one (heads over 64 dims) from L2 */
+                    for (int64_t j = 0; j < 2; j++)
+                        prefetch_position(v_cache, table, block_shift, kv_heads, kvh, head_dim,
+                                          p + j + KV_PREFETCH_AHEAD, fetch_end, 1);
+                const uint16_t *v0 = p < length ? key_vector(v_cache, table, block_shift, kv_heads, kvh, head_dim, p, 1)
+                                                : NULL;
+                const uint16_t *v1 = p + 1 < length
+                    ? key_vector(v_cache, table, block_shift, kv_heads, kvh, head_dim, p + 1, 1) : NULL;
+                for (int64_t i = 0; i < parts_here; i++) {
+                    const __m512i a = v0 ? _mm512_loadu_si512(v0 + BF16_PAIRS * (i0 + i)) : _mm512_setzero_si512();
+                    const __m512i b = v1 ? _mm512_loadu_si512(v1 + BF16_PAIRS * (i0 + i)) : _mm512_setzero_si512();
+                    _mm512_store_si512(pairs[2 * i][r], _mm512_unpacklo_epi16(a, b));
+                    _mm512_store_si512(pairs[2 * i + 1][r], _mm512_unpackhi_epi16(a, b));
+                }
+            }
+            if (p0 < whole)
+                _tile_loadd(3, (const uint16_t *)scores + p0, weight_stride);
+            else
+                _tile_loadd(3, tail, 64);
+            _tile_loadd(2, pairs[0], 64); _tile_dpbf16ps(4, 3, 2);
+            _tile_loadd(2, pairs[1], 64); _tile_dpbf16ps(5, 3, 2);
+            if (parts_here == 2) {
+                _tile_loadd(2, pairs[2], 64); _tile_dpbf16ps(6, 3, 2);
+                _tile_loadd(2, pairs[3], 64); _tile_dpbf16ps(7, 3, 2);
+            }
+        }
+        _tile_stored(4, sums[0], 64); _tile_stored(5, sums[1], 64);
+        _tile_stored(6, sums[2], 64); _tile_stored(7, sums[3], 64);
+        for (int64_t g = 0; g < group; g++) {
+            const __m512 inverse = _mm512_set1_ps(length > 0 ? 1.f / total[g] : 0.f);
+            for (int64_t i = 0; i < parts_here; i++) {
+                const __m512 lo = _mm512_load_ps(sums[2 * i][g]), hi = _mm512_load_ps(sums[2 * i + 1][g]);
+                float *o = out + g * head_dim + BF16_PAIRS * (i0 + i);
+                _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first_half, hi), inverse));
+                _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second_half, hi), inverse));
+            }
+        }
+    }
+}
+
+#define V_AMX
+#define V_BF16_DOT
+#define V_EXP exp512_amx
+#define TILE_ROWS tile_rows_amx
+#define ACCUMULATE_V accumulate_v_amx
+#define ATTEND_TASKS attend_tasks_amx
+#define PAGED_DECODE_ATTEND paged_decode_attend_amx
+#define PAGED_DECODE_ATTENTION paged_decode_attention_amx
+#include "cpu_attention.inc"
+#undef V_BF16_DOT
+#undef V_AMX
+#undef BF16_PAIRS
+
+#pragma GCC pop_options
 #else  /* this compiler has no AMX intrinsics: the Python side never enables the AMX paths */
 int w8a8_amx_enable(void) { return -1; }
 static void quantize_rows_int8(const float *x, const int64_t rows, const int64_t K, int8_t *xq, float *x_scale) {
@@ -1161,5 +1303,15 @@ static void w8a8_amx_silu_mul_share(const int8_t *xq, const float *x_scale, cons
                                     const int64_t N, float *scratch) {
     (void)xq, (void)x_scale, (void)rows, (void)K, (void)packed, (void)w_scale, (void)bias, (void)out, (void)N;
     (void)scratch;
+}
+static void paged_decode_attend_amx(const float *q, const void *k_cache, const void *v_cache, const int bf16,
+                                    const int64_t *block_tables, const int64_t max_blocks, const int64_t *context_lens,
+                                    const int64_t rows, const int64_t heads, const int64_t kv_heads,
+                                    const int64_t head_dim, const int block_shift, const float scale,
+                                    const int fetch_ahead, float *out, int *status) {
+    (void)q, (void)k_cache, (void)v_cache, (void)bf16, (void)block_tables, (void)max_blocks, (void)context_lens;
+    (void)rows, (void)heads, (void)kv_heads, (void)head_dim, (void)block_shift, (void)scale, (void)fetch_ahead;
+    (void)out;
+    *status = -1;
 }
 #endif

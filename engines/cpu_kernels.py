@@ -53,6 +53,7 @@ REQUIRED_CPU_FLAGS = frozenset({"avx2", "fma"})  # the library's baseline: `int8
 AVX512_VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni"})  # `w8a8_vnni`, `paged_decode_attention`
 AMX_INT8_FLAGS = AVX512_VNNI_FLAGS | {"amx_tile", "amx_int8"}  # `w8a8_amx`
 AVX512_BF16_FLAGS = AVX512_VNNI_FLAGS | {"avx512_bf16"}  # `paged_decode_attention` on a bfloat16 cache by `vdpbf16ps`
+AMX_BF16_FLAGS = AVX512_BF16_FLAGS | {"amx_tile", "amx_bf16"}  # ... with q · k and Σ weight · v on AMX tiles
 # -ffp-contract=off: no a * b + c fused where the source does not say so — GCC would fuse in some inlined
 # copies of a kernel and not others, and a row's result would then depend on the batch it came in.
 COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -230,12 +231,13 @@ class PagedDecodeAttention:
     """`(query [T, H, D] float32, k_cache, v_cache [slots, KVH, D] float32 or bfloat16, block_tables [T, B]
     long, context_lens [T] long, block_size, scale)` → `[T, H, D]` float32: row t attends over positions
     [0, context_lens[t]) of its sequence, read in place through its block table. `isa`: the build — "avx2",
-    "avx512", or "avx512bf16" (the AVX-512 one, reading a bfloat16 cache with `vdpbf16ps`)."""
+    "avx512", "avx512bf16" (the AVX-512 one, reading a bfloat16 cache with `vdpbf16ps`), or "amx" (that one with
+    q · k and Σ weight · v on AMX tiles; the process must have been granted AMX state: `attention_isa`)."""
 
     def __init__(self, library: ctypes.CDLL, isa: str) -> None:
         self._attention = getattr(library, f"paged_decode_attention_{isa}")
         self.isa = isa
-        self.lanes = {"avx2": 8, "avx512": 16, "avx512bf16": 16}[isa]  # head_dim must be a multiple of it
+        self.lanes = {"avx2": 8, "avx512": 16, "avx512bf16": 16, "amx": 16}[isa]  # head_dim must be a multiple of it
         self._attention.restype = ctypes.c_int
         self._attention.argtypes = [_POINTER, _POINTER, _POINTER, ctypes.c_int, _POINTER, _INT64, _POINTER]
         self._attention.argtypes += [_INT64] * 5 + [ctypes.c_float, ctypes.c_int, _POINTER, ctypes.c_int]
@@ -246,8 +248,8 @@ class PagedDecodeAttention:
     def attends_prefill(self, head_dim: int, kv_dtype: torch.dtype) -> bool:
         """Whether prefill chunks should attend through this kernel, as decode rows, rather than SDPA: where it
         reads a bfloat16 cache with `vdpbf16ps`, it beat SDPA on a Zen 4 (`python -m bench.kernels`' prefill table,
-        BENCHMARKS.md 2026-12-06). On AMX CPUs SDPA's bfloat16 products run on tiles, and this was not measured
-        against them: SDPA stays there."""
+        BENCHMARKS.md 2026-12-06). On AMX CPUs SDPA's bfloat16 products run on tiles and were 3-4x faster than this
+        kernel on an Intel Xeon (the same table, 2026-12-06 (later)): SDPA stays there."""
         return (self.isa == "avx512bf16" and kv_dtype == torch.bfloat16 and head_dim % 32 == 0
                 and "amx_bf16" not in cpu_flags())
 
@@ -342,7 +344,7 @@ class DecoderShape(ctypes.Structure):
         ("attention_scale", ctypes.c_float),
         ("kv_bf16", ctypes.c_int32),
         ("products", ctypes.c_int32),  # `LayerProducts`
-        ("bf16_dot", ctypes.c_int32),  # `bf16_dot_products()`: a bfloat16 cache attended by `vdpbf16ps`
+        ("bf16_dot", ctypes.c_int32),  # a bfloat16 cache attended by `vdpbf16ps` (1) or on AMX tiles (2)
     ]
 
 
@@ -500,10 +502,18 @@ def int8_gemv() -> Int8Gemv | None:
 def paged_decode_attention() -> PagedDecodeAttention | None:
     """The decode attention kernel, or None where this CPU or machine cannot run it."""
     library = _library()
-    if library is None:
-        return None
-    isa = "avx512bf16" if bf16_dot_products() else "avx512" if cpu_flags() >= AVX512_VNNI_FLAGS else "avx2"
-    return PagedDecodeAttention(library, isa)
+    return None if library is None else PagedDecodeAttention(library, attention_isa())
+
+
+def attention_isa() -> str:
+    """The attention build this CPU runs (`PagedDecodeAttention.isa`): on AMX tiles where the CPU has AMX-BF16 and
+    the OS grants tile state, else with `vdpbf16ps` where it has AVX512_BF16, else AVX-512 or AVX2 FMAs."""
+    library = _library()
+    if library is not None and cpu_flags() >= AMX_BF16_FLAGS:
+        if library.w8a8_amx_enable() == 0:
+            return "amx"
+        logger.info("CPU attention on AMX tiles not used: the OS did not grant AMX tile state")
+    return "avx512bf16" if bf16_dot_products() else "avx512" if cpu_flags() >= AVX512_VNNI_FLAGS else "avx2"
 
 
 def bf16_dot_products() -> bool:

@@ -22,7 +22,7 @@ from engines.cpu_kernels import (
     DecodeRows,
     DecoderShape,
     LayerProducts,
-    bf16_dot_products,
+    attention_isa,
     decode_layer,
 )
 from engines.quantization import RowDispatchLinear, first_output_rows, native_operands
@@ -223,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
         shape = DecoderShape(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
                              config.head_dim, config.intermediate_size, block_size, config.rms_norm_eps,
                              config.head_dim ** -0.5, int(kv_dtype == torch.bfloat16), products,
-                             int(kv_dtype == torch.bfloat16 and bf16_dot_products()))
+                             {"avx512bf16": 1, "amx": 2}.get(attention_isa(), 0) if kv_dtype == torch.bfloat16 else 0)
         return NativeDecoder(kernel, shape, layers, self.rope_cos, self.rope_sin)
 
     def move_to(self, device: torch.device) -> None:

@@ -39,7 +39,8 @@ needs_library = pytest.mark.skipif(
 )
 # Every build of the attention kernel this CPU runs (AVX-512 CPUs run the AVX2 one too).
 ATTENTION_ISAS = ["avx2", *(["avx512"] if w8a8_vnni() is not None else []),
-                  *(["avx512bf16"] if w8a8_vnni() is not None and cpu_kernels.bf16_dot_products() else [])]
+                  *(["avx512bf16"] if w8a8_vnni() is not None and cpu_kernels.bf16_dot_products() else []),
+                  *(["amx"] if cpu_kernels.attention_isa() == "amx" else [])]
 # The two products over a weight in tile order, each where this CPU runs it.
 TILED_KERNELS = [pytest.param("amx", marks=needs_amx), pytest.param("vnni", marks=needs_vnni)]
 
@@ -375,6 +376,31 @@ def test_prefill_chunks_attend_through_the_kernel_as_sdpa_would_over_a_bfloat16_
         logits.append(torch.cat([runner.forward([chunk]) for chunk in chunks]))
     scale = logits[1].abs().max().item()
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=2e-2 * scale)  # bfloat16 q, weights: as SDPA's
+
+
+@pytest.mark.skipif("amx" not in ATTENTION_ISAS, reason="attention on AMX tiles needs AMX-BF16 (e.g. Intel Sapphire "
+                    "Rapids) and the OS's grant of tile state")
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(14, 2, 64), (12, 2, 128), (16, 1, 96)])
+def test_attention_on_amx_tiles_reads_blocks_of_16_as_the_bf16_build_does(num_heads: int, num_kv_heads: int,
+                                                                           head_dim: int) -> None:  # fmt: skip
+    """Blocks of 16 positions (q · k a tile of 16 positions at a time), contexts ending anywhere in a tile of 16 or a
+    step of 32 positions (Σ weight · v), a whole group of 16 heads, and heads of 64, 128 and 96 dims (64 at a time,
+    then 32); slots past each context hold NaN, which must not reach the output. Against the `vdpbf16ps` build,
+    which rounds q and the weights to bfloat16 alike and sums in another order."""
+    torch.manual_seed(head_dim)
+    block_size, num_blocks, blocks_each = 16, 120, 13
+    k_cache, v_cache = (torch.randn(num_blocks * block_size, num_kv_heads, head_dim).bfloat16() for _ in range(2))
+    context_lens = torch.tensor([1, 15, 16, 17, 31, 32, 33, 200])
+    block_tables = torch.randperm(num_blocks)[:8 * blocks_each].view(8, blocks_each).sort(dim=1).values  # their own
+    for t, length in enumerate(context_lens.tolist()):
+        for p in range(length, blocks_each * block_size):  # the rest of each row's blocks
+            slot = block_tables[t, p // block_size] * block_size + p % block_size
+            k_cache[slot], v_cache[slot] = float("nan"), float("nan")
+    query = torch.randn(8, num_heads, head_dim)
+    amx, bf16 = (attention_kernel(isa)(query, k_cache, v_cache, block_tables, context_lens, block_size,
+                                       head_dim**-0.5) for isa in ("amx", "avx512bf16"))  # fmt: skip
+    assert not amx.isnan().any()
+    torch.testing.assert_close(amx, bf16, atol=1e-3, rtol=1e-3)
 
 
 @needs_library
