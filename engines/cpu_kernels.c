@@ -447,6 +447,17 @@ static void rms_norm_row(const float *x, const float *weight, const int64_t K, c
         _mm256_storeu_ps(out + k, _mm256_mul_ps(_mm256_loadu_ps(weight + k), _mm256_mul_ps(_mm256_loadu_ps(x + k), r)));
 }
 
+/* RMSNorm of x [rows, K] (K a multiple of 8) into out, each row as the decode layer normalises its rows: the
+model's norms on the CPU, so that a decode row computed among a prefill chunk's rows (`engines.model_runner`)
+is the same bits as through the decode layer. Returns 0, or -1 on bad sizes. */
+int rms_norm_rows(const float *x, const float *weight, const int64_t rows, const int64_t K, const float eps,
+                  float *out, const int threads) {
+    if (K % 8) return -1;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t m = 0; m < rows; m++) rms_norm_row(x + m * K, weight, K, eps, out + m * K);
+    return 0;
+}
+
 /* x · cos + rotate_half(x) · signed sin over one head of head_dim, as engines.models.llama.apply_rope. */
 static void rope_head(float *x, const float *cos, const float *sin, const int64_t head_dim) {
     float rotated[MAX_HEAD_DIM];

@@ -182,6 +182,29 @@ class W8A8Vnni(TiledW8A8Kernel):
     quad_major = True
 
 
+class RmsNormRows:
+    """The decode layer's RMSNorm over rows (`rms_norm_rows`): `(x [..., K] float32, weight [K] float32, eps)` →
+    the same shape, each row the bits `decode_layer_int8` gives it. K must be a multiple of 8 (`supports`)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._norm = library.rms_norm_rows
+        self._norm.restype = ctypes.c_int
+        self._norm.argtypes = [_POINTER, _POINTER, _INT64, _INT64, ctypes.c_float, _POINTER, ctypes.c_int]
+
+    @staticmethod
+    def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return (x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] % 8 == 0
+                and not torch.is_grad_enabled())
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x, weight = x.contiguous(), weight.contiguous()
+        out = torch.empty_like(x)
+        hidden = x.shape[-1]
+        self._norm(x.data_ptr(), weight.data_ptr(), x.numel() // hidden, hidden, eps, out.data_ptr(),
+                   torch.get_num_threads())
+        return out
+
+
 class Int8Gemv:
     """`(x [rows, K] float32, weight [N, K] int8, scales [N] float32, bias [N] float32 | None)` →
     `[rows, N]` float32 = (q(x) · weightᵀ) · scales + bias, for any number of rows and K a multiple of 8 up to
@@ -520,6 +543,13 @@ def bf16_dot_products() -> bool:
     """Whether the attention reads a bfloat16 cache with `vdpbf16ps` here (AVX512_BF16: Zen 4, Sapphire Rapids):
     the query and the softmax weights are then rounded to bfloat16, as SDPA in the cache's dtype rounds them."""
     return cpu_flags() >= AVX512_BF16_FLAGS
+
+
+@functools.cache
+def rms_norm_rows() -> RmsNormRows | None:
+    """The decode layer's RMSNorm over rows, or None where this CPU or machine cannot run the kernels."""
+    library = _library()
+    return None if library is None else RmsNormRows(library)
 
 
 @functools.cache

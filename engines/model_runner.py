@@ -168,7 +168,10 @@ class ModelRunner:
         if decode_spans:
             self._decode_context(decode_spans, metadata)
             native = self.native_decoder
-            if native is not None and metadata.decode_kernel is not None and len(decode_spans) <= native.max_rows:
+            # Beside a prefill chunk, decode rows join its rows through the modules where those give them the
+            # same bits (`modules_match`): each layer's weights are then read once for all the step's rows.
+            if native is not None and metadata.decode_kernel is not None and len(decode_spans) <= native.max_rows \
+                    and not (prefills and native.modules_match):
                 metadata.native_decode = native.rows(
                     torch.tensor([span.start for span in decode_spans], dtype=torch.long),
                     metadata.slot_mapping[:len(decode_spans)], metadata.decode_block_tables,

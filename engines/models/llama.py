@@ -24,6 +24,7 @@ from engines.cpu_kernels import (
     LayerProducts,
     attention_isa,
     decode_layer,
+    rms_norm_rows,
 )
 from engines.quantization import RowDispatchLinear, first_output_rows, native_operands
 
@@ -37,6 +38,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = rms_norm_rows()
+        if kernel is not None and kernel.supports(x, self.weight):  # the decode layer's norm: its rows' bits
+            return kernel(x, self.weight, self.eps)
         # Normalise in float32 whatever the activation dtype, as the reference implementation does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -349,6 +353,10 @@ class NativeDecoder:
         self.kernel, self.shape, self.layers = kernel, shape, layers
         self.products = LayerProducts(shape.products)
         self.forward_cost = FORWARD_COST[self.products]
+        # Whether the modules compute a decode row to these layers' bits: w8a8 products in tile order sum exactly
+        # at any row count, and the modules' norms, SiLU and attention on the CPU are these layers' C code (RoPE
+        # and the residual adds the same float operations). Int8 weight-only products differ by row count.
+        self.modules_match = self.products in (LayerProducts.W8A8_AMX, LayerProducts.W8A8_VNNI)
         self.max_rows = kernel.max_rows
         self._rope_cos, self._rope_sin = rope_cos, rope_sin
 

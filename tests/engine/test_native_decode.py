@@ -73,16 +73,22 @@ def test_native_layers_compute_the_modules_logits_and_write_their_kv(tiny_model:
     spans = prefill(runner, 0, 1, 2)
     native_logits = runner.forward(spans)
     native_kv = decode_slots(runner, spans)
+    modules_match = runner.native_decoder.modules_match
     runner.native_decoder = None
     module_logits = runner.forward(spans)  # the same slots, written again by the modules
-    # RMSNorm's sum and SiLU's exponential are a few ulp apart from torch's, which can move an activation across
-    # a rounding boundary (int16: 1/8191 of its row's largest; int8: 1/127) or a K/V value across a bfloat16
-    # one: small, where a wrong RoPE, norm, bias or residual is of the order of the logits themselves.
-    tolerance = 2e-3 if products == "int8" else 2e-2
-    torch.testing.assert_close(native_logits, module_logits, rtol=0,
-                               atol=tolerance * module_logits.abs().max().item())
-    for native, module in zip(native_kv, decode_slots(runner, spans), strict=True):
+    module_kv = decode_slots(runner, spans)
+    for native in native_kv:
         assert native.abs().max() > 0  # written (the cache starts as zeros)
+    if modules_match:
+        # w8a8 in tile order: the modules' products, norms, SiLU and attention are the layers' own C code.
+        assert torch.equal(native_logits, module_logits)
+        assert all(torch.equal(native, module) for native, module in zip(native_kv, module_kv, strict=True))
+        return
+    # Int8 weight-only: the modules' SiLU is torch's, a few ulp from the layers', which can move an activation across
+    # a rounding boundary (int16: 1/8191 of its row's largest) or a K/V value across a bfloat16 one: small, where a
+    # wrong RoPE, norm, bias or residual is of the order of the logits themselves.
+    torch.testing.assert_close(native_logits, module_logits, rtol=0, atol=2e-3 * module_logits.abs().max().item())
+    for native, module in zip(native_kv, module_kv, strict=True):
         torch.testing.assert_close(native, module, rtol=1e-2, atol=1e-3 * module.abs().max().item())
 
 
@@ -101,6 +107,27 @@ def test_a_decode_row_is_the_same_bits_alone_beside_other_rows_and_beside_a_pref
     assert torch.equal(beside_a_chunk, alone[0])
     # The chunk, computed apart from the decode rows, is what it is alone.
     assert torch.equal(chunk_logits, runner.forward([chunk])[0])
+
+
+def test_beside_a_prefill_chunk_decode_rows_join_the_modules_only_where_they_give_the_same_bits(
+    tiny_qwen2: TinyModel, products: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step with a prefill chunk reads each layer's weights once for all its rows where the modules compute a
+    decode row to the native layers' bits (w8a8 in tile order); with int8 weight-only the rows stay native."""
+    runner = native_engine(tiny_qwen2, products).runner
+    layers_run: list[int] = []
+    run_layer = llama.PreparedDecodeRows.run_layer
+
+    def counted(rows: llama.PreparedDecodeRows, index: int, x: torch.Tensor) -> None:
+        layers_run.append(index)
+        run_layer(rows, index, x)
+
+    monkeypatch.setattr(llama.PreparedDecodeRows, "run_layer", counted)
+    first, = prefill(runner, 0)
+    third_prompt, third_table = SEQUENCES[2]
+    runner.forward([first, TokenSpan(third_prompt, 0, third_table, "last")])
+    assert runner.native_decoder is not None and runner.native_decoder.modules_match == (products != "int8")
+    assert layers_run == ([] if products != "int8" else list(range(tiny_qwen2.checkpoint.config.num_hidden_layers)))
 
 
 def test_decoding_through_native_layers_gives_the_modules_tokens(tiny_model: TinyModel, products: str) -> None:
