@@ -62,6 +62,19 @@ def decode_slots(runner: ModelRunner, spans: list[TokenSpan]) -> list[torch.Tens
     return [cache.index_select(0, slots).float() for pair in runner.kv_caches for cache in pair]
 
 
+def native_layers_run(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The indices of the layers that decode rows go through natively from here on, in order."""
+    layers_run: list[int] = []
+    run_layer = llama.PreparedDecodeRows.run_layer
+
+    def counted(rows: llama.PreparedDecodeRows, index: int, x: torch.Tensor) -> None:
+        layers_run.append(index)
+        run_layer(rows, index, x)
+
+    monkeypatch.setattr(llama.PreparedDecodeRows, "run_layer", counted)
+    return layers_run
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
 def test_native_layers_compute_the_modules_logits_and_write_their_kv(tiny_model: TinyModel, kv_cache_dtype: str,
                                                                      products: str) -> None:
@@ -115,14 +128,7 @@ def test_beside_a_prefill_chunk_decode_rows_join_the_modules_only_where_they_giv
     """A step with a prefill chunk reads each layer's weights once for all its rows where the modules compute a
     decode row to the native layers' bits (w8a8 in tile order); with int8 weight-only the rows stay native."""
     runner = native_engine(tiny_qwen2, products).runner
-    layers_run: list[int] = []
-    run_layer = llama.PreparedDecodeRows.run_layer
-
-    def counted(rows: llama.PreparedDecodeRows, index: int, x: torch.Tensor) -> None:
-        layers_run.append(index)
-        run_layer(rows, index, x)
-
-    monkeypatch.setattr(llama.PreparedDecodeRows, "run_layer", counted)
+    layers_run = native_layers_run(monkeypatch)
     first, = prefill(runner, 0)
     third_prompt, third_table = SEQUENCES[2]
     runner.forward([first, TokenSpan(third_prompt, 0, third_table, "last")])
@@ -145,14 +151,7 @@ def test_decoding_through_native_layers_gives_the_modules_tokens(tiny_model: Tin
 
 def test_every_layer_of_a_step_runs_natively_once(tiny_llama: TinyModel, monkeypatch: pytest.MonkeyPatch) -> None:
     runner = native_engine(tiny_llama).runner
-    layers_run: list[int] = []
-    run_layer = llama.PreparedDecodeRows.run_layer
-
-    def counted(rows: llama.PreparedDecodeRows, index: int, x: torch.Tensor) -> None:
-        layers_run.append(index)
-        run_layer(rows, index, x)
-
-    monkeypatch.setattr(llama.PreparedDecodeRows, "run_layer", counted)
+    layers_run = native_layers_run(monkeypatch)
     runner.forward(prefill(runner, 0))
     assert layers_run == list(range(tiny_llama.checkpoint.config.num_hidden_layers))
 
