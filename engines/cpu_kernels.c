@@ -466,6 +466,30 @@ static void rope_head(float *x, const float *cos, const float *sin, const int64_
     for (int64_t d = 0; d < head_dim; d++) x[d] = x[d] * cos[d] + rotated[d] * sin[d];
 }
 
+/* apply_rope over rows: out [rows, heads, head_dim] = x · cos + rotate_half(x) · signed sin, x's rows `x_stride`
+ * floats apart (the q and k heads of a q/k/v product's rows), cos and sin [rows, head_dim]. Products, then their
+ * sum (no fused multiply-add), as engines.models.llama.apply_rope and `rope_head` compute them: the same bits. A
+ * head of a multiple of 16 dims. Returns 0, or -1 on bad sizes. */
+int rope_rows(const float *x, const int64_t x_stride, const float *cos, const float *sin, const int64_t rows,
+              const int64_t heads, const int64_t head_dim, float *out, const int threads) {
+    if (head_dim % 16) return -1;
+    const int64_t half = head_dim / 2;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t h = 0; h < heads; h++) {
+            const float *in = x + m * x_stride + h * head_dim, *c = cos + m * head_dim, *s = sin + m * head_dim;
+            float *o = out + (m * heads + h) * head_dim;
+            for (int64_t d = 0; d < half; d += 8) {
+                const __m256 first = _mm256_loadu_ps(in + d), second = _mm256_loadu_ps(in + half + d);
+                _mm256_storeu_ps(o + d, _mm256_add_ps(_mm256_mul_ps(first, _mm256_loadu_ps(c + d)),
+                                                      _mm256_mul_ps(second, _mm256_loadu_ps(s + d))));
+                _mm256_storeu_ps(o + half + d, _mm256_add_ps(_mm256_mul_ps(second, _mm256_loadu_ps(c + half + d)),
+                                                             _mm256_mul_ps(first, _mm256_loadu_ps(s + half + d))));
+            }
+        }
+    return 0;
+}
+
 static inline uint16_t bfloat16_bits(const float value) {  /* round to nearest even, as torch's .to(bfloat16) */
     uint32_t bits;
     memcpy(&bits, &value, sizeof bits);

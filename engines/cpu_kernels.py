@@ -205,6 +205,30 @@ class RmsNormRows:
         return out
 
 
+class RopeRows:
+    """`engines.models.llama.apply_rope` over rows (`rope_rows`), the same bits: `(x [rows, heads, head_dim] float32,
+    each row's heads contiguous, cos / signed sin [rows, 1, head_dim])` → a new `[rows, heads, head_dim]`."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._rope = library.rope_rows
+        self._rope.restype = ctypes.c_int
+        self._rope.argtypes = [_POINTER, _INT64, _POINTER, _POINTER, _INT64, _INT64, _INT64, _POINTER, ctypes.c_int]
+
+    @staticmethod
+    def supports(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        rows, _, head_dim = x.shape
+        return (x.dtype == cos.dtype == sin.dtype == torch.float32 and x.device.type == "cpu" and head_dim % 16 == 0
+                and x.stride(2) == 1 and x.stride(1) == head_dim and cos.shape == sin.shape == (rows, 1, head_dim)
+                and cos.is_contiguous() and sin.is_contiguous() and not torch.is_grad_enabled())
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rows, heads, head_dim = x.shape
+        out = torch.empty(rows, heads, head_dim)
+        self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), rows, heads, head_dim, out.data_ptr(),
+                   torch.get_num_threads())
+        return out
+
+
 class Int8Gemv:
     """`(x [rows, K] float32, weight [N, K] int8, scales [N] float32, bias [N] float32 | None)` →
     `[rows, N]` float32 = (q(x) · weightᵀ) · scales + bias, for any number of rows and K a multiple of 8 up to
@@ -550,6 +574,13 @@ def rms_norm_rows() -> RmsNormRows | None:
     """The decode layer's RMSNorm over rows, or None where this CPU or machine cannot run the kernels."""
     library = _library()
     return None if library is None else RmsNormRows(library)
+
+
+@functools.cache
+def rope_rows() -> RopeRows | None:
+    """`apply_rope` over rows in C, or None where this CPU or machine cannot run the kernels."""
+    library = _library()
+    return None if library is None else RopeRows(library)
 
 
 @functools.cache

@@ -17,7 +17,7 @@ from engines.attention import AttentionMetadata, paged_attention
 from engines.config import ModelConfig
 from engines.cpu_kernels import PagedDecodeAttention, int8_gemv, w8a8_amx, w8a8_vnni
 from engines.model_runner import ModelRunner, TokenSpan
-from engines.models.llama import MLP, LlamaForCausalLM
+from engines.models.llama import MLP, LlamaForCausalLM, RMSNorm, rope_cos_sin
 from engines.quantization import (
     PACKED_MAX_ROWS,
     Int8Embedding,
@@ -401,6 +401,37 @@ def test_attention_on_amx_tiles_reads_blocks_of_16_as_the_bf16_build_does(num_he
                                        head_dim**-0.5) for isa in ("amx", "avx512bf16"))  # fmt: skip
     assert not amx.isnan().any()
     torch.testing.assert_close(amx, bf16, atol=1e-3, rtol=1e-3)
+
+
+@needs_library
+def test_rope_over_rows_in_c_is_the_same_bits_as_the_pytorch_ops() -> None:
+    """RoPE on the q and k heads of a q/k/v product's rows (a strided view), as the attention module applies it."""
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_dim, rows = 14, 2, 64, 37
+    qkv = torch.randn(rows, (num_heads + 2 * num_kv_heads) * head_dim) * 3
+    qk = qkv[:, :(num_heads + num_kv_heads) * head_dim].reshape(rows, num_heads + num_kv_heads, head_dim)
+    cos, sin = rope_cos_sin(head_dim, 4096, 1e6)
+    positions = torch.randint(0, 4096, (rows,))
+    cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    kernel = cpu_kernels.rope_rows()
+    with torch.no_grad():
+        assert kernel is not None and kernel.supports(qk, cos, sin)
+        assert torch.equal(kernel(qk, cos, sin), qk * cos + qk.roll(head_dim // 2, dims=-1) * sin)
+
+
+@needs_library
+def test_rms_norm_over_rows_in_c_normalises_as_the_reference_does() -> None:
+    """The decode layer's RMSNorm over a step's rows (its own sum order: a few ulp from torch's mean)."""
+    torch.manual_seed(0)
+    norm = RMSNorm(896, 1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+        x = torch.randn(21, 896) * 5
+        expected = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+        kernel = cpu_kernels.rms_norm_rows()
+        assert kernel is not None and kernel.supports(x, norm.weight)
+        torch.testing.assert_close(norm(x), expected, rtol=1e-5, atol=1e-5)
+        assert not kernel.supports(x.bfloat16(), norm.weight) and not kernel.supports(x[:, :20], norm.weight[:20])
 
 
 @needs_library
