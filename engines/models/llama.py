@@ -22,6 +22,7 @@ from engines.cpu_kernels import (
     DecodeRows,
     DecoderShape,
     LayerProducts,
+    TiledW8A8Kernel,
     attention_isa,
     decode_layer,
     rms_norm_rows,
@@ -359,9 +360,11 @@ class NativeDecoder:
         self.products = LayerProducts(shape.products)
         self.forward_cost = FORWARD_COST[self.products]
         # Whether the modules compute a decode row to these layers' bits: w8a8 products in tile order sum exactly
-        # at any row count, and the modules' norms, SiLU and attention on the CPU are these layers' C code (RoPE
-        # and the residual adds the same float operations). Int8 weight-only products differ by row count.
-        self.modules_match = self.products in (LayerProducts.W8A8_AMX, LayerProducts.W8A8_VNNI)
+        # at any row count, and the modules' norms, RoPE, attention and (where gate_up's halves are whole groups
+        # of the tile order, `TiledW8A8Kernel.gates`) SiLU on the CPU are these layers' C code. Int8 weight-only
+        # products differ by row count; an ungated MLP's SiLU is torch's in the modules.
+        self.modules_match = (self.products in (LayerProducts.W8A8_AMX, LayerProducts.W8A8_VNNI)
+                              and shape.intermediate % TiledW8A8Kernel.group == 0)
         self.max_rows = kernel.max_rows
         self._rope_cos, self._rope_sin = rope_cos, rope_sin
 

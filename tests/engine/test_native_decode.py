@@ -5,14 +5,19 @@ activations: int8 weight-only, or w8a8 (on AMX tiles, or through VNNI dot produc
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from engines import quantization
+from engines.config import ModelConfig
 from engines.cpu_kernels import LayerProducts, decode_layer, w8a8_amx, w8a8_vnni
 from engines.llm_engine import LLMEngine
 from engines.model_runner import ModelRunner, TokenSpan
 from engines.models import llama
+from engines.models.llama import LlamaForCausalLM
+from engines.quantization import quantize_model
 from engines.sampling_params import SamplingParams
 from tests.engine.conftest import TinyModel, generated_ids, make_engine, run_to_completion
 
@@ -134,6 +139,22 @@ def test_beside_a_prefill_chunk_decode_rows_join_the_modules_only_where_they_giv
     runner.forward([first, TokenSpan(third_prompt, 0, third_table, "last")])
     assert runner.native_decoder is not None and runner.native_decoder.modules_match == (products != "int8")
     assert layers_run == ([] if products != "int8" else list(range(tiny_qwen2.checkpoint.config.num_hidden_layers)))
+
+
+@pytest.mark.skipif(w8a8_amx() is None and w8a8_vnni() is None, reason="w8a8 native layers need VNNI or AMX")
+def test_an_mlp_whose_gate_up_halves_are_not_whole_tile_groups_keeps_its_decode_rows_native() -> None:
+    """There the modules' SiLU is torch's, not the native layers': beside a prefill chunk they would differ in bits."""
+    config = ModelConfig(architecture="qwen2", vocab_size=96, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         attention_bias=True)  # fmt: skip
+    decoders = []
+    for intermediate_size in (96, 128):
+        model = LlamaForCausalLM(dataclasses.replace(config, intermediate_size=intermediate_size), max_positions=64)
+        quantize_model(model, "w8a8", torch.float32)
+        runner = ModelRunner(model, model.config, 4, num_kv_blocks=8, kv_cache_dtype=torch.float32)
+        decoders.append(runner.native_decoder)
+    assert all(decoder is not None for decoder in decoders)
+    assert [decoder.modules_match for decoder in decoders] == [False, True]
 
 
 def test_decoding_through_native_layers_gives_the_modules_tokens(tiny_model: TinyModel, products: str) -> None:
