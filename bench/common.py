@@ -75,9 +75,12 @@ def write_results(name: str, figures: dict[str, Any]) -> Path:
 
 
 def run_without_amx() -> None:
-    """From here on, w8a8 layers are built as on CPUs with VNNI and no AMX (`TiledW8A8Linear` on `w8a8_vnni`): for
-    benchmarks that measure that path on an AMX CPU, beside the one `auto` picks there."""
+    """From here on, w8a8 layers are built as on CPUs with VNNI and no AMX (`TiledW8A8Linear` on `w8a8_vnni`), and
+    attention takes the build such CPUs run (`vdpbf16ps`, not AMX tiles): for benchmarks that measure that path on
+    an AMX CPU, beside the one `auto` picks there."""
     from engines import cpu_kernels, quantization
 
     quantization.w8a8_tiled = cpu_kernels.w8a8_vnni  # type: ignore[assignment]
+    cpu_kernels.AMX_BF16_FLAGS = cpu_kernels.AMX_BF16_FLAGS | {"a CPU without AMX"}  # never all present
+    cpu_kernels.paged_decode_attention.cache_clear()
 

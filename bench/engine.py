@@ -791,7 +791,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--without-amx", action="store_true",
-                        help="build w8a8 layers as on a CPU without AMX (VNNI kernels), on a CPU that has it")
+                        help="build w8a8 layers and attention as on a CPU without AMX (VNNI, vdpbf16ps), on a CPU "
+                             "that has it")
     args = parser.parse_args(argv)
     if args.without_amx:
         run_without_amx()

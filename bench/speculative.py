@@ -138,7 +138,8 @@ def main() -> None:
     parser.add_argument("--quantization", default=None,
                         help="the large tier's weights (default: its shipped `auto`), e.g. int8 or w8a8")
     parser.add_argument("--without-amx", action="store_true",
-                        help="build w8a8 layers as on a CPU without AMX (VNNI kernels), on a CPU that has it")
+                        help="build w8a8 layers and attention as on a CPU without AMX (VNNI, vdpbf16ps), on a CPU "
+                             "that has it")
     args = parser.parse_args()
     if args.without_amx:
         run_without_amx()
