@@ -397,15 +397,17 @@ class LLMEngine:
         return outputs
 
     def precision(self) -> dict[str, str]:
-        """Where and with which dtypes and quantisation this engine runs (`auto` settings resolved here), and how a
-        decode step's layers run: one native call each (`native:` the products' kind) or PyTorch modules."""
-        native = self.runner.native_decoder
+        """Where and with which dtypes and quantisation this engine runs (`auto` settings resolved here), how a
+        decode step's layers run (one native call each, `native:` the products' kind, or PyTorch modules), and which
+        build attends decode rows (`PagedDecodeAttention.isa`, "triton" on CUDA, "pytorch" for gather + SDPA)."""
+        native, attention = self.runner.native_decoder, self.runner.decode_attention
         return {
             "device": str(self.device),
             "dtype": self.config.dtype,
             "quantization": self.quantization or "none",
             "kv_cache_dtype": str(self.kv_cache_dtype).removeprefix("torch."),
             "decode_layers": "modules" if native is None else f"native:{native.products.name.lower()}",
+            "decode_attention": "pytorch" if attention is None else getattr(attention, "isa", "triton"),
         }
 
     def stats(self) -> EngineStats:

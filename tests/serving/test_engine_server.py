@@ -152,6 +152,7 @@ async def test_health_and_metrics(server_url: str, client: openai.AsyncOpenAI) -
     info = next(line for line in metrics.splitlines() if line.startswith("sluice_engine_info{"))
     assert 'quantization="none"' in info and 'kv_cache_dtype="float32"' in info and info.endswith(" 1.0")
     assert 'device="cpu"' in info
+    assert any(f'decode_attention="{build}"' in info for build in ("avx2", "avx512", "avx512bf16", "amx", "pytorch"))
 
 
 async def test_a_client_disconnect_aborts_the_sequence_and_frees_its_blocks(
