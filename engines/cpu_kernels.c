@@ -448,8 +448,8 @@ static void rms_norm_row(const float *x, const float *weight, const int64_t K, c
 }
 
 /* RMSNorm of x [rows, K] (K a multiple of 8) into out, each row as the decode layer normalises its rows: the
-model's norms on the CPU, so that a decode row computed among a prefill chunk's rows (`engines.model_runner`)
-is the same bits as through the decode layer. Returns 0, or -1 on bad sizes. */
+ * model's norms on the CPU, so that a decode row computed among a prefill chunk's rows (`engines.model_runner`)
+ * is the same bits as through the decode layer. Returns 0, or -1 on bad sizes. */
 int rms_norm_rows(const float *x, const float *weight, const int64_t rows, const int64_t K, const float eps,
                   float *out, const int threads) {
     if (K % 8) return -1;
@@ -458,35 +458,36 @@ int rms_norm_rows(const float *x, const float *weight, const int64_t rows, const
     return 0;
 }
 
-/* x · cos + rotate_half(x) · signed sin over one head of head_dim, as engines.models.llama.apply_rope. */
-static void rope_head(float *x, const float *cos, const float *sin, const int64_t head_dim) {
-    float rotated[MAX_HEAD_DIM];
+/* out = x · cos + rotate_half(x) · signed sin over one head of head_dim (even; out may be x), as
+ * engines.models.llama.apply_rope computes it: products, then their sum (no fused multiply-add), the same bits. */
+static void rope_head(const float *x, const float *cos, const float *sin, const int64_t head_dim, float *out) {
     const int64_t half = head_dim / 2;
-    for (int64_t d = 0; d < head_dim; d++) rotated[d] = x[d < half ? d + half : d - half];
-    for (int64_t d = 0; d < head_dim; d++) x[d] = x[d] * cos[d] + rotated[d] * sin[d];
+    int64_t d = 0;
+    for (; d + 8 <= half; d += 8) {  /* each store after both of its lanes' loads: in place is safe */
+        const __m256 first = _mm256_loadu_ps(x + d), second = _mm256_loadu_ps(x + half + d);
+        _mm256_storeu_ps(out + d, _mm256_add_ps(_mm256_mul_ps(first, _mm256_loadu_ps(cos + d)),
+                                                _mm256_mul_ps(second, _mm256_loadu_ps(sin + d))));
+        _mm256_storeu_ps(out + half + d, _mm256_add_ps(_mm256_mul_ps(second, _mm256_loadu_ps(cos + half + d)),
+                                                       _mm256_mul_ps(first, _mm256_loadu_ps(sin + half + d))));
+    }
+    for (; d < half; d++) {
+        const float first = x[d], second = x[half + d];
+        out[d] = first * cos[d] + second * sin[d];
+        out[half + d] = second * cos[half + d] + first * sin[half + d];
+    }
 }
 
-/* apply_rope over rows: out [rows, heads, head_dim] = x · cos + rotate_half(x) · signed sin, x's rows `x_stride`
- * floats apart (the q and k heads of a q/k/v product's rows), cos and sin [rows, head_dim]. Products, then their
- * sum (no fused multiply-add), as engines.models.llama.apply_rope and `rope_head` compute them: the same bits. A
- * head of a multiple of 16 dims. Returns 0, or -1 on bad sizes. */
+/* apply_rope over rows, `rope_head` for each head: out [rows, heads, head_dim], x's rows `x_stride` floats apart
+ * (the q and k heads of a q/k/v product's rows), cos and sin [rows, head_dim]. A head of a multiple of 16 dims.
+ * Returns 0, or -1 on bad sizes. */
 int rope_rows(const float *x, const int64_t x_stride, const float *cos, const float *sin, const int64_t rows,
               const int64_t heads, const int64_t head_dim, float *out, const int threads) {
     if (head_dim % 16) return -1;
-    const int64_t half = head_dim / 2;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t m = 0; m < rows; m++)
-        for (int64_t h = 0; h < heads; h++) {
-            const float *in = x + m * x_stride + h * head_dim, *c = cos + m * head_dim, *s = sin + m * head_dim;
-            float *o = out + (m * heads + h) * head_dim;
-            for (int64_t d = 0; d < half; d += 8) {
-                const __m256 first = _mm256_loadu_ps(in + d), second = _mm256_loadu_ps(in + half + d);
-                _mm256_storeu_ps(o + d, _mm256_add_ps(_mm256_mul_ps(first, _mm256_loadu_ps(c + d)),
-                                                      _mm256_mul_ps(second, _mm256_loadu_ps(s + d))));
-                _mm256_storeu_ps(o + half + d, _mm256_add_ps(_mm256_mul_ps(second, _mm256_loadu_ps(c + half + d)),
-                                                             _mm256_mul_ps(first, _mm256_loadu_ps(s + half + d))));
-            }
-        }
+        for (int64_t h = 0; h < heads; h++)
+            rope_head(x + m * x_stride + h * head_dim, cos + m * head_dim, sin + m * head_dim, head_dim,
+                      out + (m * heads + h) * head_dim);
     return 0;
 }
 
@@ -609,7 +610,8 @@ int decode_layer_int8(const struct decoder_layer *layer, const struct decoder_sh
         for (int64_t m = 0; m < rows; m++) {
             float *row = qkv + m * qkv_size;
             for (int64_t head = 0; head < s->heads + s->kv_heads; head++)  /* q's heads, then k's */
-                rope_head(row + head * head_dim, step->cos + m * head_dim, step->sin + m * head_dim, head_dim);
+                rope_head(row + head * head_dim, step->cos + m * head_dim, step->sin + m * head_dim, head_dim,
+                          row + head * head_dim);
             store_kv(layer->k_cache, s->kv_bf16, step->slot_mapping[m], row + q_size, kv_size);
             store_kv(layer->v_cache, s->kv_bf16, step->slot_mapping[m], row + q_size + kv_size, kv_size);
         }
@@ -952,6 +954,15 @@ static void round_weights_bf16(float *numerators, const int64_t group, const int
     }
 }
 
+/* 32 dims of a head's Σ weight · v, from the sums of `_mm512_unpacklo/hi_epi16`-interleaved V pairs (lo: dims
+ * 8k..8k+3, hi: 8k+4..8k+7, in lanes 4k..4k+3 of each), put back in order and scaled by `inverse` into o[0..32). */
+static inline void store_pair_sums(const __m512 lo, const __m512 hi, const __m512 inverse, float *o) {
+    const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first_half, hi), inverse));
+    _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second_half, hi), inverse));
+}
+
 /* out[g] = Σ_p weight_g,p · v_p / total[g] for the group's heads, from the softmax numerators in `scores` (rounded
  * to bfloat16 here, in place): HEADS heads × 64 dims at a time, their sums in registers through a pass over the
  * positions, two positions a step. `_mm512_unpacklo/hi_epi16` of two positions' 32 dims gives each float32 lane a
@@ -962,8 +973,6 @@ static inline __attribute__((always_inline)) void bf16_weighted_values(
     const int64_t kvh, const int64_t head_dim, const int64_t group, const int64_t length, const int64_t fetch_end,
     const float *total, float *out) {
     enum { HEADS = 4, PARTS = 2 };
-    const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     const int64_t parts = head_dim / BF16_PAIRS;
     round_weights_bf16(scores, group, length);
     for (int64_t g0 = 0; g0 < group; g0 += HEADS) {
@@ -1002,12 +1011,8 @@ static inline __attribute__((always_inline)) void bf16_weighted_values(
             }
             for (int64_t h = 0; h < heads_here; h++) {
                 const __m512 inverse = _mm512_set1_ps(length > 0 ? 1.f / total[g0 + h] : 0.f);
-                for (int64_t i = 0; i < parts_here; i++) {
-                    float *o = out + (g0 + h) * head_dim + BF16_PAIRS * (i0 + i);
-                    _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_permutex2var_ps(lo[h][i], first_half, hi[h][i]), inverse));
-                    _mm512_storeu_ps(o + 16,
-                                     _mm512_mul_ps(_mm512_permutex2var_ps(lo[h][i], second_half, hi[h][i]), inverse));
-                }
+                for (int64_t i = 0; i < parts_here; i++)
+                    store_pair_sums(lo[h][i], hi[h][i], inverse, out + (g0 + h) * head_dim + BF16_PAIRS * (i0 + i));
             }
         }
     }
@@ -1219,9 +1224,8 @@ static void amx_attention_configure(const int group) {
 
 /* bf16_dot_scores' scores (scores[g * length + p] = scale · q_g · k_p) on AMX tiles, the tiles configured by
  * `amx_attention_configure`; blocks of at least 16 positions (block_shift ≥ 4). Reading ahead, it asks for V's
- * positions as well as K's. A last tile past `length` reads the
- * rest of its block (cache memory, whatever it holds): each score row depends on its own position only, and those
- * rows are not kept. */
+ * positions as well as K's. A last tile past `length` reads the rest of its block (cache memory, whatever it
+ * holds): each score row depends on its own position only, and those rows are not kept. */
 static inline __attribute__((always_inline)) void amx_dot_scores(
     const float *q_group, const void *k_cache, const void *v_cache, const int64_t *table, const int block_shift,
     const int64_t kv_heads, const int64_t kvh, const int64_t head_dim, const int64_t group, const int64_t length,
@@ -1233,8 +1237,7 @@ static inline __attribute__((always_inline)) void amx_dot_scores(
     for (int64_t g = 0; g < group; g++)
         for (int64_t d = 0; d < head_dim; d++)
             q_pairs[d / BF16_PAIRS][d % BF16_PAIRS / 2][2 * g + d % 2] = bf16_nearest(q_group[g * head_dim + d]);
-    const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                              _mm512_set1_epi32(16));
+    const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
     const __m512 scale16 = _mm512_set1_ps(scale);
     for (int64_t p0 = 0; p0 < length; p0 += 16) {
         for (int64_t m = 0; m < 16; m++) {  /* V too: at this pace, Σ weight · v would otherwise wait on memory */
@@ -1267,8 +1270,6 @@ static inline __attribute__((always_inline)) void amx_weighted_values(
     float *scores, const void *v_cache, const int64_t *table, const int block_shift, const int64_t kv_heads,
     const int64_t kvh, const int64_t head_dim, const int64_t group, const int64_t length, const int64_t fetch_end,
     const float *total, float *out) {
-    const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     const int64_t parts = head_dim / BF16_PAIRS, weight_stride = length * (int64_t)sizeof(float);
     uint16_t pairs[4][16][32] __attribute__((aligned(64)));  /* [part, lo / hi][pair of positions][dim, 2] */
     uint16_t tail[MAX_GROUP][32] __attribute__((aligned(64)));  /* the last 32 positions' weights, zero-padded */
@@ -1317,12 +1318,9 @@ static inline __attribute__((always_inline)) void amx_weighted_values(
         _tile_stored(6, sums[2], 64); _tile_stored(7, sums[3], 64);
         for (int64_t g = 0; g < group; g++) {
             const __m512 inverse = _mm512_set1_ps(length > 0 ? 1.f / total[g] : 0.f);
-            for (int64_t i = 0; i < parts_here; i++) {
-                const __m512 lo = _mm512_load_ps(sums[2 * i][g]), hi = _mm512_load_ps(sums[2 * i + 1][g]);
-                float *o = out + g * head_dim + BF16_PAIRS * (i0 + i);
-                _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first_half, hi), inverse));
-                _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second_half, hi), inverse));
-            }
+            for (int64_t i = 0; i < parts_here; i++)
+                store_pair_sums(_mm512_load_ps(sums[2 * i][g]), _mm512_load_ps(sums[2 * i + 1][g]), inverse,
+                                out + g * head_dim + BF16_PAIRS * (i0 + i));
         }
     }
 }
