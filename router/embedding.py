@@ -13,6 +13,9 @@ Two graphs, chosen by where it runs (`precision`):
   the texts batched with it, so each text runs alone: its vector is a function of the text only.
 - **float32** (with onnxruntime's CUDA provider): the fused BERT graph, texts batched.
 
+Each graph is opened without onnxruntime's SkipLayerNormalization fusion (`open_bert_session`), and a short
+text runs on one intra-op thread, a long one on `threads` (BENCHMARKS.md, router (c)).
+
 Concurrent `embed_async` callers are grouped: while one group runs on a worker thread, new texts queue and
 go together in the next call, so a burst costs one hop off the event loop instead of one each.
 """
@@ -37,10 +40,20 @@ DIM = 384
 MAX_TOKENS = 256  # the model's own max_seq_length (sentence_bert_config.json); longer text is truncated
 MAX_BATCH = 32  # texts per onnxruntime call in `embed`
 DEFAULT_CACHE_DIR = Path("~/.cache/sluice/models")
-EXPORT_FORMAT = 3  # bump when the exported graph changes, so stale exports are not reused
+# Bump when the exported graph, or how onnxruntime is told to rewrite it at load, changes its numbers: stale
+# exports are not reused, and the version (part of every cache scope, recorded by router artifacts) changes.
+# 4: opened without the SkipLayerNormalization fusion.
+EXPORT_FORMAT = 4
 PRECISIONS = ("int8", "float32")
 NUM_HEADS = 12
-DEFAULT_THREADS = 2  # onnxruntime intra-op threads of a gateway's embedder (`Embedder.load`)
+DEFAULT_THREADS = 2  # onnxruntime intra-op threads of a gateway's embedder for long texts (`Embedder.load`)
+# Up to this many tokens in a call, one intra-op thread is faster than two: waking the second thread for each
+# of a BERT graph's ~150 small nodes costs more than it shares (BENCHMARKS.md, router (c)).
+SHORT_CALL_TOKENS = 128
+# onnxruntime 1.32's SkipLayerNormalization kernel (a residual add fused with the layer norm after it) took
+# ~8x the unfused Add + LayerNormalization on an AMX Xeon, a fifth of a short text's embedding; the vectors
+# move within the int8 graph's quantisation error (BENCHMARKS.md, router (c)).
+UNFUSED = ("SkipLayerNormFusion",)
 
 
 def minilm_dir() -> Path:
@@ -123,6 +136,17 @@ def _quantize(path: Path) -> None:
     os.replace(quantised, path)
 
 
+def open_bert_session(path: Path, threads: int, providers: Sequence[str]) -> ort.InferenceSession:
+    """An onnxruntime session of one of our BERT graphs (the embedder, the cache's matcher): `threads` intra-op
+    threads that do not spin between calls (idle, they leave the cores to the engines), without the fusions in
+    `UNFUSED`."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(str(path), options, providers=list(providers), disabled_optimizers=list(UNFUSED))
+
+
 def default_precision(providers: Sequence[str]) -> str:
     """int8 on a CPU; float32 where onnxruntime has the CUDA provider (no int8 kernels there to gain from)."""
     return "float32" if "CUDAExecutionProvider" in providers else "int8"
@@ -134,8 +158,9 @@ class Embedder:
     dim = DIM
 
     def __init__(self, session: ort.InferenceSession, tokenizer: Tokenizer, version: str,
-                 precision: str = "float32") -> None:
+                 precision: str = "float32", short_session: ort.InferenceSession | None = None) -> None:
         self._session = session
+        self._short_session = short_session or session  # one thread, for calls of ≤ SHORT_CALL_TOKENS tokens
         self._tokenizer = tokenizer
         self.version = version  # names the weights, the export and the precision: part of every cache scope
         self.precision = precision
@@ -145,9 +170,9 @@ class Embedder:
     @classmethod
     def load(cls, cache_dir: Path | None = None, *, threads: int = DEFAULT_THREADS,
              precision: str | None = None, max_tokens: int = MAX_TOKENS) -> Embedder:
-        """Open (exporting on first use) the ONNX model. `threads`: onnxruntime intra-op threads. Two
-        cut a long text's embedding by about a fifth (a short one's not at all); they do not spin between
-        calls, so idle they leave the cores to the engines. `precision`: int8 or float32 (default: by device).
+        """Open (exporting on first use) the ONNX model. `threads`: onnxruntime intra-op threads for calls
+        of more than SHORT_CALL_TOKENS tokens (two cut a 256-token text's embedding by about a fifth; shorter
+        calls run on one). `precision`: int8 or float32 (default: by device).
         `max_tokens`: where texts are cut (the model's 256; fewer only for experiments, e.g. `bench/router.py
         --embed-max-tokens`: the version then names it, so such vectors never mix with the served ones)."""
         if not 2 < max_tokens <= MAX_TOKENS:
@@ -162,16 +187,13 @@ class Embedder:
         onnx_path = target / f"{MODEL_NAME}-{digest}-{precision}.onnx"
         if not onnx_path.exists():
             export_onnx(model_dir, onnx_path, precision)
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        session = ort.InferenceSession(str(onnx_path), options, providers=providers)
+        session = open_bert_session(onnx_path, threads, providers)
+        short_session = session if threads == 1 else open_bert_session(onnx_path, 1, providers)
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         tokenizer.no_padding()
         tokenizer.enable_truncation(max_tokens)
         version = f"{MODEL_NAME}@{digest}-{precision}" + (f"-max{max_tokens}" if max_tokens != MAX_TOKENS else "")
-        return cls(session, tokenizer, version, precision)
+        return cls(session, tokenizer, version, precision, short_session)
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """Embeddings of `texts`, shape (len(texts), 384). Blocking: call from a worker thread (or use
@@ -199,7 +221,8 @@ class Embedder:
         for row, encoding in enumerate(encodings):
             input_ids[row, : len(encoding.ids)] = encoding.ids
             attention_mask[row, : len(encoding.ids)] = 1
-        (vectors,) = self._session.run(None, {"input_ids": input_ids, "attention_mask": attention_mask})
+        session = self._short_session if input_ids.size <= SHORT_CALL_TOKENS else self._session
+        (vectors,) = session.run(None, {"input_ids": input_ids, "attention_mask": attention_mask})
         return vectors.astype(np.float32, copy=False)
 
     def count_tokens(self, texts: Sequence[str]) -> int:

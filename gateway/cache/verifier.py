@@ -98,16 +98,15 @@ class Matcher:
         import onnxruntime as ort
         from tokenizers import Tokenizer
 
+        from router.embedding import open_bert_session
+
         meta_path = directory / "meta.json"
         meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
         tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
         tok.enable_truncation(max_length=int(meta.get("max_length", 64)))
         tok.enable_padding(pad_id=0, pad_token="[PAD]")
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = int(os.environ.get("SLUICE_MATCHER_THREADS", threads))
-        opts.inter_op_num_threads = 1
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # idle, leave the cores to engines
-        session = ort.InferenceSession(str(directory / "model.onnx"), opts, providers=_providers(ort))
+        threads = int(os.environ.get("SLUICE_MATCHER_THREADS", threads))
+        session = open_bert_session(directory / "model.onnx", threads, _providers(ort))
         chosen = threshold if threshold is not None else float(meta["threshold"])
         version = str(meta.get("version", "unversioned"))
         floor = float(meta.get("cosine_floor", 0.5))

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from router.embedding import DIM, MAX_BATCH, Embedder, default_precision, minilm_dir
+from router.embedding import DIM, MAX_BATCH, SHORT_CALL_TOKENS, Embedder, default_precision, minilm_dir
 
 TEXTS = ["How do I learn Python quickly?", "What is the capital of France?", "ok"]
 
@@ -80,6 +80,16 @@ def test_an_int8_vector_is_the_same_bits_whatever_it_is_embedded_beside(embedder
     for text in TEXTS:
         alone = embedder.embed([text])[0]
         assert np.array_equal(embedder.embed([longer, text, "ok"])[1], alone)
+
+
+def test_an_int8_vector_is_the_same_bits_on_one_thread_or_two(models_dir: Path, embedder: Embedder) -> None:
+    # Short calls run on one intra-op thread, long ones on two: the version names the vectors, not the threads.
+    one_thread = Embedder.load(models_dir, threads=1)
+    long_text = " ".join(f"item {i} of a long list" for i in range(40))
+    assert len(embedder._tokenizer.encode(long_text).ids) > SHORT_CALL_TOKENS
+    for text in [*TEXTS, long_text]:
+        assert np.array_equal(one_thread.embed([text]), embedder.embed([text]))
+    assert one_thread.version == embedder.version
 
 
 def test_a_float_vector_is_the_same_alone_or_padded_in_a_batch(float_embedder: Embedder) -> None:
