@@ -28,11 +28,12 @@ in runs that go backwards (what it handed a sequence reusing freed blocks before
 tail first) and scattered (blocks taken one at a time as sequences grow); the orders alternate within each
 repetition, median of `--repeat`.
 
-Prefill attention (fourth table, wherever the kernel reads bfloat16 with bfloat16 dot products or AMX tiles,
-whether or not the model runner gives it prefill chunks on this CPU: `PagedDecodeAttention.attends_prefill`,
-which the table's title names): one layer's attention of a chunk of a prompt, fresh or over a cached prefix, as
-the model runner builds it — through the kernel, each query token a decode row over its causal context, against
-SDPA (causal, or masked over the gathered prefix), what it replaces; best of `--repeat`.
+Prefill attention (fourth table, wherever the kernel reads bfloat16 with bfloat16 dot products or AMX tiles):
+one layer's attention of a chunk of a prompt, fresh or over a cached prefix, as the model runner builds it —
+through the kernel (`engines.cpu_kernels.prefill_attention`: on AMX tiles 16 query rows of a head a tile, else
+each query token a decode row over its causal context, timed whether or not the model runner gives it prefill
+chunks on this CPU, which the table's title says), against SDPA (causal, or masked over the gathered prefix),
+what it replaces; best of `--repeat`.
 
     python -m bench.kernels [--threads N] [--repeat 10]
 """
@@ -51,10 +52,10 @@ from torch import nn
 
 from bench.common import print_table, write_results
 from bench.engine import memory_bandwidth
-from engines.attention import AttentionMetadata, paged_attention
+from engines.attention import AttentionMetadata, ChunkAttention, paged_attention
 from engines.config import ModelConfig
 from engines.cpu import has_int8_dot_product, has_native_bf16
-from engines.cpu_kernels import TiledW8A8Kernel, int8_gemv, paged_decode_attention, w8a8_tiled
+from engines.cpu_kernels import TiledW8A8Kernel, int8_gemv, paged_decode_attention, prefill_attention, w8a8_tiled
 from engines.model_runner import ModelRunner, TokenSpan
 from engines.quantization import Int8Linear, TiledW8A8Linear, W8A8Linear, resolve_quantization
 
@@ -279,7 +280,7 @@ def prefill_step(chunk: int, cached: int, heads: tuple[int, int, int], kernel: b
                          head_dim=head_dim)  # fmt: skip
     blocks = -(-(chunk + cached) // BLOCK_SIZE)
     runner = ModelRunner(nn.Module(), config, BLOCK_SIZE, blocks, torch.bfloat16)
-    runner.prefill_attention = paged_decode_attention() if kernel else None  # timed where the runner would not take it
+    runner.prefill_attention = prefill_kernel(heads) if kernel else None
     table = torch.randperm(blocks).tolist()
     span = TokenSpan([0] * chunk, cached, table)
     for cache in runner.kv_caches[0]:
@@ -295,6 +296,13 @@ def prefill_step(chunk: int, cached: int, heads: tuple[int, int, int], kernel: b
         return paged_attention(query, key, value, *runner.kv_caches[0], metadata, head_dim**-0.5)
 
     return attend, torch.randn(chunk, num_heads, head_dim)
+
+
+def prefill_kernel(heads: tuple[int, int, int]) -> ChunkAttention | None:
+    """The kernel the model runner gives prefill chunks on this CPU, else the decode kernel row by row (timed where
+    the runner would not take it)."""
+    num_heads, num_kv_heads, head_dim = heads
+    return prefill_attention(num_heads, num_kv_heads, head_dim, torch.bfloat16, BLOCK_SIZE) or paged_decode_attention()
 
 
 @torch.inference_mode()
@@ -391,10 +399,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         attention_kernel = paged_decode_attention()
         if attention_kernel is not None and attention_kernel.isa in ("avx512bf16", "amx"):
             prefill = measure_prefill_attention(max(3, args.repeat // 2))
-            taken = "taken" if attention_kernel.attends_prefill(64, torch.bfloat16) else "NOT taken"
+            chunk_kernel = prefill_attention(14, 2, 64, torch.bfloat16, BLOCK_SIZE)
+            taken = "taken" if chunk_kernel is not None else "NOT taken"
+            how = ("16 query rows of a head an AMX tile" if attention_kernel.isa == "amx"
+                   else "each query token a decode row")
             print_table(
-                "Prefill attention over a bfloat16 paged cache, ms per layer: the kernel (each query token a decode "
-                f"row; {taken} by the model runner on this CPU) against SDPA",
+                f"Prefill attention over a bfloat16 paged cache, ms per layer: the kernel ({how}; {taken} by the model "
+                "runner on this CPU) against SDPA",
                 ["heads", "chunk tokens", "cached tokens", "SDPA ms", "kernel ms", "SDPA/kernel x"],
                 [[r["heads"], r["chunk_tokens"], r["cached_tokens"], r["sdpa_ms"], r["kernel_ms"],
                   r["sdpa_over_kernel_x"]] for r in prefill],

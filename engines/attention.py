@@ -15,7 +15,8 @@ slot, which matters because decode attention on CPU is bound by these copies. Sl
 sequence's length in its last block (and padding blocks) are masked out.
 Where the kernel reads a bfloat16 cache with bfloat16 dot products (`PagedDecodeAttention.attends_prefill`),
 prefill chunks take it too, each query token as a decode row over its causal context: faster than SDPA there
-(BENCHMARKS.md), and a prompt's tokens attend as its decoded tokens do.
+(BENCHMARKS.md), and a prompt's tokens attend as its decoded tokens do. On AMX tiles they take
+`PagedPrefillAttention`, 16 query rows of a head a tile (`engines.cpu_kernels.prefill_attention` chooses).
 
 On CUDA (`AttentionMetadata.triton`) the K/V store (fused with RoPE, `kernels.rope`) and the decode rows
 run Triton kernels over the same cache memory, viewed as [num_blocks, block_size, KVH, D]; prefill
@@ -44,17 +45,22 @@ DecodeAttention = PagedDecodeAttention | Callable[
 class PrefillChunk:
     """Query rows [start, end) of the step belong to one sequence whose first `num_computed` tokens are cached.
 
-    Where `AttentionMetadata.prefill_kernel` is set, the chunk attends through it and has `context_lens` and
-    `row_block_tables`: query row i as a decode row over the sequence's positions [0, context_lens[i]), read from
-    the cache through row i of the tables."""
+    Where `AttentionMetadata.prefill_kernel` is set, the chunk attends through it, reading its context (its own
+    rows' K/V included) from the cache through `block_table`."""
 
     start: int
     end: int
     num_computed: int
     block_table: torch.Tensor | None  # [blocks covering the context] long; None when nothing is cached
     mask: torch.Tensor | None  # [end - start, blocks * block_size] bool, True = may attend; None when purely causal
-    row_block_tables: torch.Tensor | None = None  # [end - start, blocks covering the context] long
-    context_lens: torch.Tensor | None = None  # [end - start] long: num_computed + 1 + i
+
+
+class ChunkAttention(Protocol):
+    """A prefill chunk's causal attention read in place from the paged cache (`engines.cpu_kernels`)."""
+
+    def attend_chunk(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_table: torch.Tensor, num_computed: int, block_size: int, scale: float) -> torch.Tensor:
+        """query [n, H, D] at positions [num_computed, num_computed + n) → [n, H, D] float32."""
 
 
 class NativeDecodeRows(Protocol):
@@ -89,7 +95,7 @@ class AttentionMetadata:
     should_yield: Callable[[], bool] | None = None  # asked before each layer: True gives the step up (StepYielded)
     native_decode: NativeDecodeRows | None = None  # runs the decode rows' layers natively; None: PyTorch modules
     triton: bool = False  # the Triton path (CUDA): K/V stored with RoPE, decode rows through the Triton kernel
-    prefill_kernel: PagedDecodeAttention | None = None  # attends every prefill chunk; None: SDPA
+    prefill_kernel: ChunkAttention | None = None  # attends every prefill chunk; None: SDPA
 
     def prefill_only(self) -> AttentionMetadata:
         """This step's prefill chunks alone, their rows numbered from 0 (for when the decode rows go elsewhere)."""
@@ -166,11 +172,11 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=metadata.decode_mask, scale=scale)
         output[:num_decode] = out.reshape(batch, num_heads, head_dim)
     for chunk in metadata.prefills:
-        if metadata.prefill_kernel is not None:  # the runner gave each chunk its rows' contexts for it
-            assert chunk.context_lens is not None and chunk.row_block_tables is not None
-            output[chunk.start:chunk.end] = metadata.prefill_kernel(
-                query[chunk.start:chunk.end], k_cache, v_cache, chunk.row_block_tables, chunk.context_lens,
-                metadata.block_size, scale, fetch_ahead=False)
+        if metadata.prefill_kernel is not None:  # the runner gave every chunk its block table for it
+            assert chunk.block_table is not None
+            output[chunk.start:chunk.end] = metadata.prefill_kernel.attend_chunk(
+                query[chunk.start:chunk.end], k_cache, v_cache, chunk.block_table, chunk.num_computed,
+                metadata.block_size, scale)
             continue
         q = query[chunk.start:chunk.end].to(kv_dtype).transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if chunk.block_table is None:

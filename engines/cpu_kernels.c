@@ -1336,11 +1336,210 @@ static inline __attribute__((always_inline)) void amx_weighted_values(
 #include "cpu_attention.inc"
 #undef V_BF16_DOT
 #undef V_AMX
+
+/* -- paged_prefill_attention (AMX): a prefill chunk's causal attention on AMX tiles ----------------------------
+ * The decode kernel attends a chunk's rows one by one: each row rebuilds the tiles of its whole context, and the
+ * group's heads fill 7 of a tile's 16 columns. Here the context's K and V are laid out in tile order once per
+ * call (per KV head: K as B tiles of 16 positions × 16 pairs of dims, V as B tiles of 16 pairs of positions ×
+ * 16 dims × 2, the decode build's interleaving), and 16 query rows of one head are an A tile: one `tdpbf16ps`
+ * scores 16 positions for 16 rows, one more weighs 32 positions' V for them. Per (KV head, 16 rows, head):
+ * the scores of every position up to the last row's (float32, two passes: exact maxima, no rescaling), each
+ * row's softmax numerators over its own causal context (positions past it weigh exactly 0), rounded to bfloat16
+ * as the decode build rounds them, then Σ weight · v divided by the float32 total. A row's result depends on its
+ * query and its context only, not on the chunk it came in. */
+
+/* K of positions [16 b, 16 b + 16) as a B tile per 32 dims: row r holds dims (2r, 2r + 1) of the 16 positions
+ * (one 32-bit gather per row); positions at or past `length` are zero. */
+static void amx_pack_keys(const void *k_cache, const int64_t *table, const int block_shift, const int64_t kv_heads,
+                          const int64_t kvh, const int64_t head_dim, const int64_t b, const int64_t length,
+                          uint16_t *tiles) {
+    const int64_t parts = head_dim / BF16_PAIRS, p0 = 16 * b;
+    if (p0 >= length) {
+        memset(tiles, 0, (size_t)(16 * head_dim) * sizeof(uint16_t));
+        return;
+    }
+    const __mmask16 valid = length - p0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (length - p0)) - 1);
+    const uint16_t *first = key_vector(k_cache, table, block_shift, kv_heads, kvh, head_dim, p0, 1);
+    /* 16 positions of one block lie kv_heads · head_dim bfloat16 apart (16 | block_size) */
+    const __m512i position = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
+                                                                   15),
+                                                _mm512_set1_epi32((int)(kv_heads * head_dim / 2)));
+    for (int64_t i = 0; i < parts; i++)
+        for (int r = 0; r < 16; r++) {
+            const __m512i index = _mm512_add_epi32(position, _mm512_set1_epi32((int)(16 * i + r)));
+            _mm512_store_si512(tiles + (i * 16 + r) * 32,
+                               _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, index, first, 4));
+        }
+}
+
+/* V of positions [32 s, 32 s + 32) as B tiles per 32 dims, lo and hi: row r interleaves positions 32 s + 2r and
+ * 32 s + 2r + 1 (`_mm512_unpacklo/hi_epi16`, as `amx_weighted_values`); positions at or past `length` are zero. */
+static void amx_pack_values(const void *v_cache, const int64_t *table, const int block_shift, const int64_t kv_heads,
+                            const int64_t kvh, const int64_t head_dim, const int64_t s, const int64_t length,
+                            uint16_t *tiles) {
+    const int64_t parts = head_dim / BF16_PAIRS;
+    for (int r = 0; r < 16; r++) {
+        const int64_t p = 32 * s + 2 * r;
+        const uint16_t *v0 = p < length ? key_vector(v_cache, table, block_shift, kv_heads, kvh, head_dim, p, 1) : NULL;
+        const uint16_t *v1 = p + 1 < length ? key_vector(v_cache, table, block_shift, kv_heads, kvh, head_dim, p + 1, 1)
+                                            : NULL;
+        for (int64_t i = 0; i < parts; i++) {
+            const __m512i a = v0 ? _mm512_loadu_si512(v0 + BF16_PAIRS * i) : _mm512_setzero_si512();
+            const __m512i c = v1 ? _mm512_loadu_si512(v1 + BF16_PAIRS * i) : _mm512_setzero_si512();
+            _mm512_store_si512(tiles + ((2 * i) * 16 + r) * 32, _mm512_unpacklo_epi16(a, c));
+            _mm512_store_si512(tiles + ((2 * i + 1) * 16 + r) * 32, _mm512_unpackhi_epi16(a, c));
+        }
+    }
+}
+
+/* Row `visible` positions long of scaled scores → bfloat16 softmax numerators in `weights` (zero from `visible` to
+ * `width`); returns their float32 total. */
+static inline float amx_row_softmax(const float *row, const int64_t visible, const int64_t width, const float scale,
+                                    uint16_t *weights) {
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    __m512 lanes_max = _mm512_set1_ps(-INFINITY);
+    int64_t p = 0;
+    for (; p < visible; p += 16) {
+        const __mmask16 valid = visible - p >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (visible - p)) - 1);
+        lanes_max = _mm512_mask_max_ps(lanes_max, valid, lanes_max, _mm512_mul_ps(_mm512_loadu_ps(row + p), scale16));
+    }
+    const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(lanes_max));
+    __m512 sum = _mm512_setzero_ps();
+    for (p = 0; p < width; p += 16) {
+        const __mmask16 valid = p >= visible ? 0
+            : visible - p >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (visible - p)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(
+            valid, exp512_amx(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(row + p), scale16), row_max)));
+        sum = _mm512_add_ps(sum, e);
+        _mm256_storeu_si256((__m256i *)(weights + p), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+
+/* One (KV head, 16 query rows from t0, head g of the group) task; `scores` [16, width] float32 and `weights`
+ * [16, width] bfloat16 are this thread's. */
+static void amx_prefill_task(const float *q, const uint16_t *keys, const uint16_t *values, const int64_t num_computed,
+                             const int64_t rows, const int64_t heads, const int64_t kv_heads, const int64_t head_dim,
+                             const int64_t kvh, const int64_t t0, const int64_t g, const float scale, float *scores,
+                             uint16_t *weights, float *out) {
+    const int64_t parts = head_dim / BF16_PAIRS, group = heads / kv_heads, head = kvh * group + g;
+    const int64_t m = rows - t0 < 16 ? rows - t0 : 16, seen = num_computed + t0 + m;  /* the last row's context */
+    const int64_t width = (seen + 31) / 32 * 32;
+    uint16_t q_tile[MAX_HEAD_DIM / BF16_PAIRS][16][32] __attribute__((aligned(64)));  /* [part][row][dim] */
+    float sums[4][16][16] __attribute__((aligned(64)));
+    float total[16];
+    memset(q_tile, 0, sizeof(q_tile[0]) * (size_t)parts);
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t i = 0; i < parts; i++) {
+            const float *x = q + ((t0 + r) * heads + head) * head_dim + BF16_PAIRS * i;
+            const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 16), _mm512_loadu_ps(x));
+            _mm512_store_si512(q_tile[i][r], (__m512i)pair);
+        }
+    for (int64_t b = 0; b < width / 16; b++) {  /* scores, 16 positions × 16 rows a tile */
+        _tile_zero(0);
+        for (int64_t i = 0; i < parts; i++) {
+            _tile_loadd(1, q_tile[i], 64);
+            _tile_loadd(2, keys + (b * parts + i) * 512, 64);
+            _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, scores + 16 * b, width * (int64_t)sizeof(float));
+    }
+    for (int64_t r = 0; r < 16; r++) {
+        if (r < m)
+            total[r] = amx_row_softmax(scores + r * width, num_computed + t0 + r + 1, width, scale, weights + r * width);
+        else
+            memset(weights + r * width, 0, (size_t)width * sizeof(uint16_t));
+    }
+    for (int64_t i0 = 0; i0 < parts; i0 += 2) {  /* Σ weight · v, 64 dims at a time */
+        const int64_t parts_here = parts - i0 < 2 ? parts - i0 : 2;
+        _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+        for (int64_t s = 0; s < width / 32; s++) {
+            const uint16_t *tiles = values + (s * parts + i0) * 2 * 512;
+            _tile_loadd(3, weights + 32 * s, width * (int64_t)sizeof(uint16_t));
+            _tile_loadd(2, tiles, 64); _tile_dpbf16ps(4, 3, 2);
+            _tile_loadd(2, tiles + 512, 64); _tile_dpbf16ps(5, 3, 2);
+            if (parts_here == 2) {
+                _tile_loadd(2, tiles + 1024, 64); _tile_dpbf16ps(6, 3, 2);
+                _tile_loadd(2, tiles + 1536, 64); _tile_dpbf16ps(7, 3, 2);
+            }
+        }
+        _tile_stored(4, sums[0], 64); _tile_stored(5, sums[1], 64);
+        _tile_stored(6, sums[2], 64); _tile_stored(7, sums[3], 64);
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t i = 0; i < parts_here; i++)
+                store_pair_sums(_mm512_load_ps(sums[2 * i][r]), _mm512_load_ps(sums[2 * i + 1][r]),
+                                _mm512_set1_ps(1.f / total[r]),
+                                out + ((t0 + r) * heads + head) * head_dim + BF16_PAIRS * (i0 + i));
+    }
+}
+
+/* q [rows, H, D] float32: a chunk's rows at positions [num_computed, num_computed + rows) of one sequence, whose
+ * K/V (these rows' included) are in the bfloat16 caches [slots, KVH, D] at `block_table`'s blocks; row t attends
+ * over positions [0, num_computed + t]. out [rows, H, D] float32. D a multiple of 32 up to MAX_HEAD_DIM, H / KVH up
+ * to MAX_GROUP, block_size a power of two of at least 16. Returns 0, -1 on bad sizes, -2 without memory. */
+int paged_prefill_attention_amx(const float *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
+                                const int64_t num_computed, const int64_t rows, const int64_t heads,
+                                const int64_t kv_heads, const int64_t head_dim, const int64_t block_size,
+                                const float scale, float *out, const int threads) {
+    if (head_dim % BF16_PAIRS || head_dim > MAX_HEAD_DIM || heads % kv_heads || heads / kv_heads > MAX_GROUP) return -1;
+    if (block_size < 16 || block_size & (block_size - 1)) return -1;
+    if (rows <= 0) return 0;
+    const int block_shift = __builtin_ctzll((unsigned long long)block_size);
+    const int64_t length = num_computed + rows, padded = (length + 31) / 32 * 32, group = heads / kv_heads;
+    const int64_t per_head = padded * head_dim;  /* bfloat16 of K (or V) tiles per KV head */
+    uint16_t *keys = aligned_alloc(64, (size_t)(2 * kv_heads * per_head) * sizeof(uint16_t));
+    if (!keys) return -2;
+    uint16_t *values = keys + kv_heads * per_head;
+    const int64_t row_tiles = (rows + 15) / 16;
+    int status = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t task = 0; task < kv_heads * (padded / 16); task++) {
+            const int64_t kvh = task / (padded / 16), b = task % (padded / 16);
+            amx_pack_keys(k_cache, block_table, block_shift, kv_heads, kvh, head_dim, b, length,
+                          keys + kvh * per_head + b * 16 * head_dim);
+            if (b % 2 == 0)
+                amx_pack_values(v_cache, block_table, block_shift, kv_heads, kvh, head_dim, b / 2, length,
+                                values + kvh * per_head + b / 2 * 32 * head_dim);
+        }
+        float *scores = aligned_alloc(64, (size_t)(16 * padded) * (sizeof(float) + sizeof(uint16_t)));
+        if (!scores) {
+            #pragma omp atomic write
+            status = -2;
+        }
+        uint16_t *weights = scores ? (uint16_t *)(scores + 16 * padded) : NULL;
+        amx_tile_config before;
+        _tile_storeconfig(&before);
+        amx_attention_configure(16);
+        /* Later rows see more positions: the costliest tasks first, handed out one at a time. */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < row_tiles * kv_heads * group; task++) {
+            if (!scores) continue;
+            const int64_t tile = row_tiles - 1 - task / (kv_heads * group), head = task % (kv_heads * group);
+            amx_prefill_task(q, keys + head / group * per_head, values + head / group * per_head, num_computed, rows,
+                             heads, kv_heads, head_dim, head / group, 16 * tile, head % group, scale, scores, weights,
+                             out);
+        }
+        amx_restore(&before, 1);
+        free(scores);
+    }
+    free(keys);
+    return status;
+}
 #undef BF16_PAIRS
 
 #pragma GCC pop_options
 #else  /* this compiler has no AMX intrinsics: the Python side never enables the AMX paths */
 int w8a8_amx_enable(void) { return -1; }
+int paged_prefill_attention_amx(const float *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
+                                const int64_t num_computed, const int64_t rows, const int64_t heads,
+                                const int64_t kv_heads, const int64_t head_dim, const int64_t block_size,
+                                const float scale, float *out, const int threads) {
+    (void)q, (void)k_cache, (void)v_cache, (void)block_table, (void)num_computed, (void)rows, (void)heads;
+    (void)kv_heads, (void)head_dim, (void)block_size, (void)scale, (void)out, (void)threads;
+    return -1;
+}
 static void quantize_rows_int8(const float *x, const int64_t rows, const int64_t K, int8_t *xq, float *x_scale) {
     (void)x, (void)rows, (void)K, (void)xq, (void)x_scale;
 }

@@ -296,7 +296,7 @@ class PagedDecodeAttention:
         """Whether prefill chunks should attend through this kernel, as decode rows, rather than SDPA: where it
         reads a bfloat16 cache with `vdpbf16ps`, it beat SDPA on a Zen 4 (`python -m bench.kernels`' prefill table,
         BENCHMARKS.md 2026-12-06). On AMX CPUs SDPA's bfloat16 products run on tiles and were 3-4x faster than this
-        kernel on an Intel Xeon (the same table, 2026-12-06 (later)): SDPA stays there."""
+        kernel on an Intel Xeon (the same table, 2026-12-06 (later)): chunks take `PagedPrefillAttention` there."""
         return (self.isa == "avx512bf16" and kv_dtype == torch.bfloat16 and head_dim % 32 == 0
                 and "amx_bf16" not in cpu_flags())
 
@@ -352,6 +352,48 @@ class PagedDecodeAttention:
                 f"paged_decode_attention cannot take heads {num_heads}/{k_cache.shape[1]} × {head_dim} in blocks of "
                 f"{block_size}"
             )
+        return out
+
+    def attend_chunk(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_table: torch.Tensor, num_computed: int, block_size: int, scale: float) -> torch.Tensor:
+        """A prefill chunk (`ChunkAttention`), each query row a decode row over its causal context."""
+        rows = query.shape[0]
+        return self(query, k_cache, v_cache, block_table.expand(rows, -1).contiguous(),
+                    torch.arange(num_computed + 1, num_computed + rows + 1), block_size, scale, fetch_ahead=False)
+
+
+class PagedPrefillAttention:
+    """A prefill chunk's causal attention over a bfloat16 paged cache on AMX tiles (`paged_prefill_attention_amx`):
+    16 query rows of a head are one tile, so one instruction scores 16 positions for all of them, where the decode
+    kernel takes each row alone. The softmax weights are rounded to bfloat16 as the decode kernel's AMX build rounds
+    them; a row's result depends on its query and its context only, not on the chunk it came in."""
+
+    isa = "amx"
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._attention = library.paged_prefill_attention_amx
+        self._attention.restype = ctypes.c_int
+        self._attention.argtypes = [_POINTER] * 4 + [_INT64] * 6 + [ctypes.c_float, _POINTER, ctypes.c_int]
+
+    def supports(self, num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype,
+                 block_size: int) -> bool:
+        return (kv_dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256 and block_size >= 16
+                and block_size & (block_size - 1) == 0 and num_heads % num_kv_heads == 0
+                and num_heads // num_kv_heads <= 16)
+
+    def attend_chunk(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_table: torch.Tensor, num_computed: int, block_size: int, scale: float) -> torch.Tensor:
+        """query [n, H, D] at positions [num_computed, num_computed + n) of the sequence whose K/V (these rows'
+        too) are at `block_table`'s blocks → [n, H, D] float32, row i over positions [0, num_computed + i]."""
+        rows, num_heads, head_dim = query.shape
+        query, block_table = query.float().contiguous(), block_table.contiguous()
+        out = torch.empty(rows, num_heads, head_dim)
+        status = self._attention(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
+                                 num_computed, rows, num_heads, k_cache.shape[1], head_dim, block_size, scale,
+                                 out.data_ptr(), torch.get_num_threads())
+        if status != 0:
+            raise ValueError(f"paged_prefill_attention_amx cannot take heads {num_heads}/{k_cache.shape[1]} × "
+                             f"{head_dim} in blocks of {block_size} (status {status})")
         return out
 
 
@@ -550,6 +592,22 @@ def paged_decode_attention() -> PagedDecodeAttention | None:
     """The decode attention kernel, or None where this CPU or machine cannot run it."""
     library = _library()
     return None if library is None else PagedDecodeAttention(library, attention_isa())
+
+
+def prefill_attention(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype,
+                      block_size: int) -> PagedPrefillAttention | PagedDecodeAttention | None:
+    """The kernel prefill chunks attend through on this CPU, or None for SDPA: on AMX tiles where the attention
+    build is "amx"; the decode kernel, row by row, where it reads bfloat16 with `vdpbf16ps` (`attends_prefill`);
+    SDPA elsewhere (BENCHMARKS.md: `python -m bench.kernels`' prefill table)."""
+    library = _library()
+    if library is None:
+        return None
+    kernel = PagedPrefillAttention(library) if attention_isa() == "amx" else paged_decode_attention()
+    if kernel is None or not kernel.supports(num_heads, num_kv_heads, head_dim, kv_dtype, block_size):
+        return None
+    if isinstance(kernel, PagedDecodeAttention) and not kernel.attends_prefill(head_dim, kv_dtype):
+        return None
+    return kernel
 
 
 def attention_isa() -> str:

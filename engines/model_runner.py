@@ -9,9 +9,9 @@ from typing import Literal
 import numpy as np
 import torch
 
-from engines.attention import AttentionMetadata, DecodeAttention, PrefillChunk, triton_decode_attention
+from engines.attention import AttentionMetadata, ChunkAttention, DecodeAttention, PrefillChunk, triton_decode_attention
 from engines.config import ModelConfig
-from engines.cpu_kernels import ForwardCost, PagedDecodeAttention, paged_decode_attention
+from engines.cpu_kernels import ForwardCost, paged_decode_attention, prefill_attention
 from engines.cuda_graphs import DecodeGraphs
 from engines.scheduler import ScheduledBatch
 from engines.sequence import Sequence
@@ -75,7 +75,7 @@ class ModelRunner:
 
         self.kv_caches = [(cache(), cache()) for _ in range(config.num_hidden_layers)]
         self.decode_attention: DecodeAttention | None = None  # None: decode rows attend through PyTorch ops
-        self.prefill_attention: PagedDecodeAttention | None = None  # None: prefill chunks attend through SDPA
+        self.prefill_attention: ChunkAttention | None = None  # None: prefill chunks attend through SDPA
         self.native_decoder = None
         self.graphs: DecodeGraphs | None = None
         if self.triton:
@@ -85,8 +85,8 @@ class ModelRunner:
             supported = kernel is not None and kernel.supports(
                 config.num_attention_heads, config.num_key_value_heads, config.head_dim, kv_cache_dtype, block_size)
             self.decode_attention = kernel if supported else None
-            if kernel is not None and supported and kernel.attends_prefill(config.head_dim, kv_cache_dtype):
-                self.prefill_attention = kernel
+            self.prefill_attention = prefill_attention(config.num_attention_heads, config.num_key_value_heads,
+                                                       config.head_dim, kv_cache_dtype, block_size)
             # Decode rows through whole native layers where the model's are int8 weight-only on float32.
             build_native = getattr(model, "native_decoder", None)
             self.native_decoder = None if build_native is None else build_native(self.kv_caches, block_size)
@@ -201,11 +201,9 @@ class ModelRunner:
         """How the span's tokens (the step's rows from `start_row`) attend, as a prefill chunk on this runner."""
         num_computed, num_new = span.start, len(span.token_ids)
         end_row = start_row + num_new
-        if self.prefill_attention is not None:  # each query row attends as a decode row: no mask
+        if self.prefill_attention is not None:  # the kernel reads the chunk's context from the cache: no mask
             table = self._tensor(span.block_table[:-(-(num_computed + num_new) // self.block_size)])
-            return PrefillChunk(start_row, end_row, num_computed, block_table=table, mask=None,
-                                row_block_tables=table.expand(num_new, -1).contiguous(),
-                                context_lens=torch.arange(num_computed + 1, num_computed + num_new + 1))
+            return PrefillChunk(start_row, end_row, num_computed, block_table=table, mask=None)
         if num_computed == 0:
             return PrefillChunk(start_row, end_row, 0, block_table=None, mask=None)
         num_blocks = -(-(num_computed + num_new) // self.block_size)

@@ -353,8 +353,9 @@ def test_bf16_dot_products_change_nothing_on_a_float32_cache_or_a_head_they_do_n
 
 @pytest.mark.skipif("avx512bf16" not in ATTENTION_ISAS, reason="prefill through the kernel needs AVX512_BF16")
 def test_prefill_chunks_attend_through_the_kernel_as_sdpa_would_over_a_bfloat16_cache() -> None:
-    """A prompt prefilled in two chunks (the second over the cached first), every row's logits: through the kernel,
-    each query token a decode row over its causal context, against SDPA's causal and masked attention."""
+    """A prompt prefilled in two chunks (the second over the cached first), every row's logits: through the kernel
+    (on AMX tiles 16 query rows a tile, else each query token a decode row over its causal context), against SDPA's
+    causal and masked attention."""
     config = ModelConfig(architecture="qwen2", vocab_size=96, hidden_size=128, intermediate_size=192,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                          attention_bias=True)
@@ -363,13 +364,12 @@ def test_prefill_chunks_attend_through_the_kernel_as_sdpa_would_over_a_bfloat16_
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.2)
-    prompt = torch.randint(0, 96, (23,)).tolist()
-    table = [5, 2, 7, 0, 3, 6]  # blocks out of order
+    prompt = torch.randint(0, 96, (45,)).tolist()
+    table = [2, 0, 3]  # blocks of 16 (the AMX kernel's least), out of order
     logits = []
     for through_kernel in (True, False):
-        runner = ModelRunner(model, config, BLOCK_SIZE, num_kv_blocks=8, kv_cache_dtype=torch.bfloat16)
-        if runner.prefill_attention is None:
-            pytest.skip("prefill chunks attend through SDPA on this CPU (AMX: see `attends_prefill`)")
+        runner = ModelRunner(model, config, 16, num_kv_blocks=4, kv_cache_dtype=torch.bfloat16)
+        assert runner.prefill_attention is not None
         if not through_kernel:
             runner.prefill_attention = None
         chunks = [TokenSpan(prompt[:10], 0, table, "all"), TokenSpan(prompt[10:], 10, table, "all")]
@@ -401,6 +401,51 @@ def test_attention_on_amx_tiles_reads_blocks_of_16_as_the_bf16_build_does(num_he
                                        head_dim**-0.5) for isa in ("amx", "avx512bf16"))  # fmt: skip
     assert not amx.isnan().any()
     torch.testing.assert_close(amx, bf16, atol=1e-3, rtol=1e-3)
+
+
+def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_computed: int,
+                     scale: float) -> torch.Tensor:
+    """float64 reference: query [n, H, D] at positions [num_computed, num_computed + n), keys/values [L, KVH, D]; q
+    rounded to bfloat16 as the kernels round it."""
+    group = query.shape[1] // keys.shape[1]
+    q = query.bfloat16().double().transpose(0, 1)
+    k, v = (x.double().repeat_interleave(group, dim=1).transpose(0, 1) for x in (keys, values))
+    visible = torch.arange(keys.shape[0]) <= num_computed + torch.arange(query.shape[0]).unsqueeze(1)
+    scores = (q @ k.transpose(1, 2) * scale).masked_fill(~visible, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).float()
+
+
+@pytest.mark.skipif("amx" not in ATTENTION_ISAS, reason="attention on AMX tiles needs AMX-BF16 (e.g. Intel Sapphire "
+                    "Rapids) and the OS's grant of tile state")
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(14, 2, 64), (12, 2, 128), (16, 1, 96)])
+@pytest.mark.parametrize(("num_computed", "rows"), [(0, 1), (0, 17), (5, 40), (31, 33), (100, 300)])
+def test_a_prefill_chunk_on_amx_tiles_attends_causally_over_its_blocks(num_heads: int, num_kv_heads: int,
+                                                                        head_dim: int, num_computed: int,
+                                                                        rows: int) -> None:  # fmt: skip
+    """Tiles of 16 query rows that end anywhere, contexts ending anywhere in a block of 16 or a step of 32 positions,
+    blocks out of order with NaN in the slots past the chunk's end (which must not reach the output); within
+    bfloat16 rounding of the query and the weights of float64 attention. Each row depends on its query and context
+    only: the chunk's second half alone, over the first half as cached, gives the same bits."""
+    torch.manual_seed(head_dim + rows)
+    block_size, num_blocks = 16, 40
+    length = num_computed + rows
+    table = torch.randperm(num_blocks)[:-(-length // block_size)]
+    k_cache, v_cache = (torch.randn(num_blocks * block_size, num_kv_heads, head_dim).bfloat16() for _ in range(2))
+    slots = table[torch.arange(len(table) * block_size) // block_size] * block_size + torch.arange(
+        len(table) * block_size) % block_size
+    k_cache[slots[length:]], v_cache[slots[length:]] = float("nan"), float("nan")
+    query = torch.randn(rows, num_heads, head_dim)
+    kernel = cpu_kernels.prefill_attention(num_heads, num_kv_heads, head_dim, torch.bfloat16, block_size)
+    assert isinstance(kernel, cpu_kernels.PagedPrefillAttention)
+    out = kernel.attend_chunk(query, k_cache, v_cache, table, num_computed, block_size, head_dim**-0.5)
+    expected = causal_attention(query, k_cache[slots[:length]], v_cache[slots[:length]], num_computed,
+                                head_dim**-0.5)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
+    half = rows // 2
+    later = kernel.attend_chunk(query[half:], k_cache, v_cache, table, num_computed + half, block_size,
+                                head_dim**-0.5)
+    assert torch.equal(later, out[half:])
 
 
 @needs_library
