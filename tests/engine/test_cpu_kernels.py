@@ -449,6 +449,24 @@ def test_a_prefill_chunk_on_amx_tiles_attends_causally_over_its_blocks(num_heads
 
 
 @needs_library
+@pytest.mark.parametrize("isa", ATTENTION_ISAS)
+def test_the_decode_kernel_attends_a_prefill_chunk_as_decode_rows(isa: str) -> None:
+    """`attend_chunk` of the decode kernel (how chunks attend where the CPU reads bfloat16 with `vdpbf16ps` but has
+    no AMX): each query row a decode row over its causal context, as float64 attention computes it."""
+    torch.manual_seed(1)
+    num_heads, num_kv_heads, head_dim, block_size, num_computed, rows = 14, 2, 64, 16, 31, 33
+    table = torch.tensor([3, 0, 5, 1])
+    k_cache, v_cache = (torch.randn(6 * block_size, num_kv_heads, head_dim).bfloat16() for _ in range(2))
+    positions = torch.arange(num_computed + rows)
+    slots = table[positions // block_size] * block_size + positions % block_size
+    query = torch.randn(rows, num_heads, head_dim)
+    out = attention_kernel(isa).attend_chunk(query, k_cache, v_cache, table, num_computed, block_size,
+                                             head_dim**-0.5)
+    expected = causal_attention(query, k_cache[slots], v_cache[slots], num_computed, head_dim**-0.5)
+    torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
+
+
+@needs_library
 def test_rope_over_rows_in_c_is_the_same_bits_as_the_pytorch_ops() -> None:
     """RoPE on the q and k heads of a q/k/v product's rows (a strided view), as the attention module applies it."""
     torch.manual_seed(0)
