@@ -1196,6 +1196,97 @@ int w8a8_amx_silu_mul(const float *x, const int64_t rows, const int64_t K, const
     return 0;
 }
 
+/* Row m's running maximum over 16 lanes (`best`, `best_ids`) folded with the `width` outputs of one group that
+ * start at feature n0: strictly greater replaces (so each lane keeps the first of equal maxima), and NaN replaces
+ * any number (numpy's argmax counts NaN as the maximum). */
+static inline void fold_group_max(const float *outputs, const int64_t width, const int64_t n0, __m512 *best,
+                                  __m512i *best_ids) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t j = 0; j < width; j += 16) {
+        const __mmask16 valid = width - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (width - j)) - 1);
+        const __m512 v = _mm512_maskz_loadu_ps(valid, outputs + j);
+        const __mmask16 wins = valid & (_mm512_cmp_ps_mask(v, *best, _CMP_GT_OQ)
+                                        | (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
+                                           & _mm512_cmp_ps_mask(*best, *best, _CMP_ORD_Q)));
+        *best = _mm512_mask_mov_ps(*best, wins, v);
+        *best_ids = _mm512_mask_mov_epi32(*best_ids, wins, _mm512_add_epi32(lane, _mm512_set1_epi32((int)(n0 + j))));
+    }
+}
+
+/* Whether (value, id) comes before (best, best_id) as numpy's argmax orders them: NaN first, then the larger value,
+ * then the smaller index. */
+static inline int argmax_before(const float value, const int64_t id, const float best, const int64_t best_id) {
+    if (isnan(best)) return isnan(value) && id < best_id;
+    return isnan(value) || value > best || (value == best && id < best_id);
+}
+
+/* ids[m] = the index of row m's largest output of q(x) · wᵀ (`w8a8_amx`'s outputs, the same bits, never written
+ * out): `argmax_ids` of the product without writing and reading back [rows, N] floats (an LM head's logits). Each
+ * thread folds its groups' outputs, in cache, into per-row maxima over 16 lanes; the lanes, then the threads (in
+ * feature order), are reduced in numpy's order. Returns 0, or -2 without memory. */
+int w8a8_amx_argmax(const float *x, const int64_t rows, const int64_t K, const int8_t *packed, const float *w_scale,
+                    const float *bias, const int64_t N, int8_t *xq, float *x_scale, int64_t *ids, const int threads) {
+    const int64_t groups = (N + TILE_GROUP - 1) / TILE_GROUP;
+    float *candidates = malloc((size_t)(threads * rows) * (sizeof(float) + sizeof(int64_t)));
+    if (!candidates) return -2;
+    int64_t *candidate_ids = (int64_t *)(candidates + threads * rows);
+    for (int64_t i = 0; i < threads * rows; i++) candidate_ids[i] = -1;  /* a thread without features: none */
+    int status = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        quantize_rows_int8(x, rows, K, xq, x_scale);
+        const int t = omp_get_thread_num();
+        float *outputs = aligned_alloc(64, (size_t)(rows * TILE_GROUP) * sizeof(float));
+        __m512 *best = aligned_alloc(64, (size_t)rows * sizeof(__m512));
+        __m512i *best_ids = aligned_alloc(64, (size_t)rows * sizeof(__m512i));
+        int64_t begin, end;
+        thread_share(groups, &begin, &end);
+        if (!outputs || !best || !best_ids) {
+            #pragma omp atomic write
+            status = -2;
+        } else if (begin < end) {
+            const __m512i first = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
+                                                                      15),
+                                                   _mm512_set1_epi32((int)(begin * TILE_GROUP)));
+            for (int64_t m = 0; m < rows; m++) best[m] = _mm512_set1_ps(-INFINITY), best_ids[m] = first;
+            amx_tile_config before;
+            _tile_storeconfig(&before);
+            int configured_rows = 0;
+            for (int64_t group = begin; group < end; group++) {
+                const int64_t n0 = group * TILE_GROUP, width = N - n0 < TILE_GROUP ? N - n0 : TILE_GROUP;
+                amx_group(xq, x_scale, rows, K, packed, group, w_scale, bias, outputs, TILE_GROUP, N, &configured_rows);
+                for (int64_t m = 0; m < rows; m++)
+                    fold_group_max(outputs + m * TILE_GROUP, width, n0, best + m, best_ids + m);
+            }
+            amx_restore(&before, configured_rows);
+            for (int64_t m = 0; m < rows; m++) {
+                float lane_best[16], value = -INFINITY;
+                int32_t lane_ids[16];
+                int64_t id = -1;
+                _mm512_storeu_ps(lane_best, best[m]);
+                _mm512_storeu_si512((void *)lane_ids, best_ids[m]);
+                for (int lane = 0; lane < 16; lane++)
+                    if (lane_ids[lane] < N && (id < 0 || argmax_before(lane_best[lane], lane_ids[lane], value, id)))
+                        value = lane_best[lane], id = lane_ids[lane];
+                candidates[t * rows + m] = value, candidate_ids[t * rows + m] = id;
+            }
+        }
+        free(outputs), free(best), free(best_ids);
+    }
+    for (int64_t m = 0; m < rows; m++) {
+        float value = -INFINITY;
+        int64_t id = -1;
+        for (int t = 0; t < threads; t++) {
+            const int64_t candidate = candidate_ids[t * rows + m];
+            if (candidate >= 0 && (id < 0 || argmax_before(candidates[t * rows + m], candidate, value, id)))
+                value = candidates[t * rows + m], id = candidate;
+        }
+        ids[m] = id;
+    }
+    free(candidates);
+    return status;
+}
+
 #pragma GCC pop_options
 
 /* -- paged_decode_attention (AMX): the BF16 build with q · k on AMX tiles ---------------------------------------
@@ -1532,6 +1623,12 @@ int paged_prefill_attention_amx(const float *q, const void *k_cache, const void 
 #pragma GCC pop_options
 #else  /* this compiler has no AMX intrinsics: the Python side never enables the AMX paths */
 int w8a8_amx_enable(void) { return -1; }
+int w8a8_amx_argmax(const float *x, const int64_t rows, const int64_t K, const int8_t *packed, const float *w_scale,
+                    const float *bias, const int64_t N, int8_t *xq, float *x_scale, int64_t *ids, const int threads) {
+    (void)x, (void)rows, (void)K, (void)packed, (void)w_scale, (void)bias, (void)N, (void)xq, (void)x_scale;
+    (void)ids, (void)threads;
+    return -1;
+}
 int paged_prefill_attention_amx(const float *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
                                 const int64_t num_computed, const int64_t rows, const int64_t heads,
                                 const int64_t kv_heads, const int64_t head_dim, const int64_t block_size,

@@ -166,10 +166,34 @@ class TiledW8A8Kernel:
 
 
 class W8A8Amx(TiledW8A8Kernel):
-    """`TiledW8A8Kernel` on AMX tiles (`w8a8_amx`)."""
+    """`TiledW8A8Kernel` on AMX tiles (`w8a8_amx`), which also gives each row's argmax of the product without
+    writing it (`argmax`: an LM head's greedy choice)."""
 
     symbol = "w8a8_amx"
     products = LayerProducts.W8A8_AMX
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        super().__init__(library)
+        self._argmax = library.w8a8_amx_argmax
+        self._argmax.restype = ctypes.c_int
+        self._argmax.argtypes = [_POINTER, _INT64, _INT64, _POINTER, _POINTER, _POINTER, _INT64, _POINTER, _POINTER,
+                                 _POINTER, ctypes.c_int]
+
+    def argmax(self, x: torch.Tensor, tiled: torch.Tensor, out_features: int, scales: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        """`[rows]` int64: each row's index of its largest output (the first of equal ones, NaN the largest, as
+        numpy's argmax), the product's own bits compared in cache and never written out."""
+        rows, in_features = x.shape
+        x = x.contiguous()
+        ids = torch.empty(rows, dtype=torch.long)
+        scratch = torch.empty(rows, tiled.shape[1] * self.k_chunk, dtype=torch.int8)
+        row_scales = torch.empty(rows)
+        status = self._argmax(x.data_ptr(), rows, in_features, tiled.data_ptr(), scales.data_ptr(),
+                              None if bias is None else bias.data_ptr(), out_features, scratch.data_ptr(),
+                              row_scales.data_ptr(), ids.data_ptr(), torch.get_num_threads())
+        if status != 0:
+            raise MemoryError("w8a8_amx_argmax found no scratch memory")
+        return ids
 
 
 class W8A8Vnni(TiledW8A8Kernel):

@@ -32,7 +32,7 @@ from engines.model_runner import ModelRunner, kv_block_bytes
 from engines.models import model_class
 from engines.outputs import EngineOverloaded, EngineStepFailed, RequestOutput, TokenLogprob
 from engines.quantization import Int8Embedding, quantize_model, resolve_quantization
-from engines.sampler import sample
+from engines.sampler import greedy_only, sample
 from engines.sampling_params import SamplingParams
 from engines.scheduler import ScheduledBatch, Scheduler
 from engines.sequence import Sequence
@@ -351,14 +351,18 @@ class LLMEngine:
             if outputs is not None:
                 return outputs
         should_yield = self.interactive_waiting if batch.yields_to_interactive else None
+        greedy = greedy_only([s.params for s in batch.sampled], [s.grammar for s in batch.sampled])
         try:
-            logits, seqs = self.runner.execute(batch, should_yield)
+            result, seqs = self.runner.execute(batch, should_yield, greedy)
         except StepYielded:
             self._num_yielded_steps_total += 1
             return []
-        token_ids, logprobs = ([], []) if not seqs else sample(
-            logits, [s.params for s in seqs], [s.generator for s in seqs],
-            [s.output_token_ids for s in seqs], [s.grammar for s in seqs])
+        if greedy:  # the argmax ids `sample` would choose, from the LM head's own pass
+            token_ids, logprobs = result.tolist(), [None] * len(seqs)
+        else:
+            token_ids, logprobs = ([], []) if not seqs else sample(
+                result, [s.params for s in seqs], [s.generator for s in seqs],
+                [s.output_token_ids for s in seqs], [s.grammar for s in seqs])
         texts = self.scheduler.postprocess(batch, token_ids)
         self._num_generated_tokens_total += len(seqs)
         outputs = []

@@ -34,6 +34,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return chosen, token_logprobs(logits, chosen, params)
 
 
+def greedy_only(params: Sequence[SamplingParams], grammars: Sequence[GrammarState | None] | None = None) -> bool:
+    """Whether each row's token is its logits' argmax and nothing else is read from them (no penalties, bias,
+    grammar or logprobs): such a step can take its tokens from the LM head's own argmax
+    (`ModelRunner.execute(greedy=True)`), the ids `sample` would choose."""
+    return bool(params) and not _needs_host(params, grammars) and not any(p.logprobs for p in params)
+
+
 def _needs_host(params: Sequence[SamplingParams], grammars: Sequence[GrammarState | None] | None) -> bool:
     """Whether a row asks for more than a greedy choice (and its logprobs), which run wherever the logits are."""
     constrained = grammars is not None and any(grammar is not None for grammar in grammars)

@@ -28,7 +28,7 @@ from engines.cpu_kernels import (
     rms_norm_rows,
     rope_rows,
 )
-from engines.quantization import RowDispatchLinear, first_output_rows, native_operands
+from engines.quantization import RowDispatchLinear, TiledW8A8Linear, first_output_rows, native_operands
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -259,6 +259,14 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False, device="meta")
             self.lm_head.weight = self.embed_tokens.weight
+
+    def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax of `compute_logits(hidden)` from the LM head's own pass, without the logits, where
+        the head can give it (`TiledW8A8Linear.argmax`); None where it cannot."""
+        head = self.lm_head
+        if not isinstance(head, TiledW8A8Linear) or head.out_features != self.config.vocab_size:
+            return None
+        return head.argmax(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:

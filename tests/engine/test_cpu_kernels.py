@@ -85,6 +85,37 @@ def test_the_tiled_kernels_are_bit_identical_to_int_mm(kernel_name: str, rows: i
     assert torch.equal(tiled(torch.zeros(rows, in_features)), reference(torch.zeros(rows, in_features)))
 
 
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 5, 17, 33])
+@pytest.mark.parametrize(("out_features", "bias"), [(1000, True), (4096, False), (37, False)])
+def test_the_amx_argmax_picks_the_ids_numpy_picks_from_the_outputs(rows: int, out_features: int, bias: bool) -> None:
+    """Each row's argmax of the product without writing it (an LM head's greedy choice): the ids `argmax_ids` picks
+    from the outputs; of equal maxima the first (a weight row repeated in its own group, a later one and the other
+    thread's half), NaN counting as the maximum."""
+    from engines.sampler import argmax_ids
+
+    kernel = w8a8_amx()
+    assert kernel is not None
+    torch.manual_seed(out_features + rows)
+    linear = nn.Linear(896, out_features, bias=bias)
+    # 19, 259 and 515 share feature 3's lane of 16 (in its group, a later one, the other thread's half); 40, 500 not
+    repeats = [i for i in (19, 40, 259, 500, 515, out_features - 1) if 3 < i < out_features]
+    with torch.no_grad():
+        for i in repeats:
+            linear.weight[i] = linear.weight[3]
+            if bias:
+                linear.bias[i] = linear.bias[3]
+    tiled = TiledW8A8Linear.from_linear(linear, torch.float32, kernel)
+    x = torch.randn(rows, 896)
+    x[0] = linear.weight[3].detach() * 10  # peaks at feature 3 and its repeats
+    ids = tiled.argmax(x)
+    assert ids is not None and torch.equal(ids, argmax_ids(tiled(x)))
+    assert ids[0].item() == 3 and torch.equal(tiled(x)[0, repeats], tiled(x)[0, [3] * len(repeats)])
+    if bias:  # NaN outputs (through the bias) at 600 and later at 900: every row's argmax is the first NaN
+        tiled.bias[600], tiled.bias[900] = float("nan"), float("nan")
+        assert torch.equal(tiled.argmax(x), argmax_ids(tiled(x))) and set(tiled.argmax(x).tolist()) == {600}
+
+
 @pytest.mark.parametrize("kernel_name", TILED_KERNELS)
 def test_a_row_gives_the_same_bits_alone_or_in_a_batch_on_the_tiled_kernels(kernel_name: str) -> None:
     tiled, _ = tiled_pair(kernel_name, 896, 192, True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engines.cpu_kernels import w8a8_amx
 from engines.llm_engine import LLMEngine
 from engines.sampling_params import SamplingParams
 from tests.engine.conftest import TinyModel, generated_ids, make_engine, run_to_completion
@@ -73,6 +74,34 @@ def test_a_bfloat16_kv_cache_and_w8a8_weights_keep_outputs_independent_of_cache_
     outputs = run_to_completion(engine)
     assert outputs["ours"][0].num_cached_tokens == 20
     assert generated_ids(outputs["ours"]) == expected
+
+
+def test_greedy_steps_take_the_lm_heads_argmax_and_choose_what_sampling_the_logits_chooses(
+    tiny_qwen2: TinyModel,
+) -> None:
+    """Where every row of a step is plain greedy, the step asks the model for its argmax ids (on AMX a w8a8 LM head
+    compares its outputs in cache and writes no logits); a request that asks for logprobs goes through the logits
+    and `sample`, and gets the same tokens."""
+    engine = make_engine(tiny_qwen2, quantization="w8a8", enable_prefix_caching=False)
+    model = engine.runner.model
+    from_head: list[bool] = []  # per greedy step: whether the LM head gave the ids
+    head_argmax = model.greedy_token_ids
+
+    def spy(hidden: torch.Tensor) -> torch.Tensor | None:
+        ids = head_argmax(hidden)
+        from_head.append(ids is not None)
+        return ids
+
+    model.greedy_token_ids = spy  # type: ignore[method-assign]
+    prompt = list(range(40, 61))
+    engine.add_request("plain", prompt, GREEDY)
+    plain = generated_ids(run_to_completion(engine)["plain"])
+    assert len(from_head) == GREEDY.max_tokens
+    assert all(from_head) == (w8a8_amx() is not None)  # elsewhere: the argmax of the logits
+    with_logprobs = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True, logprobs=True)
+    engine.add_request("logprobs", prompt, with_logprobs)
+    assert generated_ids(run_to_completion(engine)["logprobs"]) == plain
+    assert len(from_head) == GREEDY.max_tokens  # that request's steps read the logits
 
 
 def test_an_identical_prompt_hits_all_but_its_last_block(tiny_qwen2: TinyModel) -> None:
