@@ -15,7 +15,8 @@ Beside them, the ~20 small PyTorch ops of a decode layer (norms, RoPE, KV store,
 of a batch-1 step; `decode_layer_int8` runs a whole layer for a step's decode rows in one call on the AVX2
 kernels' arithmetic (`engines.models.llama.NativeDecoder`, where every product is int8 weight-only on float32,
 or w8a8: on AMX tiles, or through VNNI dot products). Prefill rows run through the PyTorch modules, where a
-tiled gate_up product applies SiLU · up itself (`TiledW8A8Kernel.silu_mul`).
+tiled gate_up product applies SiLU · up itself (`TiledW8A8Kernel.silu_mul`); on AMX their attention runs on tiles
+(`PagedPrefillAttention`), and a greedy step's LM head gives its argmax without writing logits (`W8A8Amx.argmax`).
 `python -m bench.kernels` times the GEMVs against the PyTorch ops, `python -m bench.engine --batch1-only`
 a decode step with the kernels against the PyTorch ops; BENCHMARKS.md has the figures.
 
