@@ -1225,7 +1225,7 @@ static inline int argmax_before(const float value, const int64_t id, const float
  * thread folds its groups' outputs, in cache, into per-row maxima over 16 lanes; the lanes, then the threads (in
  * feature order), are reduced in numpy's order. Returns 0, or -2 without memory. */
 int w8a8_amx_argmax(const float *x, const int64_t rows, const int64_t K, const int8_t *packed, const float *w_scale,
-                    const float *bias, const int64_t N, int8_t *xq, float *x_scale, int64_t *ids, const int threads) {
+                    const float *bias, int64_t *ids, const int64_t N, int8_t *xq, float *x_scale, const int threads) {
     const int64_t groups = (N + TILE_GROUP - 1) / TILE_GROUP;
     float *candidates = malloc((size_t)(threads * rows) * (sizeof(float) + sizeof(int64_t)));
     if (!candidates) return -2;
@@ -1624,7 +1624,7 @@ int paged_prefill_attention_amx(const float *q, const void *k_cache, const void 
 #else  /* this compiler has no AMX intrinsics: the Python side never enables the AMX paths */
 int w8a8_amx_enable(void) { return -1; }
 int w8a8_amx_argmax(const float *x, const int64_t rows, const int64_t K, const int8_t *packed, const float *w_scale,
-                    const float *bias, const int64_t N, int8_t *xq, float *x_scale, int64_t *ids, const int threads) {
+                    const float *bias, int64_t *ids, const int64_t N, int8_t *xq, float *x_scale, const int threads) {
     (void)x, (void)rows, (void)K, (void)packed, (void)w_scale, (void)bias, (void)N, (void)xq, (void)x_scale;
     (void)ids, (void)threads;
     return -1;

@@ -152,18 +152,19 @@ class TiledW8A8Kernel:
     def _run(
         self, product: ctypes._CFuncPtr, x: torch.Tensor, tiled: torch.Tensor, out_features: int, scales: torch.Tensor,
         bias: torch.Tensor | None, weight_sum: torch.Tensor | None, out: torch.Tensor, *extra: int,
-    ) -> None:
-        """`product(x, rows, K, tiled[, weight_sum], scales, bias, out, N, xq, x_scale, *extra, threads)`."""
+    ) -> int:
+        """`product(x, rows, K, tiled[, weight_sum], scales, bias, out, N, xq, x_scale, *extra, threads)`; its
+        status."""
         rows, in_features = x.shape
         assert tiled.shape[1] * self.k_chunk >= in_features and tiled.shape[0] * self.group >= out_features
         assert (weight_sum is not None) == self.needs_weight_sum
         x = x.contiguous()
         scratch = torch.empty(rows, tiled.shape[1] * self.k_chunk, dtype=torch.uint8)  # int8 or uint8 rows
         row_scales = torch.empty(rows)
-        product(x.data_ptr(), rows, in_features, tiled.data_ptr(),
-                *(() if weight_sum is None else (weight_sum.data_ptr(),)), scales.data_ptr(),
-                None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, scratch.data_ptr(),
-                row_scales.data_ptr(), *extra, torch.get_num_threads())
+        return product(x.data_ptr(), rows, in_features, tiled.data_ptr(),
+                       *(() if weight_sum is None else (weight_sum.data_ptr(),)), scales.data_ptr(),
+                       None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, scratch.data_ptr(),
+                       row_scales.data_ptr(), *extra, torch.get_num_threads())
 
 
 class W8A8Amx(TiledW8A8Kernel):
@@ -175,24 +176,16 @@ class W8A8Amx(TiledW8A8Kernel):
 
     def __init__(self, library: ctypes.CDLL) -> None:
         super().__init__(library)
-        self._argmax = library.w8a8_amx_argmax
+        self._argmax = library.w8a8_amx_argmax  # the product's arguments, `out` the [rows] int64 ids
         self._argmax.restype = ctypes.c_int
-        self._argmax.argtypes = [_POINTER, _INT64, _INT64, _POINTER, _POINTER, _POINTER, _INT64, _POINTER, _POINTER,
-                                 _POINTER, ctypes.c_int]
+        self._argmax.argtypes = self._product.argtypes
 
     def argmax(self, x: torch.Tensor, tiled: torch.Tensor, out_features: int, scales: torch.Tensor,
                bias: torch.Tensor | None) -> torch.Tensor:
         """`[rows]` int64: each row's index of its largest output (the first of equal ones, NaN the largest, as
         numpy's argmax), the product's own bits compared in cache and never written out."""
-        rows, in_features = x.shape
-        x = x.contiguous()
-        ids = torch.empty(rows, dtype=torch.long)
-        scratch = torch.empty(rows, tiled.shape[1] * self.k_chunk, dtype=torch.int8)
-        row_scales = torch.empty(rows)
-        status = self._argmax(x.data_ptr(), rows, in_features, tiled.data_ptr(), scales.data_ptr(),
-                              None if bias is None else bias.data_ptr(), out_features, scratch.data_ptr(),
-                              row_scales.data_ptr(), ids.data_ptr(), torch.get_num_threads())
-        if status != 0:
+        ids = torch.empty(x.shape[0], dtype=torch.long)
+        if self._run(self._argmax, x, tiled, out_features, scales, bias, None, ids) != 0:
             raise MemoryError("w8a8_amx_argmax found no scratch memory")
         return ids
 
@@ -399,12 +392,16 @@ class PagedPrefillAttention:
         self._attention = library.paged_prefill_attention_amx
         self._attention.restype = ctypes.c_int
         self._attention.argtypes = [_POINTER] * 4 + [_INT64] * 6 + [ctypes.c_float, _POINTER, ctypes.c_int]
+        max_head_dim, max_group = _INT64(), _INT64()
+        library.paged_decode_attention_limits(ctypes.byref(max_head_dim), ctypes.byref(max_group))
+        self.max_head_dim, self.max_group = max_head_dim.value, max_group.value
 
     def supports(self, num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype,
                  block_size: int) -> bool:
-        return (kv_dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256 and block_size >= 16
-                and block_size & (block_size - 1) == 0 and num_heads % num_kv_heads == 0
-                and num_heads // num_kv_heads <= 16)
+        """A bfloat16 cache, heads of a multiple of 32 dims, blocks of a power of two of at least 16 positions."""
+        return (kv_dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= self.max_head_dim
+                and block_size >= 16 and block_size & (block_size - 1) == 0 and num_heads % num_kv_heads == 0
+                and num_heads // num_kv_heads <= self.max_group)
 
     def attend_chunk(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_table: torch.Tensor, num_computed: int, block_size: int, scale: float) -> torch.Tensor:
