@@ -1352,6 +1352,24 @@ static inline __attribute__((always_inline)) void amx_dot_scores(
     }
 }
 
+/* Row r of the V B tiles for 32 dims parts [i0, i0 + parts): positions p and p + 1 (zero at or past `length`)
+ * interleaved by `_mm512_unpacklo/hi_epi16` (as the BF16 build interleaves them) into tiles[2i][r] (lo) and
+ * tiles[2i + 1][r] (hi), each tile 16 rows of 32 bfloat16. */
+static inline __attribute__((always_inline)) void amx_v_pair_row(
+    const void *v_cache, const int64_t *table, const int block_shift, const int64_t kv_heads, const int64_t kvh,
+    const int64_t head_dim, const int64_t p, const int64_t length, const int64_t i0, const int64_t parts, const int r,
+    uint16_t *tiles) {
+    const uint16_t *v0 = p < length ? key_vector(v_cache, table, block_shift, kv_heads, kvh, head_dim, p, 1) : NULL;
+    const uint16_t *v1 = p + 1 < length ? key_vector(v_cache, table, block_shift, kv_heads, kvh, head_dim, p + 1, 1)
+                                        : NULL;
+    for (int64_t i = 0; i < parts; i++) {
+        const __m512i a = v0 ? _mm512_loadu_si512(v0 + BF16_PAIRS * (i0 + i)) : _mm512_setzero_si512();
+        const __m512i b = v1 ? _mm512_loadu_si512(v1 + BF16_PAIRS * (i0 + i)) : _mm512_setzero_si512();
+        _mm512_store_si512(tiles + ((2 * i) * 16 + r) * 32, _mm512_unpacklo_epi16(a, b));
+        _mm512_store_si512(tiles + ((2 * i + 1) * 16 + r) * 32, _mm512_unpackhi_epi16(a, b));
+    }
+}
+
 /* bf16_weighted_values on AMX tiles (the tiles configured by `amx_attention_configure`): 32 positions at a time,
  * the weights of the group's heads (rounded to bfloat16 in place, as there) are one A tile, read in place, and two
  * positions' V vectors interleaved by `_mm512_unpacklo/hi_epi16` (as there) are a row of a B tile, built in `pairs`;
@@ -1383,16 +1401,8 @@ static inline __attribute__((always_inline)) void amx_weighted_values(
                     for (int64_t j = 0; j < 2; j++)
                         prefetch_position(v_cache, table, block_shift, kv_heads, kvh, head_dim,
                                           p + j + KV_PREFETCH_AHEAD, fetch_end, 1);
-                const uint16_t *v0 = p < length ? key_vector(v_cache, table, block_shift, kv_heads, kvh, head_dim, p, 1)
-                                                : NULL;
-                const uint16_t *v1 = p + 1 < length
-                    ? key_vector(v_cache, table, block_shift, kv_heads, kvh, head_dim, p + 1, 1) : NULL;
-                for (int64_t i = 0; i < parts_here; i++) {
-                    const __m512i a = v0 ? _mm512_loadu_si512(v0 + BF16_PAIRS * (i0 + i)) : _mm512_setzero_si512();
-                    const __m512i b = v1 ? _mm512_loadu_si512(v1 + BF16_PAIRS * (i0 + i)) : _mm512_setzero_si512();
-                    _mm512_store_si512(pairs[2 * i][r], _mm512_unpacklo_epi16(a, b));
-                    _mm512_store_si512(pairs[2 * i + 1][r], _mm512_unpackhi_epi16(a, b));
-                }
+                amx_v_pair_row(v_cache, table, block_shift, kv_heads, kvh, head_dim, p, length, i0, parts_here, (int)r,
+                               &pairs[0][0][0]);
             }
             if (p0 < whole)
                 _tile_loadd(3, (const uint16_t *)scores + p0, weight_stride);
@@ -1468,19 +1478,9 @@ static void amx_pack_keys(const void *k_cache, const int64_t *table, const int b
 static void amx_pack_values(const void *v_cache, const int64_t *table, const int block_shift, const int64_t kv_heads,
                             const int64_t kvh, const int64_t head_dim, const int64_t s, const int64_t length,
                             uint16_t *tiles) {
-    const int64_t parts = head_dim / BF16_PAIRS;
-    for (int r = 0; r < 16; r++) {
-        const int64_t p = 32 * s + 2 * r;
-        const uint16_t *v0 = p < length ? key_vector(v_cache, table, block_shift, kv_heads, kvh, head_dim, p, 1) : NULL;
-        const uint16_t *v1 = p + 1 < length ? key_vector(v_cache, table, block_shift, kv_heads, kvh, head_dim, p + 1, 1)
-                                            : NULL;
-        for (int64_t i = 0; i < parts; i++) {
-            const __m512i a = v0 ? _mm512_loadu_si512(v0 + BF16_PAIRS * i) : _mm512_setzero_si512();
-            const __m512i c = v1 ? _mm512_loadu_si512(v1 + BF16_PAIRS * i) : _mm512_setzero_si512();
-            _mm512_store_si512(tiles + ((2 * i) * 16 + r) * 32, _mm512_unpacklo_epi16(a, c));
-            _mm512_store_si512(tiles + ((2 * i + 1) * 16 + r) * 32, _mm512_unpackhi_epi16(a, c));
-        }
-    }
+    for (int r = 0; r < 16; r++)
+        amx_v_pair_row(v_cache, table, block_shift, kv_heads, kvh, head_dim, 32 * s + 2 * r, length, 0,
+                       head_dim / BF16_PAIRS, r, tiles);
 }
 
 /* Row `visible` positions long of scaled scores → bfloat16 softmax numerators in `weights` (zero from `visible` to
