@@ -1214,8 +1214,9 @@ static inline void fold_group_max(const float *outputs, const int64_t width, con
 }
 
 /* Whether (value, id) comes before (best, best_id) as numpy's argmax orders them: NaN first, then the larger value,
- * then the smaller index. */
+ * then the smaller index; anything comes before no best yet (best_id < 0). */
 static inline int argmax_before(const float value, const int64_t id, const float best, const int64_t best_id) {
+    if (best_id < 0) return 1;
     if (isnan(best)) return isnan(value) && id < best_id;
     return isnan(value) || value > best || (value == best && id < best_id);
 }
@@ -1266,7 +1267,7 @@ int w8a8_amx_argmax(const float *x, const int64_t rows, const int64_t K, const i
                 _mm512_storeu_ps(lane_best, best[m]);
                 _mm512_storeu_si512((void *)lane_ids, best_ids[m]);
                 for (int lane = 0; lane < 16; lane++)
-                    if (lane_ids[lane] < N && (id < 0 || argmax_before(lane_best[lane], lane_ids[lane], value, id)))
+                    if (lane_ids[lane] < N && argmax_before(lane_best[lane], lane_ids[lane], value, id))
                         value = lane_best[lane], id = lane_ids[lane];
                 candidates[t * rows + m] = value, candidate_ids[t * rows + m] = id;
             }
@@ -1278,7 +1279,7 @@ int w8a8_amx_argmax(const float *x, const int64_t rows, const int64_t K, const i
         int64_t id = -1;
         for (int t = 0; t < threads; t++) {
             const int64_t candidate = candidate_ids[t * rows + m];
-            if (candidate >= 0 && (id < 0 || argmax_before(candidates[t * rows + m], candidate, value, id)))
+            if (candidate >= 0 && argmax_before(candidates[t * rows + m], candidate, value, id))
                 value = candidates[t * rows + m], id = candidate;
         }
         ids[m] = id;
