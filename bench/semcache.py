@@ -230,9 +230,10 @@ async def latency(data: Path, sizes: list[int], n_queries: int, redis_urls: list
                   matcher: Matcher) -> dict[str, Any]:
     from gateway.cache.service import ResponseCache
     from gateway.cache.store import CacheUnavailable, MemoryCacheStore, RedisCacheStore
-    from router.embedding import Embedder
+    from router.embedding import Embedder, hold_numpy_blas_to_one_thread
 
     embedder = Embedder.load(precision=EMBEDDING_PRECISION)
+    hold_numpy_blas_to_one_thread()  # as in the gateway (`gateway.routing.build_router`)
 
     async def models() -> tuple[Any, Matcher]:
         return embedder, matcher

@@ -291,8 +291,9 @@ def build_router(settings: Settings) -> Router:
     from pathlib import Path
 
     from router.artifact import DEFAULT_ARTIFACT_DIR, ArtifactWatcher
-    from router.embedding import Embedder
+    from router.embedding import Embedder, hold_numpy_blas_to_one_thread
 
+    hold_numpy_blas_to_one_thread()  # the gateway process's, whether the embedder loads here or for the cache
     path = Path(settings.router.artifact).expanduser() if settings.router.artifact else DEFAULT_ARTIFACT_DIR
     if not path.exists():
         log.warning("no router artifact at %s: `sluice`/`auto` go to the default tier", path)

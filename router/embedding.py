@@ -13,8 +13,8 @@ Two graphs, chosen by where it runs (`precision`):
   the texts batched with it, so each text runs alone: its vector is a function of the text only.
 - **float32** (with onnxruntime's CUDA provider): the fused BERT graph, texts batched.
 
-Each graph is opened without onnxruntime's SkipLayerNormalization fusion (`open_bert_session`), and a short
-text runs on one intra-op thread, a long one on `threads` (BENCHMARKS.md, router (c)).
+Each graph is opened without onnxruntime's SkipLayerNormalization fusion, and its intra-op threads spin between
+the nodes of a call and stop at its end (`open_bert_session`; BENCHMARKS.md, router (c)).
 
 Concurrent `embed_async` callers are grouped: while one group runs on a worker thread, new texts queue and
 go together in the next call, so a burst costs one hop off the event loop instead of one each.
@@ -46,10 +46,7 @@ DEFAULT_CACHE_DIR = Path("~/.cache/sluice/models")
 EXPORT_FORMAT = 4
 PRECISIONS = ("int8", "float32")
 NUM_HEADS = 12
-DEFAULT_THREADS = 2  # onnxruntime intra-op threads of a gateway's embedder for long texts (`Embedder.load`)
-# Up to this many tokens in a call, one intra-op thread is faster than two: waking the second thread for each
-# of a BERT graph's ~150 small nodes costs more than it shares (BENCHMARKS.md, router (c)).
-SHORT_CALL_TOKENS = 128
+DEFAULT_THREADS = 2  # onnxruntime intra-op threads of a gateway's embedder (`Embedder.load`)
 # onnxruntime 1.32's SkipLayerNormalization kernel (a residual add fused with the layer norm after it) took
 # ~8x the unfused Add + LayerNormalization on an AMX Xeon, a fifth of a short text's embedding; the vectors
 # move within the int8 graph's quantisation error (BENCHMARKS.md, router (c)).
@@ -137,14 +134,28 @@ def _quantize(path: Path) -> None:
 
 
 def open_bert_session(path: Path, threads: int, providers: Sequence[str]) -> ort.InferenceSession:
-    """An onnxruntime session of one of our BERT graphs (the embedder, the cache's matcher): `threads` intra-op
-    threads that do not spin between calls (idle, they leave the cores to the engines), without the fusions in
-    `UNFUSED`."""
+    """An onnxruntime session of one of our BERT graphs (the embedder, the cache's matcher), without the
+    fusions in `UNFUSED`. Its `threads` intra-op threads spin between the ~150 small nodes of a call, so that
+    none sleeps and wakes for each, and stop spinning when the call ends: idle, they leave the cores to the
+    engines (BENCHMARKS.md, router (c))."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1")
+    options.add_session_config_entry("session.force_spinning_stop", "1")
     return ort.InferenceSession(str(path), options, providers=list(providers), disabled_optimizers=list(UNFUSED))
+
+
+def hold_numpy_blas_to_one_thread() -> None:
+    """Run numpy's matrix products on one thread in this process (a gateway, or a bench of its lookups).
+
+    Those beside the embedder are small (the router's neighbour scores, the cache index's ≤ 8k rows), and
+    OpenBLAS's idle workers spin for a while after each: the next embedding, a few hundred microseconds later,
+    then shared its cores with them and took ~1.3x as long (BENCHMARKS.md, router (c)). Engines and the
+    embedder have their own thread pools and are not affected."""
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(1, user_api="blas")
 
 
 def default_precision(providers: Sequence[str]) -> str:
@@ -158,9 +169,8 @@ class Embedder:
     dim = DIM
 
     def __init__(self, session: ort.InferenceSession, tokenizer: Tokenizer, version: str,
-                 precision: str = "float32", short_session: ort.InferenceSession | None = None) -> None:
+                 precision: str = "float32") -> None:
         self._session = session
-        self._short_session = short_session or session  # one thread, for calls of ≤ SHORT_CALL_TOKENS tokens
         self._tokenizer = tokenizer
         self.version = version  # names the weights, the export and the precision: part of every cache scope
         self.precision = precision
@@ -170,9 +180,8 @@ class Embedder:
     @classmethod
     def load(cls, cache_dir: Path | None = None, *, threads: int = DEFAULT_THREADS,
              precision: str | None = None, max_tokens: int = MAX_TOKENS) -> Embedder:
-        """Open (exporting on first use) the ONNX model. `threads`: onnxruntime intra-op threads for calls
-        of more than SHORT_CALL_TOKENS tokens (two cut a 256-token text's embedding by about a fifth; shorter
-        calls run on one). `precision`: int8 or float32 (default: by device).
+        """Open (exporting on first use) the ONNX model. `threads`: onnxruntime intra-op threads.
+        `precision`: int8 or float32 (default: by device).
         `max_tokens`: where texts are cut (the model's 256; fewer only for experiments, e.g. `bench/router.py
         --embed-max-tokens`: the version then names it, so such vectors never mix with the served ones)."""
         if not 2 < max_tokens <= MAX_TOKENS:
@@ -188,12 +197,11 @@ class Embedder:
         if not onnx_path.exists():
             export_onnx(model_dir, onnx_path, precision)
         session = open_bert_session(onnx_path, threads, providers)
-        short_session = session if threads == 1 else open_bert_session(onnx_path, 1, providers)
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         tokenizer.no_padding()
         tokenizer.enable_truncation(max_tokens)
         version = f"{MODEL_NAME}@{digest}-{precision}" + (f"-max{max_tokens}" if max_tokens != MAX_TOKENS else "")
-        return cls(session, tokenizer, version, precision, short_session)
+        return cls(session, tokenizer, version, precision)
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """Embeddings of `texts`, shape (len(texts), 384). Blocking: call from a worker thread (or use
@@ -221,8 +229,7 @@ class Embedder:
         for row, encoding in enumerate(encodings):
             input_ids[row, : len(encoding.ids)] = encoding.ids
             attention_mask[row, : len(encoding.ids)] = 1
-        session = self._short_session if input_ids.size <= SHORT_CALL_TOKENS else self._session
-        (vectors,) = session.run(None, {"input_ids": input_ids, "attention_mask": attention_mask})
+        (vectors,) = self._session.run(None, {"input_ids": input_ids, "attention_mask": attention_mask})
         return vectors.astype(np.float32, copy=False)
 
     def count_tokens(self, texts: Sequence[str]) -> int:
