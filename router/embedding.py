@@ -6,12 +6,12 @@ dependency: safetensors and tokenizer.json inside, no model hub). The first load
 with its mean pooling and L2 normalisation to `<models cache>/all-MiniLM-L6-v2-<digest>-<precision>.onnx`
 (a few seconds, written atomically, so replicas starting together agree); later loads only open the file.
 
-Two graphs, chosen by where it runs (`precision`):
+Two graphs, chosen by where it runs (`precision`), both rewritten with onnxruntime's fused BERT operators:
 - **int8** (on a CPU): the matrix products' weights int8 per output channel, activations quantised per call
-  (onnxruntime's dynamic quantisation): 1.8x faster than float32 on routed prompts, vectors within cosine 0.99
-  of the float model's (BENCHMARKS.md). One activation scale per call means a text's vector would depend on
-  the texts batched with it, so each text runs alone: its vector is a function of the text only.
-- **float32** (with onnxruntime's CUDA provider): the fused BERT graph, texts batched.
+  (onnxruntime's dynamic quantisation, attention as QAttention), vectors within cosine 0.99 of the float
+  model's (BENCHMARKS.md). One activation scale per call means a text's vector would depend on the texts
+  batched with it, so each text runs alone: its vector is a function of the text only.
+- **float32** (with onnxruntime's CUDA provider): texts batched.
 
 Each graph is opened without onnxruntime's SkipLayerNormalization fusion, and its intra-op threads spin between
 the nodes of a call and stop at its end (`open_bert_session`; BENCHMARKS.md, router (c)).
@@ -42,8 +42,8 @@ MAX_BATCH = 32  # texts per onnxruntime call in `embed`
 DEFAULT_CACHE_DIR = Path("~/.cache/sluice/models")
 # Bump when the exported graph, or how onnxruntime is told to rewrite it at load, changes its numbers: stale
 # exports are not reused, and the version (part of every cache scope, recorded by router artifacts) changes.
-# 4: opened without the SkipLayerNormalization fusion.
-EXPORT_FORMAT = 4
+# 4: opened without the SkipLayerNormalization fusion. 5: int8 on the fused graph, attention as QAttention.
+EXPORT_FORMAT = 5
 PRECISIONS = ("int8", "float32")
 NUM_HEADS = 12
 DEFAULT_THREADS = 2  # onnxruntime intra-op threads of a gateway's embedder (`Embedder.load`)
@@ -106,30 +106,38 @@ def export_onnx(model_dir: Path, target: Path, precision: str = "float32") -> No
                 opset_version=17,
                 dynamo=False,
             )
+        _fuse(staged, skip_layer_norm=precision != "int8")
         if precision == "int8":
             _quantize(staged)
-        else:
-            _fuse(staged)
         os.replace(staged, target)
 
 
-def _fuse(path: Path) -> None:
-    """Rewrite the graph with onnxruntime's fused BERT operators (attention, skip layer norm, bias GELU):
-    the same numbers to ~1e-7, and ~1.5-1.8x faster on two threads (BENCHMARKS.md, semantic cache)."""
+def _fuse(path: Path, skip_layer_norm: bool) -> None:
+    """Rewrite the graph with onnxruntime's fused BERT operators (attention, bias GELU, embedding layer norm
+    and, with `skip_layer_norm`, the residual add with the layer norm after it): the same numbers to ~1e-7,
+    and ~1.5-1.8x faster on two threads (BENCHMARKS.md, semantic cache). The int8 graph keeps its adds and
+    layer norms apart (see `UNFUSED`)."""
     from onnxruntime.transformers import optimizer
+    from onnxruntime.transformers.fusion_options import FusionOptions
 
-    fused = optimizer.optimize_model(str(path), model_type="bert", num_heads=NUM_HEADS, hidden_size=DIM, opt_level=1)
+    options = FusionOptions("bert")
+    options.enable_skip_layer_norm = skip_layer_norm
+    fused = optimizer.optimize_model(str(path), model_type="bert", num_heads=NUM_HEADS, hidden_size=DIM, opt_level=1,
+                                     optimization_options=options)
     fused.save_model_to_file(str(path))
 
 
 def _quantize(path: Path) -> None:
-    """int8 weights per output channel for every MatMul, activations quantised per call. On the unfused
-    graph: quantising the fused one was no faster and per-tensor weights cost cosine 0.95 (BENCHMARKS.md)."""
+    """int8 weights per output channel for every MatMul and fused Attention (onnxruntime's QAttention: the
+    query, key and value projections as one int8 product, then attention), activations quantised per call.
+    Per-tensor weights cost cosine 0.95; quantising the fused graph's MatMuls alone was slower than the
+    unfused graph's, and QAttention faster (BENCHMARKS.md, router (c))."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     quantised = path.with_suffix(".int8.onnx")
+    # DefaultTensorType: the fused operators are outside the ONNX domain, where shape inference gives no types.
     quantize_dynamic(str(path), str(quantised), per_channel=True, weight_type=QuantType.QInt8,
-                     op_types_to_quantize=["MatMul"])
+                     op_types_to_quantize=["MatMul", "Attention"], extra_options={"DefaultTensorType": 1})
     os.replace(quantised, path)
 
 
