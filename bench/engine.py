@@ -356,11 +356,12 @@ def memory_bandwidth() -> dict[str, float]:
 def decode_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights one decode step reads: every parameter and buffer (shared tensors once) except an
     embedding table the head does not share, of which a step reads one row."""
+    from engines.quantization import tensor_key
     from engines.speculative import weight_bytes
 
     embedding, head = model.embed_tokens, model.lm_head
-    shared = {t.data_ptr() for t in [*embedding.parameters(), *embedding.buffers()]} & (
-        {t.data_ptr() for t in [*head.parameters(), *head.buffers()]} if head is not None else set()
+    shared = {tensor_key(t) for t in [*embedding.parameters(), *embedding.buffers()]} & (
+        {tensor_key(t) for t in [*head.parameters(), *head.buffers()]} if head is not None else set()
     )
     return weight_bytes(model) - (0 if shared else weight_bytes(embedding))
 

@@ -31,7 +31,13 @@ from engines.loader import Checkpoint, load_checkpoint
 from engines.model_runner import ModelRunner, kv_block_bytes
 from engines.models import model_class
 from engines.outputs import EngineOverloaded, EngineStepFailed, RequestOutput, TokenLogprob
-from engines.quantization import Int8Embedding, quantize_model, resolve_quantization
+from engines.quantization import (
+    Int8Embedding,
+    onednn_available,
+    pack_float_linears,
+    quantize_model,
+    resolve_quantization,
+)
 from engines.sampler import greedy_only, sample
 from engines.sampling_params import SamplingParams
 from engines.scheduler import ScheduledBatch, Scheduler
@@ -248,6 +254,10 @@ class LLMEngine:
             model.embed_tokens = Int8Embedding.from_embedding(model.embed_tokens, self.dtype,
                                                               model.lm_head if tied else None)
             logger.info("%s: weights quantised %s (requested %s)", config.model, self.quantization, config.quantization)
+        elif self.device.type == "cpu" and onednn_available():
+            tied = model.lm_head is None
+            model.untie_lm_head()
+            pack_float_linears(model, frozenset({"lm_head"}) if tied else frozenset())
         if self.device.type != "cpu":
             model.move_to(self.device)  # loaded and quantised on the host, a layer at a time, then moved whole
         return model

@@ -24,6 +24,10 @@ one layer, never a resident float copy of the model).
 w8a8 costs some quality (perplexity and top-1 agreement with float32, in BENCHMARKS.md);
 `bench/engine.py` measures it in every run.
 
+Unquantised float layers on a CPU run through oneDNN (`OneDnnLinear`, built by `pack_float_linears`): each weight
+packed once into the layout oneDNN's GEMM reads, where `F.linear` (MKL's sgemm) packs it again at every call —
+as much work as the product itself at a decode step's few rows (BENCHMARKS.md).
+
 On CUDA the layers differ (`CUDA_QUANTIZATION_MODES`): int8 weight-only through the Triton kernel
 `kernels.int8_matmul` (the int8 weight streamed and dequantised in registers: half the bytes of bfloat16),
 and fp8 (e4m3) weights and per-row activations through `torch._scaled_mm` (Ada and Hopper tensor cores).
@@ -196,6 +200,57 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+# The row count oneDNN packs a weight for (`_reorder_linear_weight`'s batch-size hint). Measured on a Zen 4: one
+# packing for 32 rows ran 1 to 512 rows as fast as packings for each, and every packing gives the same bits.
+ONEDNN_PACK_ROWS = 32
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class OneDnnLinear(nn.Module):
+    """y = x @ weightᵀ + bias in the weight's float dtype, through oneDNN's linear (the operator PyTorch's own
+    compiler uses for frozen CPU linears). `packed`: the weight is held in oneDNN's layout (an opaque tensor,
+    in place of the dense one); else the dense weight is read as it is, e.g. a tied head's, which the
+    embedding shares. A row's result is the same bits in any batch (tested)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed = packed
+        weight = weight.detach()
+        self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_PACK_ROWS) if packed
+                             else weight)
+        self.register_buffer("bias", None if bias is None else bias.detach())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, packed: bool = True) -> OneDnnLinear:
+        return cls(linear.weight, linear.bias, packed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"packed={self.packed}")
+
+
+def pack_float_linears(model: nn.Module, shared: frozenset[str] = frozenset()) -> None:
+    """Replace every float nn.Linear of `model` with a `OneDnnLinear`, in place: packed, except those named in
+    `shared` (a tied head: packing it would hold a second copy beside the embedding table)."""
+    for name, linear in _linear_modules(model, None):
+        parent_name, _, child_name = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child_name,
+                OneDnnLinear.from_linear(linear, packed=name not in shared))
+
+
+def tensor_key(tensor: torch.Tensor) -> int:
+    """What tells tensors apart when counting weight bytes, a shared tensor once: its data pointer, or for an
+    opaque oneDNN tensor (no pointer; never shared) its identity."""
+    return id(tensor) if tensor.is_mkldnn else tensor.data_ptr()
 
 
 class Int4Linear(nn.Module):
@@ -476,6 +531,9 @@ def first_output_rows(module: nn.Module, num_rows: int) -> nn.Module | None:
     if isinstance(module, Int8Linear | TritonInt8Linear):  # W8A8Linear too: each takes int8 rows, scales, bias
         bias = None if module.bias is None else module.bias[:num_rows]
         return type(module)(module.weight[:num_rows], module.scales[:num_rows], bias, module.activation_dtype)
+    if isinstance(module, OneDnnLinear):
+        return None if module.packed else OneDnnLinear(
+            module.weight[:num_rows], None if module.bias is None else module.bias[:num_rows], packed=False)
     if type(module) is nn.Linear:
         head = nn.Linear(module.in_features, num_rows, bias=module.bias is not None, device="meta")
         head.weight = nn.Parameter(module.weight[:num_rows], requires_grad=False)

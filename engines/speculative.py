@@ -53,6 +53,7 @@ from engines.block_manager import BlockManager
 from engines.cpu_kernels import ForwardCost
 from engines.model_runner import ModelRunner, TokenSpan
 from engines.outputs import TokenLogprob
+from engines.quantization import tensor_key
 from engines.sampler import argmax_ids, filtered_probs, token_logprobs
 from engines.sequence import Sequence
 
@@ -187,7 +188,7 @@ def _for_sampling(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of a model's parameters and buffers (each tensor once, however often it is shared)."""
-    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    tensors = {tensor_key(t): t for t in [*model.parameters(), *model.buffers()]}
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
