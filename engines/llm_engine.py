@@ -254,7 +254,8 @@ class LLMEngine:
             model.embed_tokens = Int8Embedding.from_embedding(model.embed_tokens, self.dtype,
                                                               model.lm_head if tied else None)
             logger.info("%s: weights quantised %s (requested %s)", config.model, self.quantization, config.quantization)
-        elif self.device.type == "cpu" and onednn_available():
+        elif self.device.type == "cpu" and self.dtype == torch.float32 and onednn_available():
+            # float32 only: oneDNN's bfloat16 products need CPU support an AVX2 CPU lacks; not measured in the engine.
             tied = model.lm_head is None
             model.untie_lm_head()
             pack_float_linears(model, frozenset({"lm_head"}) if tied else frozenset())

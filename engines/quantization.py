@@ -24,7 +24,7 @@ one layer, never a resident float copy of the model).
 w8a8 costs some quality (perplexity and top-1 agreement with float32, in BENCHMARKS.md);
 `bench/engine.py` measures it in every run.
 
-Unquantised float layers on a CPU run through oneDNN (`OneDnnLinear`, built by `pack_float_linears`): each weight
+Unquantised float32 layers on a CPU run through oneDNN (`OneDnnLinear`, built by `pack_float_linears`): each weight
 packed once into the layout oneDNN's GEMM reads, where `F.linear` (MKL's sgemm) packs it again at every call —
 as much work as the product itself at a decode step's few rows (BENCHMARKS.md).
 
