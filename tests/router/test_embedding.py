@@ -168,7 +168,6 @@ def test_texts_cut_shorter_for_an_experiment_are_named_apart_from_the_served_vec
         Embedder.load(models_dir, max_tokens=512)
 
 
-
 def test_a_gateway_runs_numpy_products_on_one_thread_beside_the_embedder() -> None:
     """OpenBLAS's idle workers spin after each product and slowed the next embedding (BENCHMARKS.md, router (c)).
     In a fresh process: this one's BLAS pools have been set by earlier tests, and OpenBLAS may not go back up."""
