@@ -120,6 +120,8 @@ def compare(rows: list[TrainingRow], seed: int = 0, cached_train_only: bool = Fa
         same = tfidf_lr_scores([rows[i] for i in ours_train], test_rows)
         result["tfidf_lr_same_rows"] = {**_figures(same, small, large), "train_rows": len(ours_train)}
     result["ours"]["validation"] = artifact.meta["validation"]
+    result["ours"]["blend"] = {key: artifact.meta["score"].get(key) for key in
+                               ("regression_weight", "neighbours_k", "ngram_weight")}
     result["split"] = {"rows": len(rows), "train": len(train), "test": len(test), "seed": seed}
     result["test_quality"] = {"small_only": float(small.mean()), "large_only": float(large.mean())}
     result["ours_vs_tfidf_lr"] = {

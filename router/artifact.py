@@ -28,6 +28,8 @@ import onnxruntime as ort
 from router.features import FEATURE_VERSION, feature_matrix
 from router.neighbours import FILE as NEIGHBOURS_FILE
 from router.neighbours import NeighbourIndex
+from router.ngrams import FILE as NGRAMS_FILE
+from router.ngrams import NgramModel
 
 log = logging.getLogger("sluice.router")
 LATEST = "LATEST"
@@ -57,12 +59,14 @@ class OperatingPoint:
 
 class RouterArtifact:
     def __init__(self, path: Path, meta: dict[str, Any], session: ort.InferenceSession,
-                 neighbours: NeighbourIndex | None = None) -> None:
+                 neighbours: NeighbourIndex | None = None, ngrams: NgramModel | None = None) -> None:
         self.path = path
         self.meta = meta
         self._session = session
         self._neighbours = neighbours
+        self._ngrams = ngrams
         self._weight = float(meta["score"].get("regression_weight", 1.0))
+        self._ngram_weight = float(meta["score"].get("ngram_weight", 0.0)) if ngrams is not None else 0.0
         self._input = session.get_inputs()[0].name
         self._points = sorted(
             (OperatingPoint(**p) for p in meta["operating_points"]), key=lambda p: p.quality_target
@@ -91,7 +95,10 @@ class RouterArtifact:
         options.inter_op_num_threads = 1
         session = ort.InferenceSession(str(path / MODEL_FILE), options, providers=["CPUExecutionProvider"])
         neighbours = NeighbourIndex.load(path) if (path / NEIGHBOURS_FILE).exists() else None
-        return cls(path, meta, session, neighbours)
+        ngrams = NgramModel.load(path) if (path / NGRAMS_FILE).exists() else None
+        if (ngrams is None) != (float(meta["score"].get("ngram_weight", 0.0)) == 0.0):
+            raise ArtifactError(f"{path}: meta.json's ngram_weight and the presence of {NGRAMS_FILE} disagree")
+        return cls(path, meta, session, neighbours, ngrams)
 
     def score(self, embeddings: np.ndarray, prompts: Sequence[str]) -> np.ndarray:
         """P(the large tier is needed) per prompt, float64 in [0, 1]; higher = harder."""
@@ -103,6 +110,8 @@ class RouterArtifact:
         if self._neighbours is not None and self._weight < 1.0:
             smoothed = self._neighbours.score(embeddings).astype(np.float64)
             scores = self._weight * scores + (1.0 - self._weight) * smoothed
+        if self._ngrams is not None:
+            scores = (1.0 - self._ngram_weight) * scores + self._ngram_weight * self._ngrams.score(prompts)
         return scores
 
     @property

@@ -3,7 +3,9 @@
 The label is "the large tier was needed": large_score > small_score (for 0/1 scores, large right and small wrong),
 each row weighted by how much it matters, |large_score − small_score| (ties weigh `TIE_WEIGHT`), so rows scored on a
 continuous scale (judge ratings) count by their gap. The model is a logistic regression on standardised
-[MiniLM embedding | lexical] features with sigmoid calibration, exported with skl2onnx and run by onnxruntime.
+[MiniLM embedding | lexical] features with sigmoid calibration, exported with skl2onnx and run by onnxruntime,
+blended with k-nearest-neighbour smoothing (`router.neighbours`) and a TF-IDF word-n-gram regression on the same label
+(`router.ngrams`), each blend weight chosen on the validation split.
 
 The rows are split 80/20 (seed): the model is fitted on the 80% and the validation 20% gives the metrics and the
 operating-point table stored with the artifact (thresholds chosen on rows the model never saw).
@@ -32,6 +34,8 @@ from router.features import FEATURE_VERSION, LEXICAL_NAMES, feature_matrix
 from router.metrics import apgr, cpt, full_curve, large_fraction_for, routing_curve
 from router.neighbours import FILE as NEIGHBOURS_FILE
 from router.neighbours import NeighbourIndex
+from router.ngrams import FILE as NGRAMS_FILE
+from router.ngrams import NgramModel
 from router.tune import operating_points
 
 MIN_ROWS = 20
@@ -39,6 +43,7 @@ TIE_WEIGHT = 0.25
 C = 0.01  # inverse L2 strength, chosen on the RouteLLM validation split (see BENCHMARKS.md)
 NEIGHBOUR_KS = (25, 50, 100, 200)
 BLEND_WEIGHTS = (1.0, 0.75, 0.5, 0.25, 0.0)  # weight of the regression; the rest goes to neighbour smoothing
+NGRAM_WEIGHTS = (0.0, 0.25, 0.5, 0.75, 1.0)  # weight of the n-gram regression against that blend
 
 
 def split_indices(n: int, seed: int = 0, test_fraction: float = 0.2) -> tuple[np.ndarray, np.ndarray]:
@@ -94,6 +99,29 @@ def choose_blend(
     return best[1], best[2], best[3]
 
 
+def choose_ngram_weight(blend: np.ndarray, ngrams: np.ndarray, rows: Sequence[TrainingRow]) -> tuple[float, np.ndarray]:
+    """(n-gram weight, scores) with the best APGR on the validation rows; ties keep the smaller weight."""
+    small = np.array([r.small_score for r in rows])
+    large = np.array([r.large_score for r in rows])
+    best: tuple[float, float, np.ndarray] | None = None
+    for weight in NGRAM_WEIGHTS:
+        scores = (1.0 - weight) * blend + weight * ngrams
+        value = apgr(full_curve(scores, small, large))
+        if best is None or value > best[0] + 1e-9:
+            best = (value, weight, scores)
+    assert best is not None
+    return best[1], best[2]
+
+
+def fit_ngrams(rows: Sequence[TrainingRow], seed: int = 0) -> NgramModel | None:
+    """The n-gram regression, or None when the rows share too few words for a vocabulary (terms in ≥ 2 prompts)."""
+    y, weight = labels(rows)
+    try:
+        return NgramModel.fit([r.prompt for r in rows], y, weight, seed)
+    except ValueError:  # scikit-learn: "After pruning, no terms remain"
+        return None
+
+
 def validation_metrics(scores: np.ndarray, rows: Sequence[TrainingRow]) -> dict[str, float]:
     small = np.array([r.small_score for r in rows])
     large = np.array([r.large_score for r in rows])
@@ -139,6 +167,10 @@ def train_router(
     val_rows = [rows[i] for i in val]
     index = NeighbourIndex.fit(embeddings[fit], labels([rows[i] for i in fit])[0].astype(np.float32), k=1)
     weight, k, scores = choose_blend(model.predict_proba(features[val])[:, 1], embeddings[val], index, val_rows)
+    ngrams = fit_ngrams([rows[i] for i in fit], seed)
+    ngram_weight = 0.0
+    if ngrams is not None:
+        ngram_weight, scores = choose_ngram_weight(scores, ngrams.score([r.prompt for r in val_rows]), val_rows)
     small = np.array([r.small_score for r in val_rows])
     large = np.array([r.large_score for r in val_rows])
     points = operating_points(scores, small, large)
@@ -154,13 +186,16 @@ def train_router(
             "lexical": list(LEXICAL_NAMES),
         },
         "model": "StandardScaler + LogisticRegression (sigmoid-calibrated) blended with k-nearest-neighbour "
-        "smoothing (router.neighbours); label: large_score > small_score",
+        "smoothing (router.neighbours) and a TF-IDF word 1-2-gram LogisticRegression (router.ngrams); label: "
+        "large_score > small_score",
         "score": {
             "class_index": 1,
             "regression_weight": weight,
             "neighbours_k": k if weight < 1.0 else None,
-            "meaning": "P(the large tier is needed): regression_weight × the model's probability + the rest × "
-            "the share of the k nearest training prompts that needed it",
+            "ngram_weight": ngram_weight,
+            "meaning": "P(the large tier is needed): (1 − ngram_weight) × (regression_weight × the model's "
+            "probability + the rest × the share of the k nearest training prompts that needed it) + ngram_weight × "
+            "the n-gram regression's probability",
         },
         "training_data": {"sha256": digest, "rows": len(rows), "fit_rows": len(fit), "seed": seed},
         "validation": validation_metrics(scores, val_rows),
@@ -169,4 +204,6 @@ def train_router(
         "tuned_on": "validation split",
     }
     extra = {NEIGHBOURS_FILE: index.to_bytes()} if weight < 1.0 else {}
+    if ngrams is not None and ngram_weight > 0.0:
+        extra[NGRAMS_FILE] = ngrams.to_bytes()
     return RouterArtifact.load(write_artifact(Path(out_dir), onnx_model.SerializeToString(), meta, extra))
