@@ -10,7 +10,7 @@ from sklearn.linear_model import LogisticRegression
 
 from router.artifact import ArtifactError, RouterArtifact
 from router.data import TrainingRow
-from router.ngrams import FILE, NgramModel, terms
+from router.ngrams import FILE, MAX_CHARS, NgramModel, terms
 from router.train import fit_ngrams, train_router
 
 from . import synthetic
@@ -33,6 +33,11 @@ def test_terms_are_scikit_learns_word_unigrams_then_bigrams() -> None:
     analyzer = TfidfVectorizer(ngram_range=(1, 2)).build_analyzer()
     for prompt in PROMPTS:
         assert terms(prompt) == analyzer(prompt)
+
+
+def test_only_the_start_of_a_long_prompt_is_read() -> None:
+    start = "which of the following " * 200  # longer than MAX_CHARS
+    assert terms(start[:MAX_CHARS] + " never read words") == terms(start[:MAX_CHARS])
 
 
 def test_scores_are_scikit_learns_tfidf_logistic_regression() -> None:
