@@ -133,18 +133,22 @@ async def test_two_gateways_share_the_cache_through_redis_and_the_admin_api_purg
     admin = {"authorization": f"Bearer {ADMIN_KEY}"}
     a_app = create_app(settings, a_tiers, record_sink=[].append, redis_prefix=redis_prefix)
     b_app = create_app(settings, b_tiers, record_sink=[].append, redis_prefix=redis_prefix)
+
+    def b_calls() -> int:  # whichever tier the router picks for the question
+        return sum(len(tier.requests) for tier in b_tiers.values())
+
     async with AsyncTestClient(a_app) as a, AsyncTestClient(b_app) as b:
         first = await a.post("/v1/chat/completions", json=body(QUESTION))
         assert first.headers["x-sluice-cache"] == "miss"
         exact = await b.post("/v1/chat/completions", json=body(QUESTION))
         assert exact.headers["x-sluice-cache"] == "exact"  # the paraphrase across replicas: test_cache.py
         assert exact.json()["choices"] == first.json()["choices"]
-        assert b_tiers["small"].requests == []
+        assert b_calls() == 0
         purged = await b.delete("/admin/cache/local", headers=admin)
         assert purged.status_code == 200 and purged.json()["purged_entries"] == 1
         assert (await a.post("/v1/chat/completions", json=body(QUESTION))).headers["x-sluice-cache"] == "miss"
         no_store = await b.post("/v1/chat/completions", json=body(QUESTION), headers={"cache-control": "no-store"})
-        assert no_store.headers["x-sluice-cache"] == "miss" and len(b_tiers["small"].requests) == 1
+        assert no_store.headers["x-sluice-cache"] == "miss" and b_calls() == 1
         assert (await b.delete("/admin/cache/local")).status_code == 401
 
 

@@ -265,4 +265,4 @@ async def test_a_refused_field_is_a_400_naming_it(gateway_client, tiers):
     async with gateway_client() as client:
         response = await client.post("/v1/chat/completions", json={**CHAT, "functions": [{"name": "f"}]})
     assert_openai_error(response, 400, "unsupported_parameter", "functions")
-    assert tiers["small"].requests == []
+    assert not any(tier.requests for tier in tiers.values())
