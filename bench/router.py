@@ -32,7 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import RESULTS_DIR, cpu_model, percentile, print_table
-from router.data import TrainingRow, load_rows
+from router.data import TrainingRow, load_rows, tier_scores
 from router.metrics import apgr, cpt, oracle_scores, routing_curve
 from router.train import split_indices, train_router
 
@@ -99,8 +99,7 @@ def compare(rows: list[TrainingRow], seed: int = 0, cached_train_only: bool = Fa
     train, test = split_indices(len(rows), seed)
     embeddings, ours_train, version = _split_embeddings(prompts, train, test, cached_train_only)
     train_rows, test_rows = [rows[i] for i in train], [rows[i] for i in test]
-    small = np.array([r.small_score for r in test_rows])
-    large = np.array([r.large_score for r in test_rows])
+    small, large = tier_scores(test_rows)
     with tempfile.TemporaryDirectory() as tmp:
         started = time.perf_counter()
         artifact = train_router([rows[i] for i in ours_train], Path(tmp), seed=seed,

@@ -180,6 +180,7 @@ def _tune(artifact: Any, rows: list[Any], scores: Any, quality_target: float, ou
 
     from router.artifact import store_operating_points
     from router.confidence import DEFINITIONS
+    from router.data import tier_scores
     from router.tune import operating_points, request_costs
 
     def column(values: list[float | None]) -> np.ndarray | None:
@@ -187,7 +188,7 @@ def _tune(artifact: Any, rows: list[Any], scores: Any, quality_target: float, ou
 
     cost_small, cost_large = request_costs([r.prompt for r in rows], _prices(settings), output_tokens)
     points = operating_points(
-        scores, np.array([r.small_score for r in rows]), np.array([r.large_score for r in rows]),
+        scores, *tier_scores(rows),
         cost_small=cost_small, cost_large=cost_large, confidence=column([r.small_confidence for r in rows]),
         stream_confidence=column([r.small_stream_confidence for r in rows]),
     )

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import numpy as np
 
 COLUMNS = ("prompt", "small_score", "large_score", "small_confidence", "small_stream_confidence")
 OPTIONAL = ("small_confidence", "small_stream_confidence")
@@ -29,6 +31,12 @@ class TrainingRow:
     large_score: float
     small_confidence: float | None = None
     small_stream_confidence: float | None = None
+
+
+def tier_scores(rows: Sequence[TrainingRow]) -> tuple[np.ndarray, np.ndarray]:
+    """(small_score, large_score) of each row, as two float64 arrays: what the routing metrics take."""
+    return np.array([r.small_score for r in rows], dtype=np.float64), np.array([r.large_score for r in rows],
+                                                                               dtype=np.float64)
 
 
 def _row(raw: dict[str, object], where: str) -> TrainingRow:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from router.artifact import OperatingPoint
-from router.data import TrainingRow
+from router.data import TrainingRow, tier_scores
 from router.metrics import apgr, cpt, full_curve, large_fraction_for, oracle_scores, routing_curve
 from router.tune import CHARS_PER_TOKEN, Prices, outcome, request_costs
 
@@ -31,8 +31,7 @@ class Evaluation:
 def evaluate(
     rows: Sequence[TrainingRow], scores: np.ndarray, point: OperatingPoint, prices: Prices, output_tokens: float
 ) -> Evaluation:
-    small = np.array([r.small_score for r in rows])
-    large = np.array([r.large_score for r in rows])
+    small, large = tier_scores(rows)
     confidences = [r.small_confidence for r in rows]
     confidence = None if any(c is None for c in confidences) else np.array(confidences, dtype=np.float64)
     curve = routing_curve(scores, small, large)

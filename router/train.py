@@ -29,7 +29,7 @@ from sklearn.pipeline import Pipeline, make_pipeline
 from sklearn.preprocessing import StandardScaler
 
 from router.artifact import RouterArtifact, write_artifact
-from router.data import TrainingDataError, TrainingRow
+from router.data import TrainingDataError, TrainingRow, tier_scores
 from router.features import FEATURE_VERSION, LEXICAL_NAMES, feature_matrix
 from router.metrics import apgr, cpt, full_curve, large_fraction_for, routing_curve
 from router.neighbours import FILE as NEIGHBOURS_FILE
@@ -63,7 +63,8 @@ def fingerprint(rows: Sequence[TrainingRow]) -> str:
 
 def labels(rows: Sequence[TrainingRow]) -> tuple[np.ndarray, np.ndarray]:
     """(label, sample weight) per row: the large tier needed, weighted by the score gap."""
-    gain = np.array([r.large_score - r.small_score for r in rows])
+    small, large = tier_scores(rows)
+    gain = large - small
     return (gain > 0).astype(np.int64), np.where(gain == 0, TIE_WEIGHT, np.abs(gain))
 
 
@@ -83,8 +84,7 @@ def choose_blend(
     regression: np.ndarray, embeddings: np.ndarray, index: NeighbourIndex, rows: Sequence[TrainingRow]
 ) -> tuple[float, int, np.ndarray]:
     """(regression weight, k, blended scores) with the best APGR over every threshold on the validation rows."""
-    small = np.array([r.small_score for r in rows])
-    large = np.array([r.large_score for r in rows])
+    small, large = tier_scores(rows)
     best: tuple[float, float, int, np.ndarray] | None = None
     for k in NEIGHBOUR_KS:
         index.k = k
@@ -101,8 +101,7 @@ def choose_blend(
 
 def choose_ngram_weight(blend: np.ndarray, ngrams: np.ndarray, rows: Sequence[TrainingRow]) -> tuple[float, np.ndarray]:
     """(n-gram weight, scores) with the best APGR on the validation rows; ties keep the smaller weight."""
-    small = np.array([r.small_score for r in rows])
-    large = np.array([r.large_score for r in rows])
+    small, large = tier_scores(rows)
     best: tuple[float, float, np.ndarray] | None = None
     for weight in NGRAM_WEIGHTS:
         scores = (1.0 - weight) * blend + weight * ngrams
@@ -123,8 +122,7 @@ def fit_ngrams(rows: Sequence[TrainingRow], seed: int = 0) -> NgramModel | None:
 
 
 def validation_metrics(scores: np.ndarray, rows: Sequence[TrainingRow]) -> dict[str, float]:
-    small = np.array([r.small_score for r in rows])
-    large = np.array([r.large_score for r in rows])
+    small, large = tier_scores(rows)
     curve = routing_curve(scores, small, large)
     return {
         "rows": len(rows),
@@ -171,8 +169,7 @@ def train_router(
     ngram_weight = 0.0
     if ngrams is not None:
         ngram_weight, scores = choose_ngram_weight(scores, ngrams.score([r.prompt for r in val_rows]), val_rows)
-    small = np.array([r.small_score for r in val_rows])
-    large = np.array([r.large_score for r in val_rows])
+    small, large = tier_scores(val_rows)
     points = operating_points(scores, small, large)
     onnx_model = to_onnx(model, features[:1], options={id(model): {"zipmap": False}}, target_opset=17)
     digest = fingerprint(rows)
