@@ -7,7 +7,7 @@ data in a blend with it (BENCHMARKS.md, router (a)).
 
 Terms are kept as their CRC-32, not as text: the artifact holds no words of the training prompts (a router trained
 on a tenant's own traffic ships none of it), and 32-bit hashes of the few hundred thousand terms of a training set
-seldom collide. Fitted with scikit-learn; served here in numpy (~tens of µs a prompt) from each kept term's hash,
+seldom collide. Fitted with scikit-learn; served here in numpy from each kept term's hash,
 idf and coefficient, so that serving needs neither scikit-learn nor a string-typed ONNX graph (onnxruntime's
 string normaliser needs an installed system locale). `score` reproduces `TfidfVectorizer(min_df=2,
 sublinear_tf=True)` over those terms + `LogisticRegression.predict_proba` (tested).
@@ -30,7 +30,7 @@ FILE = "ngrams.npz"
 C = 0.3  # inverse L2 strength, chosen on the RouteLLM validation split (BENCHMARKS.md)
 _TOKEN = re.compile(r"(?u)\b\w\w+\b")  # scikit-learn's default token pattern
 _UNKNOWN = -1  # the row of a term the model does not know
-# The score runs on the gateway's event loop, ~0.1 ms per 1,000 characters: a long prompt is read up to here (in
+# The score runs on the gateway's event loop and its cost grows with the text: a long prompt is read up to here (in
 # training too). Far more than the embedder's 256 tokens; longer than all but 0.03% of RouteLLM's prompts.
 MAX_CHARS = 4096
 
