@@ -1,6 +1,6 @@
 """Quality per precision format against float32, beside its memory and decode speed (issue #15).
 
-`python -m bench.quant_quality [--models small large] [--formats float32 bf16 int8 w8a8 int4]
+`python -m bench.quant_quality [--models small large] [--formats float32 bf16 int8 w8a8 w8a8-one-pass int4]
 [--questions 100] [--max-tokens 256] [--ppl-tokens 2048] [--threads N] [--data DIR]`
 
 Each demo model's checkpoint is loaded once; one engine per format is built from it in turn (the
@@ -9,7 +9,9 @@ previous one freed first), everything but the precision equal:
   float32  float32 weights, activations and KV cache (the reference);
   bf16     bfloat16 weights, activations and KV cache;
   int8     int8 weights (per output row), float32 activations;
-  w8a8     int8 weights and per-row int8 activations;
+  w8a8     int8 weights and per-row int8 activations, the attention projections' inputs in two int8 passes
+           (`w8a8_attention_passes = 2`, the default);
+  w8a8-one-pass  the same with every input in one pass (`w8a8_attention_passes = 1`);
   int4     int4 weights, float32 activations;
 
 the quantised ones with the KV cache that ships (`kv_cache_dtype = "auto"`: bfloat16 where the CPU has
@@ -66,6 +68,7 @@ FORMATS: dict[str, dict[str, Any]] = {
     "bf16": {"dtype": "bfloat16", "quantization": None, "kv_cache_dtype": "bfloat16"},
     "int8": {"dtype": "float32", "quantization": "int8", "kv_cache_dtype": "auto"},
     "w8a8": {"dtype": "float32", "quantization": "w8a8", "kv_cache_dtype": "auto"},
+    "w8a8-one-pass": {"dtype": "float32", "quantization": "w8a8", "kv_cache_dtype": "auto", "w8a8_attention_passes": 1},
     "int4": {"dtype": "float32", "quantization": "int4", "kv_cache_dtype": "auto"},
 }
 MAX_NUM_SEQS = 16

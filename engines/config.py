@@ -38,6 +38,10 @@ class EngineConfig:
     dtype: str = "float32"  # activation / KV-cache dtype: "float32" | "bfloat16" (emulated without AVX-512 bf16)
     # None | "auto" | "w8a8" | "int8" | "int4" on CPU; None | "auto" | "int8" | "fp8" on CUDA (engines.quantization)
     quantization: str | None = None
+    # w8a8: int8 passes over the attention's q/k/v and output projections' inputs (1 or 2; the second takes what the
+    # first one's rounding left: `engines.quantization.W8A8Linear`). Two keep w8a8's perplexity within +1% of
+    # float32 where one did not, for more products (BENCHMARKS.md, "w8a8 in two passes").
+    w8a8_attention_passes: int = 2
     # None: `dtype`; "auto": bfloat16 on CUDA and on CPUs with native bf16 (half the bytes decode attention reads),
     # else `dtype`.
     kv_cache_dtype: str | None = None
@@ -75,3 +79,7 @@ class EngineConfig:
     speculative_draft_vocab: int | None = 65536
     served_model_name: str | None = None
     extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.w8a8_attention_passes not in (1, 2):
+            raise ValueError(f"w8a8_attention_passes is 1 or 2, not {self.w8a8_attention_passes!r}")

@@ -391,6 +391,7 @@ struct int8_linear {  /* weight [out, in] int8 (or in tile order: w8a8_tile_pack
     const int8_t *weight;
     const float *scale, *bias;
     const int32_t *weight_sum;  /* [out] Σₖ w[n, k] for W8A8_VNNI's unsigned activations; NULL otherwise */
+    int32_t activation_passes;  /* 1, or 2: a w8a8 input in two int8 passes (`quantize_project`); not gate_up's */
 };
 
 struct decoder_layer {
@@ -430,10 +431,19 @@ static inline int64_t quantized_row_floats(const int64_t widest) {
     return ALIGN_FLOATS(int16_floats > int8_floats ? int16_floats : int8_floats);
 }
 
+/* The widest output of a product whose input may take two passes (q/k/v, o, down). */
+static inline int64_t widest_pass_output(const struct decoder_shape *s) {
+    const int64_t qkv = (s->heads + 2 * s->kv_heads) * s->head_dim;
+    return qkv > s->hidden ? qkv : s->hidden;
+}
+
+/* Per row: the float32 input, two quantised inputs (a second pass's beside the first), q/k/v, gate/up, a product's
+ * output, a second pass's float32 input, and both passes' outputs; then two input scales. */
 int64_t decode_layer_workspace_floats(const struct decoder_shape *s, const int64_t rows) {
     const int64_t widest = widest_input(s), qkv = (s->heads + 2 * s->kv_heads) * s->head_dim;
-    return rows * (ALIGN_FLOATS(widest) + quantized_row_floats(widest) + ALIGN_FLOATS(qkv)
-                   + ALIGN_FLOATS(2 * s->intermediate) + ALIGN_FLOATS(widest)) + ALIGN_FLOATS(rows);
+    return rows * (ALIGN_FLOATS(widest) + 2 * quantized_row_floats(widest) + ALIGN_FLOATS(qkv)
+                   + ALIGN_FLOATS(2 * s->intermediate) + 2 * ALIGN_FLOATS(widest)
+                   + 2 * ALIGN_FLOATS(widest_pass_output(s))) + ALIGN_FLOATS(2 * rows);
 }
 
 static void rms_norm_row(const float *x, const float *weight, const int64_t K, const float eps, float *out) {
@@ -519,9 +529,9 @@ static void silu_mul_row(const float *gate, const float *up, const int64_t K, fl
 
 /* Rows [0, rows) of x quantised for the layer's products into xq (int16; int8 padded to whole tiles; or int8
  * shifted to uint8), split among the team's threads; the `omp for` ends in a barrier. */
-static void quantize_inputs(const struct decoder_shape *s, const float *x, const int64_t rows, const int64_t K,
+static void quantize_inputs(const enum layer_products products, const float *x, const int64_t rows, const int64_t K,
                             void *xq, float *x_scale) {
-    switch (s->products) {
+    switch (products) {
         case W8A8_AMX: quantize_rows_int8(x, rows, K, xq, x_scale); break;
         case W8A8_VNNI: quantize_rows_vnni(x, rows, K, xq, x_scale); break;
         default: quantize_rows_int16(x, rows, K, xq, x_scale);
@@ -530,9 +540,9 @@ static void quantize_inputs(const struct decoder_shape *s, const float *x, const
 
 /* Every row's product through the layer's arithmetic, each thread its share of the output features, then a
  * barrier: the team reads `out` next. (Its input rows were quantised in an `omp for`, which ends in one.) */
-static void project(const struct decoder_shape *s, const void *xq, const float *x_scale, const int64_t rows,
+static void project(const enum layer_products products, const void *xq, const float *x_scale, const int64_t rows,
                     const int64_t K, const struct int8_linear *linear, float *out, const int64_t N) {
-    switch (s->products) {
+    switch (products) {
         case W8A8_AMX: w8a8_amx_share(xq, x_scale, rows, K, linear->weight, linear->scale, linear->bias, out, N); break;
         case W8A8_VNNI:
             w8a8_vnni_share(xq, x_scale, rows, K, linear->weight, linear->weight_sum, linear->scale, linear->bias, out,
@@ -541,6 +551,73 @@ static void project(const struct decoder_shape *s, const void *xq, const float *
         default: int8_gemv_share(xq, x_scale, rows, K, linear->weight, linear->scale, linear->bias, out, N);
     }
     #pragma omp barrier
+}
+
+/* x − round(x / scale) · scale over a row, `scale` its `quantize_row_bytes` scale: what rounding it to int8 levels
+ * left, the input of its second pass. torch's `x - torch.round(x / s) * s` (`engines.quantization.residual_rows`),
+ * each operation rounded alone, rounding half to even: the same bits. */
+static void residual_row(const float *x, const int64_t K, const float scale, float *out) {
+    const __m256 scale8 = _mm256_set1_ps(scale);
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        const __m256 v = _mm256_loadu_ps(x + k);
+        const __m256 q = _mm256_round_ps(_mm256_div_ps(v, scale8), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm256_storeu_ps(out + k, _mm256_sub_ps(v, _mm256_mul_ps(q, scale8)));
+    }
+    for (; k < K; k++) out[k] = x[k] - nearbyintf(x[k] / scale) * scale;
+}
+
+struct pass_scratch {  /* what a product's inputs take in the layer's workspace (`decode_layer_workspace_floats`) */
+    void *xq;  /* quantised rows: the first pass's [rows], then a second pass's [rows] */
+    float *x_scale;  /* [2 rows], the same order */
+    float *residual;  /* [rows, K]: a second pass's float32 input */
+    float *passes;  /* [2 rows, N]: both passes' products */
+};
+
+/* out [rows, N] = x [rows, K] times the layer's weight, the input quantised for its products: in one pass, or for a
+ * w8a8 projection that takes two (`activation_passes`) in two — the rows, then what their rounding left
+ * (`residual_row`) — as 2 · rows rows of one product without the bias, each row's two passes summed, then the bias:
+ * `engines.quantization.W8A8Linear`'s arithmetic. The second pass leaves at most 1/254 of one pass's rounding error,
+ * which is large where a few outlier features set a row's scale. Every thread of the team calls it; it ends in a
+ * barrier. */
+static void quantize_project(const enum layer_products products, const float *x, const int64_t rows,
+                             const int64_t K, const struct int8_linear *linear, const struct pass_scratch *w,
+                             float *out, const int64_t N) {
+    quantize_inputs(products, x, rows, K, w->xq, w->x_scale);
+    if (linear->activation_passes < 2) {
+        project(products, w->xq, w->x_scale, rows, K, linear, out, N);
+        return;
+    }
+    const int64_t row_bytes = (K + TILE_K_CHUNK - 1) / TILE_K_CHUNK * TILE_K_CHUNK;  /* w8a8: int8 in whole chunks */
+    #pragma omp for schedule(static)
+    for (int64_t m = 0; m < rows; m++) residual_row(x + m * K, K, w->x_scale[m], w->residual + m * K);
+    quantize_inputs(products, w->residual, rows, K, (uint8_t *)w->xq + rows * row_bytes, w->x_scale + rows);
+    struct int8_linear unbiased = *linear;
+    unbiased.bias = NULL;
+    project(products, w->xq, w->x_scale, 2 * rows, K, &unbiased, w->passes, N);
+    #pragma omp for schedule(static)
+    for (int64_t m = 0; m < rows; m++) {
+        const float *first = w->passes + m * N, *second = w->passes + (rows + m) * N;
+        float *row = out + m * N;
+        for (int64_t n = 0; n < N; n++) row[n] = first[n] + second[n];
+        if (linear->bias)
+            for (int64_t n = 0; n < N; n++) row[n] += linear->bias[n];
+    }
+}
+
+/* The product of a w8a8 layer in tile order (`products`: W8A8_AMX or W8A8_VNNI; w_sum for VNNI, else NULL) with x
+ * [rows, K] in two passes, as the decode layer multiplies such an input (`quantize_project`): out [rows, N]; xq
+ * [2 rows, ceil(K / 64) * 64] bytes, x_scale [2 rows], residual [rows, K] and passes [2 rows, N] float32 are scratch.
+ * Returns 0, or -1 for products of another kind. */
+int w8a8_two_pass(const int products, const float *x, const int64_t rows, const int64_t K, const int8_t *packed,
+                  const int32_t *w_sum, const float *w_scale, const float *bias, float *out, const int64_t N, void *xq,
+                  float *x_scale, float *residual, float *passes, const int threads) {
+    if (products != W8A8_AMX && products != W8A8_VNNI) return -1;
+    const struct int8_linear linear = {packed, w_scale, bias, w_sum, 2};
+    const struct pass_scratch scratch = {xq, x_scale, residual, passes};
+    #pragma omp parallel num_threads(threads)
+    quantize_project((enum layer_products)products, x, rows, K, &linear, &scratch, out, N);
+    return 0;
 }
 
 /* silu(gate) · up of the rows' gate_up product into out [rows, I], then a barrier. w8a8 products over whole
@@ -563,7 +640,7 @@ static void project_silu_mul(const struct decoder_shape *s, const void *xq, cons
         #pragma omp barrier
         return;
     }
-    project(s, xq, x_scale, rows, K, linear, gate_up, 2 * inter);
+    project(s->products, xq, x_scale, rows, K, linear, gate_up, 2 * inter);
     #pragma omp for schedule(static)
     for (int64_t m = 0; m < rows; m++)
         silu_mul_row(gate_up + m * 2 * inter, gate_up + m * 2 * inter + inter, inter, out + m * inter);
@@ -583,14 +660,20 @@ int decode_layer_int8(const struct decoder_layer *layer, const struct decoder_sh
     if (head_dim % 8 || head_dim > MAX_HEAD_DIM || s->heads % s->kv_heads || s->heads / s->kv_heads > MAX_GROUP)
         return -1;
     if (s->block_size < 1 || s->block_size & (s->block_size - 1) || inter % 8) return -1;
+    const int two_passes = layer->qkv.activation_passes > 1 || layer->o.activation_passes > 1
+                           || layer->down.activation_passes > 1;
+    if (layer->gate_up.activation_passes > 1 || (two_passes && s->products == INT8_WEIGHT_ONLY)) return -1;
     const int block_shift = __builtin_ctzll((unsigned long long)s->block_size);
     const int64_t widest = widest_input(s);
     float *h = step->workspace;  /* a product's float32 input rows, [rows, widest] */
     void *xq = h + rows * ALIGN_FLOATS(widest);  /* the same rows quantised: int16 [rows, widest] or int8 padded */
-    float *qkv = h + rows * (ALIGN_FLOATS(widest) + quantized_row_floats(widest));
+    float *qkv = h + rows * (ALIGN_FLOATS(widest) + 2 * quantized_row_floats(widest));
     float *gate_up = qkv + rows * ALIGN_FLOATS(qkv_size);
     float *y = gate_up + rows * ALIGN_FLOATS(2 * inter);  /* a product's output rows or the packed q, [rows, widest] */
-    float *x_scale = y + rows * ALIGN_FLOATS(widest);
+    float *residual = y + rows * ALIGN_FLOATS(widest);
+    float *passes = residual + rows * ALIGN_FLOATS(widest);
+    float *x_scale = passes + 2 * rows * ALIGN_FLOATS(widest_pass_output(s));
+    const struct pass_scratch scratch = {xq, x_scale, residual, passes};
     /* w8a8 layers run only on CPUs with AVX-512 (AMX or VNNI): their attention takes the sixteen-lane build where
      * the head fills whole vectors of it, with bfloat16 dot products where the CPU has them. */
     void (*const attend)(const float *, const void *, const void *, int, const int64_t *, int64_t, const int64_t *,
@@ -604,8 +687,7 @@ int decode_layer_int8(const struct decoder_layer *layer, const struct decoder_sh
         #pragma omp for schedule(static)
         for (int64_t m = 0; m < rows; m++)
             rms_norm_row(x + m * hidden, layer->input_norm, hidden, s->rms_norm_eps, h + m * hidden);
-        quantize_inputs(s, h, rows, hidden, xq, x_scale);
-        project(s, xq, x_scale, rows, hidden, &layer->qkv, qkv, qkv_size);
+        quantize_project(s->products, h, rows, hidden, &layer->qkv, &scratch, qkv, qkv_size);
         #pragma omp for schedule(static)
         for (int64_t m = 0; m < rows; m++) {
             float *row = qkv + m * qkv_size;
@@ -621,18 +703,16 @@ int decode_layer_int8(const struct decoder_layer *layer, const struct decoder_sh
         attend(
             y, layer->k_cache, layer->v_cache, s->kv_bf16, step->block_tables, step->max_blocks, step->context_lens,
             rows, s->heads, s->kv_heads, head_dim, block_shift, s->attention_scale, 1, h, &status);
-        quantize_inputs(s, h, rows, q_size, xq, x_scale);
-        project(s, xq, x_scale, rows, q_size, &layer->o, y, hidden);
+        quantize_project(s->products, h, rows, q_size, &layer->o, &scratch, y, hidden);
         #pragma omp for schedule(static)
         for (int64_t m = 0; m < rows; m++) {
             float *x_row = x + m * hidden;
             for (int64_t k = 0; k < hidden; k++) x_row[k] += y[m * hidden + k];
             rms_norm_row(x_row, layer->post_attention_norm, hidden, s->rms_norm_eps, h + m * hidden);
         }
-        quantize_inputs(s, h, rows, hidden, xq, x_scale);
+        quantize_inputs(s->products, h, rows, hidden, xq, x_scale);
         project_silu_mul(s, xq, x_scale, rows, hidden, &layer->gate_up, gate_up, h);
-        quantize_inputs(s, h, rows, inter, xq, x_scale);
-        project(s, xq, x_scale, rows, inter, &layer->down, y, hidden);
+        quantize_project(s->products, h, rows, inter, &layer->down, &scratch, y, hidden);
         #pragma omp for schedule(static)
         for (int64_t m = 0; m < rows; m++)
             for (int64_t k = 0; k < hidden; k++) x[m * hidden + k] += y[m * hidden + k];

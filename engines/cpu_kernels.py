@@ -40,6 +40,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -98,6 +99,11 @@ class TiledW8A8Kernel:
         self._silu_mul = getattr(library, f"{self.symbol}_silu_mul")
         self._silu_mul.restype = ctypes.c_int
         self._silu_mul.argtypes = [*self._product.argtypes[:-1], _POINTER, ctypes.c_int]
+        # (products, x, rows, K, tiled, weight_sum, scales, bias, out, N, xq, x_scale, residual, passes, threads)
+        self._two_pass = library.w8a8_two_pass
+        self._two_pass.restype = ctypes.c_int
+        self._two_pass.argtypes = [ctypes.c_int, _POINTER, _INT64, _INT64, _POINTER, _POINTER, _POINTER, _POINTER,
+                                   _POINTER, _INT64, _POINTER, _POINTER, _POINTER, _POINTER, ctypes.c_int]
 
     def pack(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The tiled weight, and its row sums `[N]` int32 where this product takes them (else None). Taken in
@@ -129,6 +135,26 @@ class TiledW8A8Kernel:
     ) -> torch.Tensor:
         out = torch.empty(x.shape[0], out_features)
         self._run(self._product, x, tiled, out_features, scales, bias, weight_sum, out)
+        return out
+
+    def two_pass(
+        self, x: torch.Tensor, tiled: torch.Tensor, out_features: int, scales: torch.Tensor, bias: torch.Tensor | None,
+        weight_sum: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The product with x's rows in two int8 passes, as the decode layer multiplies an input that takes them:
+        `W8A8Linear(activation_passes=2)`'s bits."""
+        rows, in_features = x.shape
+        assert tiled.shape[1] * self.k_chunk >= in_features and tiled.shape[0] * self.group >= out_features
+        assert (weight_sum is not None) == self.needs_weight_sum
+        x = x.contiguous()
+        out = torch.empty(rows, out_features)
+        scratch = torch.empty(2 * rows, tiled.shape[1] * self.k_chunk, dtype=torch.uint8)  # both passes' rows
+        row_scales, residual = torch.empty(2 * rows), torch.empty(rows, in_features)
+        passes = torch.empty(2 * rows, out_features)
+        self._two_pass(int(self.products), x.data_ptr(), rows, in_features, tiled.data_ptr(),
+                       None if weight_sum is None else weight_sum.data_ptr(), scales.data_ptr(),
+                       None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, scratch.data_ptr(),
+                       row_scales.data_ptr(), residual.data_ptr(), passes.data_ptr(), torch.get_num_threads())
         return out
 
     def gates(self, out_features: int) -> bool:
@@ -422,7 +448,8 @@ class PagedPrefillAttention:
 class Int8Projection(ctypes.Structure):
     """An int8 projection as `decode_layer_int8` reads it (`struct int8_linear`)."""
 
-    _fields_ = [("weight", _POINTER), ("scale", _POINTER), ("bias", _POINTER), ("weight_sum", _POINTER)]
+    _fields_ = [("weight", _POINTER), ("scale", _POINTER), ("bias", _POINTER), ("weight_sum", _POINTER),
+                ("activation_passes", ctypes.c_int32)]
 
 
 class DecoderLayerWeights(ctypes.Structure):
@@ -501,8 +528,14 @@ FORWARD_COST = {
     LayerProducts.W8A8_VNNI: ForwardCost(per_pass=0.4, rows_per_pass=4),
 }
 
-# int8 weight ([N, K] or tiled), scales, bias, and the weight's row sums where the products are W8A8_VNNI
-Projection = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+class Projection(NamedTuple):
+    """A projection's operands as `decode_layer_int8` takes them."""
+
+    weight: torch.Tensor  # int8, [N, K] or in tile order
+    scales: torch.Tensor
+    bias: torch.Tensor | None
+    weight_sum: torch.Tensor | None  # the weight's row sums where the products are W8A8_VNNI
+    activation_passes: int = 1  # int8 passes over the input (`W8A8Linear.activation_passes`)
 
 
 class DecodeLayerKernel:
@@ -539,10 +572,10 @@ class DecodeLayerKernel:
         keep = [input_norm, post_attention_norm, k_cache, v_cache]
 
         def projection(operands: Projection) -> Int8Projection:
-            weight, scales, bias, weight_sum = operands
-            keep.extend(tensor for tensor in operands if tensor is not None)
+            weight, scales, bias, weight_sum, passes = operands
+            keep.extend(tensor for tensor in (weight, scales, bias, weight_sum) if tensor is not None)
             return Int8Projection(weight.data_ptr(), scales.data_ptr(), None if bias is None else bias.data_ptr(),
-                                  None if weight_sum is None else weight_sum.data_ptr())
+                                  None if weight_sum is None else weight_sum.data_ptr(), passes)
 
         for tensor in keep[:2]:
             assert tensor.dtype == torch.float32 and tensor.is_contiguous()

@@ -226,13 +226,17 @@ class LLMEngine:
             return self._build_model(checkpoint, consume)
         stat = os.stat(source)
         key = (os.path.realpath(source), stat.st_size, stat.st_mtime_ns, self.dtype, self.quantization,
-               self.max_model_len)
+               self.config.w8a8_attention_passes, self.max_model_len)
         model = _LOADED_MODELS.get(key)
         if model is None:
             model = _LOADED_MODELS[key] = self._build_model(checkpoint, consume)
         else:
             logger.info("%s: weights shared with an engine already serving %s", self.config.model, source)
         return model
+
+    def _two_pass_layers(self, config: ModelConfig) -> Callable[[str], bool] | None:
+        """Which w8a8 layers take their inputs in two int8 passes (`EngineConfig.w8a8_attention_passes`)."""
+        return model_class(config).is_attention_projection if self.config.w8a8_attention_passes == 2 else None
 
     def _build_model(self, checkpoint: Checkpoint, consume: bool) -> torch.nn.Module:
         config = self.config
@@ -242,7 +246,8 @@ class LLMEngine:
             # weights dequantised a layer at a time: it beats the packed kernel there.
             quantize = functools.partial(quantize_model, mode=self.quantization, activation_dtype=self.dtype,
                                          dequantize_many_rows=self.dtype == torch.float32,
-                                         device_type=self.device.type)
+                                         device_type=self.device.type,
+                                         two_pass=self._two_pass_layers(checkpoint.config))
         # Each decoder layer is quantised as soon as it is loaded: the float32 model is never whole.
         model = build_model(checkpoint.config, checkpoint.tensors, self.dtype, self.max_model_len, consume=consume,
                             on_layer_loaded=quantize)
@@ -416,10 +421,13 @@ class LLMEngine:
         decode step's layers run (one native call each, `native:` the products' kind, or PyTorch modules), and which
         build attends decode rows (`PagedDecodeAttention.isa`, "triton" on CUDA, "pytorch" for gather + SDPA)."""
         native, attention = self.runner.native_decoder, self.runner.decode_attention
+        w8a8 = self.quantization == "w8a8"
+        passes = {"w8a8_attention_passes": str(self.config.w8a8_attention_passes)} if w8a8 else {}
         return {
             "device": str(self.device),
             "dtype": self.config.dtype,
             "quantization": self.quantization or "none",
+            **passes,
             "kv_cache_dtype": str(self.kv_cache_dtype).removeprefix("torch."),
             "decode_layers": "modules" if native is None else f"native:{native.products.name.lower()}",
             "decode_attention": "pytorch" if attention is None else getattr(attention, "isa", "triton"),

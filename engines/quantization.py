@@ -300,35 +300,73 @@ class Int4Linear(nn.Module):
         )
 
 
+def activation_scales(rows: torch.Tensor) -> torch.Tensor:
+    """`[rows, 1]`: each row's w8a8 scale, its largest magnitude over 127 (at least 1e-12 / 127)."""
+    return rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+
+
+def residual_rows(rows: torch.Tensor) -> torch.Tensor:
+    """`[2 · rows, K]`: the float32 rows, then what rounding each to its int8 levels leaves, x − s · round(x / s):
+    an input in two int8 passes (`W8A8Linear.activation_passes`)."""
+    scales = activation_scales(rows)
+    return torch.cat([rows, rows - torch.round(rows / scales) * scales])
+
+
+def sum_passes(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A product over `residual_rows` (without its bias) back to one row each: the two passes summed, then the bias."""
+    rows = out.shape[0] // 2
+    out = out[:rows] + out[rows:]
+    return out if bias is None else out.add_(bias)
+
+
 class W8A8Linear(Int8Linear):
     """Int8Linear's weights with int8 activations too (one scale per row, taken on the fly):
     y = (q(x) @ q(W)ᵀ) · s_row · s_col + bias, the product in int32 through `torch._int_mm` (oneDNN:
     VNNI where the CPU has it). Per-row scales keep every row independent of what else is in the
     batch, so a request's output does not depend on its batch mates.
 
+    With `activation_passes = 2` the input goes in two int8 passes: the rows, then what their rounding left
+    (`residual_rows`), as twice the rows of one product without the bias, each row's two results summed, then the
+    bias (`sum_passes`). Where a few outlier features set a row's scale, one pass rounds the others coarsely; the
+    second leaves at most 1/254 of that error, for twice the products. `quantize_model` gives two passes to the
+    layers its `two_pass` names.
+
     `quantize_model` builds it only where neither tiled kernel runs (`TiledW8A8Linear`, the same bits faster);
     the tests and benchmarks use it as their reference."""
 
     def __init__(
-        self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, activation_dtype: torch.dtype
+        self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, activation_dtype: torch.dtype,
+        activation_passes: int = 1,
     ) -> None:
         super().__init__(weight_int8, scales, bias, activation_dtype)
         # The int32 product is rescaled (and the bias added) in float32.
         self.scales = scales.float()
         self.bias = None if bias is None else bias.detach().float()
+        self.activation_passes = activation_passes
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, activation_dtype: torch.dtype = torch.bfloat16,
+                    activation_passes: int = 1) -> W8A8Linear:
+        weight_int8, scales = quantize_int8(linear.weight.detach())
+        return cls(weight_int8, scales, linear.bias, activation_dtype, activation_passes)
 
     def _attach_gemv(self) -> Int8Gemv | None:
         return None  # `int8_gemv` rounds activations to int16: not this layer's arithmetic
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
-        row_scales = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+        if self.activation_passes == 2:
+            out = sum_passes(self._product(residual_rows(rows), None), self.bias)
+        else:
+            out = self._product(rows, self.bias)
+        return out.to(self.activation_dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def _product(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        row_scales = activation_scales(rows)
         # |rows / row_scales| <= 127 by construction: rounding needs no clamp.
         quantized = torch.round(rows / row_scales).to(torch.int8)
         out = torch._int_mm(quantized, self.weight.t()).float().mul_(row_scales).mul_(self.scales)
-        if self.bias is not None:
-            out = out.add_(self.bias)
-        return out.to(self.activation_dtype).reshape(*x.shape[:-1], self.out_features)
+        return out if bias is None else out.add_(bias)
 
 
 class TiledW8A8Linear(nn.Module):
@@ -340,11 +378,12 @@ class TiledW8A8Linear(nn.Module):
 
     def __init__(self, tiled_weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                  weight_sum: torch.Tensor | None, in_features: int, out_features: int, activation_dtype: torch.dtype,
-                 kernel: TiledW8A8Kernel) -> None:
+                 kernel: TiledW8A8Kernel, activation_passes: int = 1) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.activation_dtype = activation_dtype
         self.kernel = kernel
+        self.activation_passes = activation_passes  # as W8A8Linear's
         self.register_buffer("weight", tiled_weight)
         self.register_buffer("scales", scales.float())
         self.register_buffer("bias", None if bias is None else bias.detach().float())
@@ -352,12 +391,12 @@ class TiledW8A8Linear(nn.Module):
         self.register_buffer("weight_sum", weight_sum)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, activation_dtype: torch.dtype, kernel: TiledW8A8Kernel
-                    ) -> TiledW8A8Linear:  # fmt: skip
+    def from_linear(cls, linear: nn.Linear, activation_dtype: torch.dtype, kernel: TiledW8A8Kernel,
+                    activation_passes: int = 1) -> TiledW8A8Linear:
         weight_int8, scales = quantize_int8(linear.weight.detach())
         tiled, weight_sum = kernel.pack(weight_int8)
         return cls(tiled, scales, linear.bias, weight_sum, linear.in_features, linear.out_features, activation_dtype,
-                   kernel)
+                   kernel, activation_passes)
 
     def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The int8 weight's rows `ids`, `[len(ids), in_features]`."""
@@ -369,26 +408,27 @@ class TiledW8A8Linear(nn.Module):
         bias = None if self.bias is None else self.bias[:num_rows]
         weight_sum = None if self.weight_sum is None else self.weight_sum[:num_rows]
         return TiledW8A8Linear(blocks, self.scales[:num_rows], bias, weight_sum, self.in_features, num_rows,
-                               self.activation_dtype, self.kernel)
+                               self.activation_dtype, self.kernel, self.activation_passes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
-        out = self.kernel(rows, self.weight, self.out_features, self.scales, self.bias, self.weight_sum)
+        product = self.kernel.two_pass if self.activation_passes == 2 else self.kernel
+        out = product(rows, self.weight, self.out_features, self.scales, self.bias, self.weight_sum)
         return out.to(self.activation_dtype).reshape(*x.shape[:-1], self.out_features)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
         """`self(x).argmax(-1)`'s ids for x [rows, in_features], the outputs compared in cache and never written
         (an LM head's greedy choice: [rows, vocab] float32 logits are megabytes a step), where the kernel can (on AMX
         tiles, float32 activations: the very outputs `forward` returns); else None."""
-        if not isinstance(self.kernel, W8A8Amx) or self.activation_dtype != torch.float32:
+        if not isinstance(self.kernel, W8A8Amx) or self.activation_dtype != torch.float32 or self.activation_passes > 1:
             return None
         return self.kernel.argmax(x.reshape(-1, self.in_features).float(), self.weight, self.out_features, self.scales,
                                   self.bias)
 
     @property
     def gates(self) -> bool:
-        """Whether `silu_and_mul` runs: this is a gate_up projection [gate; up] the kernel can combine."""
-        return self.kernel.gates(self.out_features)
+        """Whether `silu_and_mul` runs: this is a gate_up projection [gate; up] the kernel can combine, in one pass."""
+        return self.activation_passes == 1 and self.kernel.gates(self.out_features)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """`silu(gate) * up` of `gate, up = self(x).split(out_features // 2, -1)`, in the product's own pass."""
@@ -397,7 +437,8 @@ class TiledW8A8Linear(nn.Module):
         return out.to(self.activation_dtype).reshape(*x.shape[:-1], self.out_features // 2)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"activation_passes={self.activation_passes}")
 
 
 class _CudaQuantizedLinear(nn.Module):
@@ -514,9 +555,10 @@ def native_operands(module: nn.Module) -> tuple[LayerProducts, Projection] | Non
     if getattr(packed, "activation_dtype", None) != torch.float32:
         return None
     if type(packed) is TiledW8A8Linear:
-        return packed.kernel.products, (packed.weight, packed.scales, packed.bias, packed.weight_sum)
+        return packed.kernel.products, Projection(packed.weight, packed.scales, packed.bias, packed.weight_sum,
+                                                  packed.activation_passes)
     if type(packed) is Int8Linear and packed.gemv is not None:
-        return LayerProducts.INT8_WEIGHT_ONLY, (packed.weight, packed.gemv_scales, packed.gemv_bias, None)
+        return LayerProducts.INT8_WEIGHT_ONLY, Projection(packed.weight, packed.gemv_scales, packed.gemv_bias, None)
     return None
 
 
@@ -528,7 +570,11 @@ def first_output_rows(module: nn.Module, num_rows: int) -> nn.Module | None:
         return None if packed is None else RowDispatchLinear(packed, module.max_packed_rows)  # type: ignore[arg-type]
     if isinstance(module, TiledW8A8Linear):
         return module.first_output_rows(num_rows)
-    if isinstance(module, Int8Linear | TritonInt8Linear):  # W8A8Linear too: each takes int8 rows, scales, bias
+    if isinstance(module, W8A8Linear):
+        bias = None if module.bias is None else module.bias[:num_rows]
+        return W8A8Linear(module.weight[:num_rows], module.scales[:num_rows], bias, module.activation_dtype,
+                          module.activation_passes)
+    if isinstance(module, Int8Linear | TritonInt8Linear):  # each takes int8 rows, scales, bias
         bias = None if module.bias is None else module.bias[:num_rows]
         return type(module)(module.weight[:num_rows], module.scales[:num_rows], bias, module.activation_dtype)
     if isinstance(module, OneDnnLinear):
@@ -589,8 +635,10 @@ def quantize_model(
     group_size: int = INT4_DEFAULT_GROUP_SIZE,
     dequantize_many_rows: bool = False,
     device_type: str = "cpu",
+    two_pass: Callable[[str], bool] | None = None,
 ) -> None:
     """Replace every nn.Linear (by qualified name, unless `skip(name)`) with its quantised version, in place.
+    w8a8 layers named by `two_pass` take their input in two int8 passes (`W8A8Linear.activation_passes`).
 
     `mode` is "int8", "int4" or "w8a8". An int4 layer whose in_features is not a multiple of `group_size`
     falls back to the largest supported group size dividing it; a layer the int4 kernel cannot take
@@ -612,7 +660,8 @@ def quantize_model(
     for name, linear in _linear_modules(model, skip):
         parent_name, _, child_name = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        packed = _quantized(linear, mode, activation_dtype, group_size)
+        passes = 2 if two_pass is not None and two_pass(name) else 1
+        packed = _quantized(linear, mode, activation_dtype, group_size, passes)
         dispatch = dequantize_many_rows and type(packed) is Int8Linear
         setattr(parent, child_name, RowDispatchLinear(packed) if dispatch else packed)
 
@@ -622,12 +671,13 @@ def _linear_modules(model: nn.Module, skip: Callable[[str], bool] | None) -> lis
             if isinstance(module, nn.Linear) and not (skip is not None and skip(name))]
 
 
-def _quantized(linear: nn.Linear, mode: str, activation_dtype: torch.dtype, group_size: int) -> nn.Module:
+def _quantized(linear: nn.Linear, mode: str, activation_dtype: torch.dtype, group_size: int,
+               activation_passes: int) -> nn.Module:
     if mode == "w8a8":
         kernel = w8a8_tiled()
         if kernel is not None:
-            return TiledW8A8Linear.from_linear(linear, activation_dtype, kernel)
-        return W8A8Linear.from_linear(linear, activation_dtype)
+            return TiledW8A8Linear.from_linear(linear, activation_dtype, kernel, activation_passes)
+        return W8A8Linear.from_linear(linear, activation_dtype, activation_passes)
     if mode == "int4" and linear.out_features % INT4_OUT_FEATURES_MULTIPLE == 0:
         fitting = [size for size in INT4_GROUP_SIZES if size <= group_size and linear.in_features % size == 0]
         if fitting:

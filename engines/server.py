@@ -228,6 +228,8 @@ def launch(spec: TierSpec, argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"])
     parser.add_argument("--quantization", choices=["none", "auto", "w8a8", "int8", "int4", "fp8"])
     parser.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--w8a8-attention-passes", type=int, choices=[1, 2],
+                        help="w8a8: int8 passes over the attention projections' inputs (default 2)")
     parser.add_argument("--kv-cache-mb", type=int)
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--max-num-batched-tokens", type=int)
@@ -245,6 +247,7 @@ def launch(spec: TierSpec, argv: Sequence[str] | None = None) -> None:
         device=args.device,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        w8a8_attention_passes=args.w8a8_attention_passes,
         kv_cache_mb=args.kv_cache_mb,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

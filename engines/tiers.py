@@ -25,6 +25,7 @@ class TierSpec:
     dtype: str = "float32"
     quantization: str | None = "auto"  # None | "auto" | "w8a8" | "int8" | "int4" | "fp8" (engines.quantization)
     kv_cache_dtype: str | None = "auto"  # None: dtype; "auto": bfloat16 on CPUs with native bf16
+    w8a8_attention_passes: int = 2  # int8 passes over the attention projections' inputs under w8a8 (EngineConfig)
     kv_cache_mb: int = 512
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
@@ -53,6 +54,7 @@ class TierSpec:
             dtype=self.dtype,
             quantization=self.quantization,
             kv_cache_dtype=self.kv_cache_dtype,
+            w8a8_attention_passes=self.w8a8_attention_passes,
             kv_cache_bytes=self.kv_cache_mb << 20,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,

@@ -13,6 +13,7 @@ ENGINE_FIELDS = (
     "dtype",
     "quantization",
     "kv_cache_dtype",
+    "w8a8_attention_passes",
     "kv_cache_mb",
     "max_num_seqs",
     "max_num_batched_tokens",

@@ -130,6 +130,9 @@ class TierConfig(_Section):
     quantization: Literal["none", "auto", "w8a8", "int8", "int4", "fp8"] | None = None
     # auto: bfloat16 on CPUs with native bf16 (AVX-512 BF16, AMX), else the same as dtype.
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] | None = None
+    # w8a8: int8 passes over the attention projections' inputs; 2 (the default) keeps perplexity within +1% of
+    # float32, 1 is faster (BENCHMARKS.md, "w8a8 in two passes").
+    w8a8_attention_passes: Literal[1, 2] | None = None
     kv_cache_mb: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None

@@ -28,9 +28,12 @@ def test_unset_engine_settings_are_the_demo_tiers_specs() -> None:
 def test_configured_engine_settings_override_the_spec_field_by_field(tmp_path: Path) -> None:
     file = tmp_path / "s.toml"
     file.write_text('[tiers.small]\n[tiers.large]\nkv_cache_mb = 256\nquantization = "none"\n')
-    settings = load_settings(file, environ={"SLUICE_TIERS__LARGE__MAX_NUM_SEQS": "4"})
+    settings = load_settings(file, environ={"SLUICE_TIERS__LARGE__MAX_NUM_SEQS": "4",
+                                            "SLUICE_TIERS__LARGE__W8A8_ATTENTION_PASSES": "1"})
     spec = engine_spec("large", settings.tiers["large"])
     assert (spec.kv_cache_mb, spec.max_num_seqs, spec.quantization) == (256, 4, None)
+    assert (spec.w8a8_attention_passes, SMALL.w8a8_attention_passes) == (1, 2)
+    assert spec.engine_config().w8a8_attention_passes == 1
     assert (spec.max_model_len, spec.kv_cache_dtype, spec.model) == (LARGE.max_model_len, LARGE.kv_cache_dtype, "large")
 
 

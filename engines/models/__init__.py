@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from engines.config import ModelConfig
 from engines.models.llama import LlamaForCausalLM
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM}
 
 
-def model_class(config: ModelConfig) -> type[nn.Module]:
+def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
     try:
         return MODEL_CLASSES[config.architecture]
     except KeyError:

@@ -171,6 +171,12 @@ class LlamaForCausalLM(nn.Module):
         self.rope_cos, self.rope_sin = rope_cos_sin(config.head_dim, max_positions or config.max_position_embeddings,
                                                     config.rope_theta)
 
+    @staticmethod
+    def is_attention_projection(name: str) -> bool:
+        """Whether the linear layer of this qualified name is an attention's q/k/v or output projection: the layers
+        whose w8a8 inputs take two int8 passes (`EngineConfig.w8a8_attention_passes`)."""
+        return name.rpartition(".")[2] in ("qkv_proj", "o_proj")
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 metadata: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -224,6 +230,8 @@ class LlamaForCausalLM(nn.Module):
             norms = [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
             found = [product for product in products if product is not None]
             if len(found) < len(products) or any(norm.dtype != torch.float32 for norm in norms):
+                return None
+            if found[2][1].activation_passes != 1:  # the layer's gate_up product runs in one pass
                 return None
             kinds.update(kind for kind, _ in found)
             layers.append(kernel.layer(*norms, *(operands for _, operands in found), k_cache, v_cache))

@@ -89,6 +89,8 @@ def test_formats_differ_only_in_precision():
         config = format_config(base, name)
         assert (config.max_num_seqs, config.kv_cache_bytes, config.num_threads) == (4, 1 << 20, 1)
     assert format_config(base, "w8a8").quantization == "w8a8"
+    passes = [format_config(base, name).w8a8_attention_passes for name in ("w8a8", "w8a8-one-pass")]
+    assert passes == [2, 1]
     assert format_config(base, "bf16").kv_cache_dtype == "bfloat16"
 
 

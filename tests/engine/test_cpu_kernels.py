@@ -57,14 +57,15 @@ def layer_pair(layer_type: type[Int8Linear], in_features: int, out_features: int
     return with_kernel, reference
 
 
-def tiled_pair(kernel_name: str, in_features: int, out_features: int, bias: bool
+def tiled_pair(kernel_name: str, in_features: int, out_features: int, bias: bool, activation_passes: int = 1
                ) -> tuple[TiledW8A8Linear, W8A8Linear]:  # fmt: skip
     """One quantised layer in tile order on `kernel_name`'s product, and as W8A8Linear on `torch._int_mm`."""
     kernel = {"amx": w8a8_amx, "vnni": w8a8_vnni}[kernel_name]()
     assert kernel is not None
     torch.manual_seed(in_features + out_features)
     linear = nn.Linear(in_features, out_features, bias=bias)
-    return TiledW8A8Linear.from_linear(linear, torch.float32, kernel), W8A8Linear.from_linear(linear, torch.float32)
+    return (TiledW8A8Linear.from_linear(linear, torch.float32, kernel, activation_passes),
+            W8A8Linear.from_linear(linear, torch.float32, activation_passes))
 
 
 @pytest.mark.parametrize("kernel_name", TILED_KERNELS)
@@ -83,6 +84,20 @@ def test_the_tiled_kernels_are_bit_identical_to_int_mm(kernel_name: str, rows: i
     out.copy_(tiled(x))  # a fresh result, compared whole: an unwritten element would not be equal
     assert torch.equal(out, reference(x))
     assert torch.equal(tiled(torch.zeros(rows, in_features)), reference(torch.zeros(rows, in_features)))
+
+
+@pytest.mark.parametrize("kernel_name", TILED_KERNELS)
+@pytest.mark.parametrize("rows", [1, 5, 17])
+@pytest.mark.parametrize(("in_features", "bias"), [(256, False), (200, True)])
+def test_an_input_in_two_passes_is_the_same_bits_on_the_tiled_kernels(kernel_name: str, rows: int, in_features: int,
+                                                                      bias: bool) -> None:
+    tiled, reference = tiled_pair(kernel_name, in_features, 96, bias, activation_passes=2)
+    x = torch.randn(rows, in_features) * torch.logspace(-3, 3, rows).unsqueeze(1)
+    x[:, 1] *= 50  # an outlier channel
+    out = torch.full((rows, 96), float("nan"))
+    out.copy_(tiled(x))
+    assert torch.equal(out, reference(x))
+    assert not torch.equal(out, tiled_pair(kernel_name, in_features, 96, bias)[0](x))  # not one pass
 
 
 @needs_amx

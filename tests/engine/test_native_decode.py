@@ -110,6 +110,29 @@ def test_native_layers_compute_the_modules_logits_and_write_their_kv(tiny_model:
         torch.testing.assert_close(native, module, rtol=1e-2, atol=1e-3 * module.abs().max().item())
 
 
+def test_w8a8_layers_take_the_attention_projections_inputs_in_two_passes(tiny_qwen2: TinyModel, products: str) -> None:
+    """Above, the native layers give the modules' bits with these passes: the C code runs the second pass too."""
+    for setting, expected in ((2, [2, 2, 1, 1]), (1, [1, 1, 1, 1])):
+        decoder = native_engine(tiny_qwen2, products, w8a8_attention_passes=setting).runner.native_decoder
+        assert decoder is not None
+        weights = decoder.layers[0][0]
+        passes = [getattr(weights, name).activation_passes for name in ("qkv", "o", "gate_up", "down")]
+        assert passes == ([1, 1, 1, 1] if products == "int8" else expected)
+    with pytest.raises(ValueError, match="w8a8_attention_passes is 1 or 2"):
+        native_engine(tiny_qwen2, products, w8a8_attention_passes=3)
+
+
+@pytest.mark.skipif(w8a8_amx() is None and w8a8_vnni() is None, reason="w8a8 native layers need VNNI or AMX")
+def test_a_gate_up_product_in_two_passes_keeps_the_modules(tiny_qwen2: TinyModel) -> None:
+    """The native layer combines gate and up in one pass only."""
+    config = tiny_qwen2.checkpoint.config
+    model = LlamaForCausalLM(config, max_positions=64)
+    quantize_model(model, "w8a8", torch.float32, two_pass=lambda name: name.endswith("gate_up_proj"))
+    assert ModelRunner(model, config, 4, num_kv_blocks=8, kv_cache_dtype=torch.float32).native_decoder is None
+    quantize_model(model := LlamaForCausalLM(config, max_positions=64), "w8a8", torch.float32)
+    assert ModelRunner(model, config, 4, num_kv_blocks=8, kv_cache_dtype=torch.float32).native_decoder is not None
+
+
 def test_a_decode_row_is_the_same_bits_alone_beside_other_rows_and_beside_a_prefill_chunk(
     tiny_qwen2: TinyModel, products: str
 ) -> None:

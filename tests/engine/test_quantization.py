@@ -24,7 +24,9 @@ from engines.quantization import (
     quantize_int4,
     quantize_int8,
     quantize_model,
+    residual_rows,
     resolve_quantization,
+    sum_passes,
 )
 from engines.sampling_params import SamplingParams
 from engines.scheduler import ScheduledBatch
@@ -247,6 +249,30 @@ def test_w8a8_linear_matches_float_and_each_row_ignores_its_batch_mates(linear: 
     loud = torch.cat([x, 1000 * torch.randn(1, 256)])
     assert torch.equal(quantized(loud)[:6], out)
     assert quantized(x.bfloat16()).dtype == torch.float32  # returns the model's activation dtype
+
+
+def test_a_w8a8_input_in_two_passes_is_its_rows_then_what_their_rounding_left(linear: nn.Linear) -> None:
+    x = torch.randn(5, 256)
+    x[:, 7] = 60.0  # an outlier channel sets each row's scale: the other activations get few int8 levels
+    one_pass, two_passes = (W8A8Linear.from_linear(linear, torch.float32, passes) for passes in (1, 2))
+    exact = x @ one_pass.dequantize().t() + linear.bias.detach()  # the int8 weight, float activations
+    error_one, error_two = (relative_error(layer(x), exact) for layer in (one_pass, two_passes))
+    assert error_two < error_one / 20  # the second pass leaves at most 1/254 of the first one's rounding error
+    rows = residual_rows(x)
+    scales = x.abs().amax(dim=1, keepdim=True) / 127
+    assert torch.equal(rows[:5], x) and torch.equal(rows[5:], x - torch.round(x / scales) * scales)
+    # The passes are one product without the bias, summed per row, then the bias: bit for bit.
+    unbiased = W8A8Linear(one_pass.weight, one_pass.scales, None, torch.float32)
+    assert torch.equal(two_passes(x), sum_passes(unbiased(rows), two_passes.bias))
+    assert torch.equal(two_passes(x[2:3])[0], two_passes(x)[2])  # a row ignores its batch mates
+
+
+def test_only_the_layers_named_take_two_passes() -> None:
+    model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 64))
+    quantize_model(model, "w8a8", torch.float32, two_pass=lambda name: name == "1")
+    assert [layer.activation_passes for layer in model] == [1, 2]
+    quantize_model(int8 := nn.Sequential(nn.Linear(64, 64)), "int8", torch.float32, two_pass=lambda name: True)
+    assert not hasattr(int8[0], "activation_passes")  # int8 weight-only: activations are not quantised to int8
 
 
 def test_auto_quantization_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
