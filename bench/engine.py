@@ -259,8 +259,8 @@ async def cached_prefix_ttft(
     return statistics.median(uncached), statistics.median(cached)
 
 
-ENGINE_FLAGS = ("dtype", "quantization", "kv_cache_dtype", "kv_cache_mb", "max_num_seqs", "max_num_batched_tokens",
-                "speculative_draft")
+ENGINE_FLAGS = ("dtype", "quantization", "w8a8_attention_passes", "kv_cache_dtype", "kv_cache_mb", "max_num_seqs",
+                "max_num_batched_tokens", "speculative_draft")
 
 
 def shipped_spec(args: argparse.Namespace) -> TierSpec:
@@ -767,6 +767,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     engine_flags.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="our engine's dtype")
     engine_flags.add_argument("--quantization", default=None, choices=["none", "auto", "w8a8", "int8", "int4"])
+    engine_flags.add_argument("--w8a8-attention-passes", type=int, default=None, choices=[1, 2],
+                              help="w8a8: int8 passes over the attention projections' inputs")
     engine_flags.add_argument("--kv-cache-dtype", default=None, choices=["auto", "float32", "bfloat16"])
     engine_flags.add_argument("--kv-cache-mb", type=int, default=None)
     engine_flags.add_argument("--max-num-seqs", type=int, default=None)
