@@ -5,7 +5,9 @@ int4 (weight-only): group-wise asymmetric (scale + zero per group of 32/64/128 i
 for `aten._weight_int4pack_mm_for_cpu` (tinygemm layout: w ≈ (q - 8) * scale + zero).
 w8a8: int8 weights as above and int8 activations with one scale per row, taken on the fly, the
 product in int32: on CPUs with AMX or AVX-512 VNNI through `w8a8_amx` or `w8a8_vnni` over the weight in tile
-order (`TiledW8A8Linear`), elsewhere through `torch._int_mm` (`W8A8Linear`: oneDNN), the same bits.
+order (`TiledW8A8Linear`), elsewhere through `torch._int_mm` (`W8A8Linear`: oneDNN), the same bits. The layers
+`quantize_model(two_pass=...)` names take their input in two int8 passes (`W8A8Linear.activation_passes`): the
+engine names the attention's projections (`EngineConfig.w8a8_attention_passes`).
 
 The weight-only matmuls always run on bfloat16 activations (`COMPUTE_DTYPE`): with float32 ones the
 int8 kernel is unvectorised, several times slower. `activation_dtype` is the model's activation
