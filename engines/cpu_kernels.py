@@ -144,8 +144,7 @@ class TiledW8A8Kernel:
         """The product with x's rows in two int8 passes, as the decode layer multiplies an input that takes them:
         `W8A8Linear(activation_passes=2)`'s bits."""
         rows, in_features = x.shape
-        assert tiled.shape[1] * self.k_chunk >= in_features and tiled.shape[0] * self.group >= out_features
-        assert (weight_sum is not None) == self.needs_weight_sum
+        self._check_operands(in_features, tiled, out_features, weight_sum)
         x = x.contiguous()
         out = torch.empty(rows, out_features)
         scratch = torch.empty(2 * rows, tiled.shape[1] * self.k_chunk, dtype=torch.uint8)  # both passes' rows
@@ -175,6 +174,12 @@ class TiledW8A8Kernel:
         self._run(self._silu_mul, x, tiled, out_features, scales, bias, weight_sum, out, scratch.data_ptr())
         return out
 
+    def _check_operands(self, in_features: int, tiled: torch.Tensor, out_features: int,
+                        weight_sum: torch.Tensor | None) -> None:
+        """The tiled weight covers [out_features, in_features], with the row sums this product takes (if any)."""
+        assert tiled.shape[1] * self.k_chunk >= in_features and tiled.shape[0] * self.group >= out_features
+        assert (weight_sum is not None) == self.needs_weight_sum
+
     def _run(
         self, product: ctypes._CFuncPtr, x: torch.Tensor, tiled: torch.Tensor, out_features: int, scales: torch.Tensor,
         bias: torch.Tensor | None, weight_sum: torch.Tensor | None, out: torch.Tensor, *extra: int,
@@ -182,8 +187,7 @@ class TiledW8A8Kernel:
         """`product(x, rows, K, tiled[, weight_sum], scales, bias, out, N, xq, x_scale, *extra, threads)`; its
         status."""
         rows, in_features = x.shape
-        assert tiled.shape[1] * self.k_chunk >= in_features and tiled.shape[0] * self.group >= out_features
-        assert (weight_sum is not None) == self.needs_weight_sum
+        self._check_operands(in_features, tiled, out_features, weight_sum)
         x = x.contiguous()
         scratch = torch.empty(rows, tiled.shape[1] * self.k_chunk, dtype=torch.uint8)  # int8 or uint8 rows
         row_scales = torch.empty(rows)

@@ -572,13 +572,10 @@ def first_output_rows(module: nn.Module, num_rows: int) -> nn.Module | None:
         return None if packed is None else RowDispatchLinear(packed, module.max_packed_rows)  # type: ignore[arg-type]
     if isinstance(module, TiledW8A8Linear):
         return module.first_output_rows(num_rows)
-    if isinstance(module, W8A8Linear):
+    if isinstance(module, Int8Linear | TritonInt8Linear):  # W8A8Linear too: each takes int8 rows, scales, bias
         bias = None if module.bias is None else module.bias[:num_rows]
-        return W8A8Linear(module.weight[:num_rows], module.scales[:num_rows], bias, module.activation_dtype,
-                          module.activation_passes)
-    if isinstance(module, Int8Linear | TritonInt8Linear):  # each takes int8 rows, scales, bias
-        bias = None if module.bias is None else module.bias[:num_rows]
-        return type(module)(module.weight[:num_rows], module.scales[:num_rows], bias, module.activation_dtype)
+        passes = (module.activation_passes,) if isinstance(module, W8A8Linear) else ()
+        return type(module)(module.weight[:num_rows], module.scales[:num_rows], bias, module.activation_dtype, *passes)
     if isinstance(module, OneDnnLinear):
         return None if module.packed else OneDnnLinear(
             module.weight[:num_rows], None if module.bias is None else module.bias[:num_rows], packed=False)
