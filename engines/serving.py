@@ -98,7 +98,7 @@ def _response_grammar(request: ChatCompletionRequest) -> GrammarSpec | None:
     if response_format.type == "json_object":
         return GrammarSpec("json_object")
     assert response_format.json_schema is not None  # rules.check_response_format
-    return GrammarSpec("json_schema", json.dumps(response_format.json_schema.schema or {}, sort_keys=True))
+    return GrammarSpec("json_schema", json.dumps(response_format.json_schema.schema or {}))
 
 
 def chat_plan(request: ChatCompletionRequest, template_supports_tools: bool) -> ChatPlan:

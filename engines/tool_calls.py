@@ -66,7 +66,7 @@ def forced_call_grammar(tools: list[Tool]) -> GrammarSpec:
         for tool in tools
     ]
     schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
-    return GrammarSpec("json_schema", json.dumps(schema, sort_keys=True))
+    return GrammarSpec("json_schema", json.dumps(schema))
 
 
 def _call(payload: str) -> ToolCall | None:

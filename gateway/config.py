@@ -192,6 +192,9 @@ class PolicyConfig(_Section):
     cache_ttl_s: float = 3600.0
     # Only temperature-0 requests are cached unless a feature opts in to reusing sampled answers.
     cache_nondeterministic: bool = False
+    # The end users of a feature share its cache; true keeps each one's answers apart (the request's `user`,
+    # else its `safety_identifier`, joins the scope).
+    cache_per_user: bool = False
     fallback: bool = True  # may the other tier serve when this one is down
     # May prompts and answers of this feature be shown (dashboard: shadow-run disagreements)?
     log_content: bool = False

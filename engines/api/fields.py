@@ -142,13 +142,15 @@ def check_engine_supports(request: ChatCompletionRequest | CompletionRequest, ti
 _NOT_ANSWER_SHAPING = frozenset({"stream", "stream_options", "user", "metadata", "safety_identifier",
                                  "prompt_cache_key", "store", "service_tier", "prompt_cache_retention",
                                  "priority"})
-_CANONICAL = msgspec.json.Encoder(order="sorted")
+# Dicts keep the order they came in: a JSON schema's property order is the order its answer's keys come in
+# (OpenAI's structured outputs, and our grammar), so schemas that differ only in it ask for different answers.
+_CANONICAL = msgspec.json.Encoder()
 
 
 def canonical_request(request: ChatCompletionRequest | CompletionRequest) -> bytes:
     """The request as a cache keys on it: every field that shapes the answer (messages, sampling, tools,
-    tool_choice, response_format, logit_bias, unknown fields, ...) in a stable order; transport and
-    attribution fields left out."""
+    tool_choice, response_format, logit_bias, unknown fields, ...), in the request's own order; transport
+    and attribution fields (stream, user, metadata, ...) left out, so they never split a cache."""
     fields = {k: v for k, v in msgspec.structs.asdict(request).items()
               if v is not None and k not in _NOT_ANSWER_SHAPING}
     return _CANONICAL.encode(fields)

@@ -62,7 +62,7 @@ def cache_models(settings: Settings, embedder: Any | None = None) -> CacheModels
 
 
 def cache_policy(policy: PolicyConfig) -> CachePolicy:
-    return CachePolicy(policy.cache, policy.cache_ttl_s, policy.cache_nondeterministic)
+    return CachePolicy(policy.cache, policy.cache_ttl_s, policy.cache_nondeterministic, policy.cache_per_user)
 
 
 def build_cache(settings: Settings, models: CacheModels, redis_prefix: str = "sluice") -> ResponseCache:

@@ -3,8 +3,10 @@
 The scope is everything that can change the answer except the last user message: tenant, feature,
 endpoint, the model asked for and the tier the router chose, the system prompt and earlier turns,
 tools and response_format, every sampling parameter, and the versions of the embedding model and of
-the matcher. It is a hash of the canonical request with the last user message taken out, so a field a
-later change adds to the request schema joins the scope by itself instead of being silently ignored.
+the matcher. It is a hash of the canonical request (`engines.api.fields.canonical_request`: the fields
+that shape the answer) with the last user message taken out, so a field a later change adds to the request
+schema joins the scope by itself instead of being silently ignored. Fields that only deliver or attribute an
+answer (stream, user, metadata, ...) are not in it: the end users of one feature share its cache.
 Entries are only ever compared within one scope: two tenants, two features, two system prompts or two
 temperatures never share an entry, whatever their embeddings say.
 """
@@ -13,17 +15,15 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 
+from engines.api.fields import canonical_request
 from engines.api.protocol import ChatCompletionRequest, CompletionRequest
 
 CacheMode = Literal["off", "exact", "semantic"]
-# Transport-only fields: how the answer is delivered, not what it is (a streamed request is served
-# from an answer first given as JSON and the other way round).
-_DELIVERY_FIELDS = ("stream", "stream_options")
-_canonical = msgspec.json.Encoder(order="sorted")
+_QUERY_PLACEHOLDER = "<query>"
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +37,12 @@ class CacheKey:
 def is_deterministic(request: ChatCompletionRequest | CompletionRequest, opt_in: bool) -> bool:
     """Eligible for caching: greedy decoding, or a feature that opted in to reusing sampled answers."""
     return opt_in or request.temperature == 0
+
+
+def end_user(request: ChatCompletionRequest | CompletionRequest) -> str | None:
+    """Who the request is for, as the client names them (OpenAI's `user`, or its successor
+    `safety_identifier`); None when it does not say."""
+    return request.user or getattr(request, "safety_identifier", None)
 
 
 def cache_control(header: str | None) -> tuple[bool, bool]:
@@ -55,24 +61,25 @@ def cache_key(
     endpoint: str,
     tier: str,
     versions: str,
+    end_user: str | None = None,
 ) -> CacheKey | None:
-    """The request's key, or None when it has no single text to key on (token-id or batched prompts)."""
-    body: dict[str, Any] = msgspec.to_builtins(request)
-    for name in _DELIVERY_FIELDS:
-        body.pop(name, None)
+    """The request's key, or None when it has no single text to key on (token-id or batched prompts).
+    `end_user` set: a scope of that end user's own (a feature whose policy keeps its users apart)."""
     semantic = False
     if isinstance(request, ChatCompletionRequest):
         last = request.messages[-1]
         query = last.text()
         semantic = last.role == "user" and bool(query.strip())
-        body["messages"] = [*body["messages"][:-1], {"role": last.role, "name": last.name, "content": "<query>"}]
+        without_query = msgspec.structs.replace(last, content=_QUERY_PLACEHOLDER)
+        request = msgspec.structs.replace(request, messages=[*request.messages[:-1], without_query])
     elif isinstance(request.prompt, str):
         query = request.prompt
-        body["prompt"] = "<query>"
         semantic = bool(query.strip())
+        request = msgspec.structs.replace(request, prompt=_QUERY_PLACEHOLDER)
     else:
         return None
-    context = {"tenant": tenant, "feature": feature, "endpoint": endpoint, "tier": tier, "versions": versions}
-    scope = hashlib.sha256(_canonical.encode([context, body])).hexdigest()[:32]
+    context = msgspec.json.encode({"tenant": tenant, "feature": feature, "endpoint": endpoint, "tier": tier,
+                                   "versions": versions, "end_user": end_user})
+    scope = hashlib.sha256(context + b"\x00" + canonical_request(request)).hexdigest()[:32]
     exact = hashlib.sha256(f"{scope}\x00{query}".encode()).hexdigest()[:40]
     return CacheKey(scope=scope, exact=exact, query=query, semantic=semantic)

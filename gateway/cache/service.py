@@ -23,7 +23,7 @@ import numpy as np
 
 from engines.api.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.cache.index import VectorIndex
-from gateway.cache.keys import CacheKey, cache_control, cache_key, is_deterministic
+from gateway.cache.keys import CacheKey, cache_control, cache_key, end_user, is_deterministic
 from gateway.cache.store import CacheStore, CacheUnavailable, Candidate, Entry, IndexChanges, ScopeRef
 from gateway.cache.verifier import Matcher
 
@@ -46,6 +46,7 @@ class CachePolicy:
     mode: Literal["off", "exact", "semantic"]
     ttl_s: float
     nondeterministic: bool = False  # the feature opted in to reusing answers sampled at temperature > 0
+    per_user: bool = False  # each end user (`user`, else `safety_identifier`) has a scope of their own
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +124,8 @@ class ResponseCache:
         if policy.mode == "semantic":
             embedder, matcher = await self._load_models()
             versions = f"{embedder.version}+{matcher.version}"
-        key = cache_key(request, tenant=tenant, feature=feature, endpoint=endpoint, tier=tier, versions=versions)
+        key = cache_key(request, tenant=tenant, feature=feature, endpoint=endpoint, tier=tier, versions=versions,
+                        end_user=end_user(request) if policy.per_user else None)
         if key is None:
             return Lookup("off")
         if matcher is not None and key.semantic and not matcher.reads_whole(key.query):

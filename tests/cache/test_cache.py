@@ -9,11 +9,21 @@ import msgspec
 import numpy as np
 import pytest
 
-from engines.api.protocol import AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionRequest, ChatMessage, Usage
+from engines.api.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionRequest,
+    ChatMessage,
+    JSONSchemaFormat,
+    ResponseFormat,
+    Usage,
+)
 from gateway.cache.service import CachePolicy, Lookup, ResponseCache
 from gateway.cache.store import RedisCacheStore
 
 SEMANTIC = CachePolicy(mode="semantic", ttl_s=60)
+EXACT = CachePolicy(mode="exact", ttl_s=60)
 WHO = {"tenant": "acme", "feature": "search", "endpoint": "chat", "tier": "small"}
 
 
@@ -78,7 +88,9 @@ async def test_a_different_question_on_the_same_topic_is_not_served(store, make_
         ({"seed": 3}, {}),
         ({"stop": ["\n"]}, {}),
         ({"model": "sluice-large"}, {}),
-        ({"user": "someone-else"}, {}),
+        ({"response_format": ResponseFormat(type="json_schema", json_schema=JSONSchemaFormat(
+            name="r", schema={"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "string"}}}))},
+         {}),
     ],
 )
 async def test_nothing_is_ever_served_across_scopes(store, make_cache, change, who):
@@ -93,6 +105,34 @@ async def test_nothing_is_ever_served_across_scopes(store, make_cache, change, w
         else:
             request = ask(question, **fields)
         assert (await get(cache, request, **who)).status == "miss"
+
+
+async def test_a_schema_with_its_properties_in_another_order_asks_for_another_answer(store, make_cache):
+    """The properties' order is the order of the answer's keys (OpenAI's structured outputs, our grammar)."""
+    def ask_for(*names: str) -> ChatCompletionRequest:
+        schema = {"type": "object", "properties": {name: {"type": "string"} for name in names}}
+        response_format = ResponseFormat(type="json_schema", json_schema=JSONSchemaFormat(name="r", schema=schema))
+        return ask("Name a city and its country.", response_format=response_format)
+
+    cache = make_cache(store)
+    await put(cache, ask_for("city", "country"), '{"city":"Paris","country":"France"}', policy=EXACT)
+    assert (await get(cache, ask_for("city", "country"), policy=EXACT)).status == "exact"
+    assert (await get(cache, ask_for("country", "city"), policy=EXACT)).status == "miss"
+
+
+async def test_the_end_users_of_a_feature_share_its_cache_unless_its_policy_keeps_them_apart(store, make_cache):
+    cache = make_cache(store)
+    await put(cache, ask("How do I learn Python quickly?", user="alice", metadata={"trace": "1"}), "Practice daily.")
+    for request in (ask("How do I learn Python quickly?", user="bob", metadata={"trace": "2"}),
+                    ask("What is the fastest way to learn Python?", safety_identifier="carol")):
+        assert (await get(cache, request)).status in ("exact", "semantic")
+
+    apart = CachePolicy(mode="semantic", ttl_s=60, per_user=True)
+    await put(cache, ask("How do I learn Rust quickly?", user="alice"), "Read the book.", policy=apart)
+    assert (await get(cache, ask("How do I learn Rust quickly?", user="alice"), policy=apart)).status == "exact"
+    for someone_else in ({"user": "bob"}, {"safety_identifier": "bob"}, {}):
+        for question in ("How do I learn Rust quickly?", "What is the fastest way to learn Rust?"):
+            assert (await get(cache, ask(question, **someone_else), policy=apart)).status == "miss"
 
 
 async def test_earlier_turns_are_part_of_the_scope(store, make_cache):

@@ -80,6 +80,14 @@ async def test_sampled_requests_and_cache_off_features_always_reach_the_tier(cac
     assert {r.cache_status for r in records} == {"off"}
 
 
+async def test_a_feature_that_keeps_its_users_apart_serves_each_only_their_own_answers(cached_gateway, tiers):
+    shared, apart = cached_gateway(), cached_gateway(cache_per_user=True)
+    for gateway in (shared, apart):
+        for user in ("alice", "bob", "alice"):
+            await gateway.chat(await start(gateway), chat(QUESTION, temperature=0, user=user))
+    assert len(tiers["small"].requests) == 1 + 2  # shared: alice's answer for all; apart: alice's, then bob's
+
+
 async def test_a_streamed_replay_equals_the_original_stream(cached_gateway, tiers):
     gateway = cached_gateway()
     original = await text_of(await gateway.chat(await start(gateway), chat(QUESTION, temperature=0, stream=True)))

@@ -237,6 +237,24 @@ async def test_a_json_schema_response_format_yields_valid_json(serving: OpenAISe
     jsonschema.validate(json.loads(result.message.content or ""), schema)
 
 
+async def test_a_json_schema_answer_gives_its_keys_in_the_schemas_order(serving: OpenAIServing) -> None:
+    """As OpenAI's structured outputs do: a client may read the answer as it streams, in its schema's order."""
+    names = ["zone", "city", "answer"]  # not sorted
+    schema = {"type": "object", "properties": {name: {"enum": ["x", "y"]} for name in names},
+              "required": names, "additionalProperties": False}
+    response_format = ResponseFormat(type="json_schema", json_schema=JSONSchemaFormat(name="r", schema=schema))
+    response = await serving.chat(ask(response_format=response_format))
+    assert list(json.loads(response.choices[0].message.content or "")) == names
+
+
+def test_a_forced_call_names_its_function_before_its_arguments() -> None:
+    """The model commits to a function, then writes arguments for it (in their declared order), as the chat
+    template's own calls read: `{"name": ..., "arguments": {...}}`."""
+    (alternative,) = [json.loads(tool_calls.forced_call_grammar([WEATHER]).schema or "")]
+    assert list(alternative["properties"]) == ["name", "arguments"]
+    assert list(alternative["properties"]["arguments"]["properties"]) == ["city", "unit"]
+
+
 def test_an_unusable_schema_is_a_400_naming_response_format(serving: OpenAIServing) -> None:
     bad = ResponseFormat(type="json_schema", json_schema=JSONSchemaFormat(name="x", schema={"type": "nonsense"}))
     with pytest.raises(APIError) as refused:
