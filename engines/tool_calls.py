@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.api.protocol import ChatCompletionRequest, FunctionCall, Tool, ToolCall
+from engines.api.protocol import ChatCompletionRequest, FunctionCall, Tool, ToolCall, new_call_id
 from engines.sampling_params import GrammarSpec
 
 CALL_START = "<tool_call>"
@@ -35,10 +34,6 @@ _BLOCK = re.compile(re.escape(CALL_START) + r"\s*(.*?)\s*" + re.escape(CALL_END)
 _FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.S)
 WHOLE_REPLY_OPENERS = "{[`"  # how a reply written as JSON calls begins: an object, a list, a fence
 _CALL_KEYS = frozenset({"name", "arguments", "parameters"})
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def forced_tools(request: ChatCompletionRequest) -> list[Tool]:

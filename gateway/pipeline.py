@@ -55,7 +55,7 @@ from gateway.budgets import (
     reservation,
 )
 from gateway.cache.hook import cache_policy, query_embedding
-from gateway.cache.replay import assemble, replay
+from gateway.cache.replay import as_new_response, assemble, replay
 from gateway.cache.service import Lookup, ResponseCache
 from gateway.capabilities import capable_tier, supports
 from gateway.charges import ChargeBatcher
@@ -477,10 +477,11 @@ class Gateway:
         state.cache_similarity, state.cost_saved_usd = hit.similarity, hit.entry.cost_usd
         headers["x-sluice-cache"] = hit.status
         headers["x-sluice-cost-usd"] = f"{0.0:.8f}"
+        body = as_new_response(hit.entry.body, state.endpoint)
         if not request.stream:
             self.finish(state, 200)
-            return Reply(headers=headers, body=hit.entry.body)
-        events = replay(hit.entry.body, state.endpoint, wants_stream_usage(request.stream_options))
+            return Reply(headers=headers, body=body)
+        events = replay(body, state.endpoint, wants_stream_usage(request.stream_options))
         state.ttft_ms = (time.perf_counter() - state.started) * 1000
         return Reply(headers=headers, stream=EventStream(self._replay(state, events)))
 

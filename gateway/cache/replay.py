@@ -1,9 +1,9 @@
 """Cached answers and streams: an answer kept from a stream, and a kept answer replayed as a stream.
 
 An entry always holds the plain JSON answer (chat.completion / text_completion). A streamed miss is
-kept by assembling its chunks, tool calls included; a streamed hit replays the answer as server-sent
-events: the role, the text and tool calls with their logprobs, the finish reason, the usage chunk when
-the client asked for it, then [DONE].
+kept by assembling its chunks, tool calls included; a hit is served as a response of its own (new ids, see
+`as_new_response`), and a streamed hit replays it as server-sent events: the role, the text and tool calls
+with their logprobs, the finish reason, the usage chunk when the client asked for it, then [DONE].
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from engines.api.protocol import (
     DeltaMessage,
     Usage,
     joined_tool_calls,
+    new_call_id,
+    new_id,
+    now,
     sse_event,
     tool_call_deltas,
 )
@@ -63,6 +66,20 @@ def assemble(chunks: list[Chunk], usage: Usage | None) -> bytes | None:
             choices=[CompletionChoice(index=0, text=text, finish_reason=finish)],
             system_fingerprint=first.system_fingerprint,
         )
+    return msgspec.json.encode(answer)
+
+
+def as_new_response(body: bytes, endpoint: str) -> bytes:
+    """A kept answer served again, as a response of its own: a new id, creation time and tool-call ids; every
+    other byte of the answer as it was kept (fields an OpenAI-compatible upstream adds included). Clients and
+    their log pipelines key on these ids: a hit that reused them was dropped as a duplicate of the first
+    answer or merged with its record, and two conversations could hold one tool-call id."""
+    answer = msgspec.json.decode(body)
+    answer["id"] = new_id("chatcmpl" if endpoint == "chat" else "cmpl")
+    answer["created"] = now()
+    for choice in answer.get("choices") or []:
+        for call in (choice.get("message") or {}).get("tool_calls") or []:
+            call["id"] = new_call_id()
     return msgspec.json.encode(answer)
 
 

@@ -44,13 +44,20 @@ def cached_gateway(tiers, records, models):
     return build
 
 
+async def chunks_of(stream) -> list[dict[str, Any]]:
+    events = [e async for e in stream]
+    assert events[-1] == b"data: [DONE]\n\n"
+    return [json.loads(e[6:]) for e in events if e.startswith(b"data: {")]
+
+
+def text_in(chunks: list[dict[str, Any]]) -> str:
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
 async def text_of(reply) -> str:
     if reply.stream is None:
         return msgspec.json.decode(reply.body)["choices"][0]["message"]["content"]
-    events = [e async for e in reply.stream]
-    chunks = [json.loads(e[6:]) for e in events if e.startswith(b"data: {")]
-    assert events[-1] == b"data: [DONE]\n\n"
-    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    return text_in(await chunks_of(reply.stream))
 
 
 async def test_a_repeated_question_is_answered_from_the_cache_and_accounted_as_saved(cached_gateway, tiers, records):
@@ -59,7 +66,9 @@ async def test_a_repeated_question_is_answered_from_the_cache_and_accounted_as_s
     again = await gateway.chat(await start(gateway), chat(QUESTION, temperature=0, max_tokens=3))
     assert len(tiers["small"].requests) == 1
     assert (first.headers["x-sluice-cache"], again.headers["x-sluice-cache"]) == ("miss", "exact")
-    assert again.body == first.body
+    first_answer, answer_again = json.loads(first.body), json.loads(again.body)
+    assert answer_again["id"] != first_answer["id"]  # a response of its own: clients key their logs on ids
+    assert {**answer_again, "id": None, "created": None} == {**first_answer, "id": None, "created": None}
     miss, hit = records
     assert (miss.cache_status, miss.cost_usd) == ("miss", pytest.approx(3.0))  # 3 tokens at $1
     assert (hit.cache_status, hit.tier, hit.cost_usd, hit.cost_saved_usd) == ("exact", None, 0.0, pytest.approx(3.0))
@@ -90,11 +99,15 @@ async def test_a_feature_that_keeps_its_users_apart_serves_each_only_their_own_a
 
 async def test_a_streamed_replay_equals_the_original_stream(cached_gateway, tiers):
     gateway = cached_gateway()
-    original = await text_of(await gateway.chat(await start(gateway), chat(QUESTION, temperature=0, stream=True)))
+    streamed = await gateway.chat(await start(gateway), chat(QUESTION, temperature=0, stream=True))
+    first = await chunks_of(streamed.stream)
+    original = text_in(first)
     await asyncio.sleep(0.05)  # the stream's answer is kept in the background
     replay = await gateway.chat(await start(gateway), chat(QUESTION, temperature=0, stream=True))
     assert replay.headers["x-sluice-cache"] == "exact"
-    assert await text_of(replay) == original == " ".join(tiers["small"].words)
+    replayed = await chunks_of(replay.stream)
+    assert text_in(replayed) == original == " ".join(tiers["small"].words)
+    assert len({c["id"] for c in replayed}) == 1 and replayed[0]["id"] != first[0]["id"]
     as_json = await gateway.chat(await start(gateway), chat(QUESTION, temperature=0))
     assert as_json.headers["x-sluice-cache"] == "exact" and await text_of(as_json) == original
     assert len(tiers["small"].requests) == 1

@@ -20,7 +20,7 @@ from engines.api.protocol import (
     Usage,
     joined_tool_calls,
 )
-from gateway.cache.replay import assemble, replay
+from gateway.cache.replay import as_new_response, assemble, replay
 
 USAGE = Usage.of(12, 9)
 
@@ -96,3 +96,25 @@ def test_an_answer_kept_with_logprobs_replays_them_in_its_stream():
     replayed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0].get("logprobs")]
     assert replayed == [msgspec.to_builtins(logprobs)]
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "Hi"
+
+
+def test_a_hit_is_a_response_of_its_own_with_the_kept_answer():
+    """New id, creation time and tool-call ids (clients key logs on them); everything else as kept, fields an
+    upstream added that our structs do not name included."""
+    kept = {"id": "chatcmpl-first", "object": "chat.completion", "created": 1, "model": "small",
+            "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+                "role": "assistant", "content": None,
+                "tool_calls": [{"id": "call_first", "type": "function",
+                                "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]}}],
+            "usage": msgspec.to_builtins(USAGE), "kv_transfer_params": {"upstream": True}}
+    served = [json.loads(as_new_response(json.dumps(kept).encode(), "chat")) for _ in range(2)]
+    for answer in served:
+        assert answer["id"].startswith("chatcmpl-") and answer["id"] != kept["id"]
+        assert answer["created"] > 1
+        (call,) = answer["choices"][0]["message"]["tool_calls"]
+        assert call["id"].startswith("call_") and call["id"] != "call_first"
+        call["id"] = "call_first"
+        assert {**answer, "id": kept["id"], "created": 1} == kept
+    assert served[0]["id"] != served[1]["id"]
+    completion = json.loads(as_new_response(b'{"id": "cmpl-first", "created": 1, "choices": []}', "completions"))
+    assert completion["id"].startswith("cmpl-") and completion["id"] != "cmpl-first"
