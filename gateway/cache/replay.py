@@ -70,10 +70,10 @@ def assemble(chunks: list[Chunk], usage: Usage | None) -> bytes | None:
 
 
 def as_new_response(body: bytes, endpoint: str) -> bytes:
-    """A kept answer served again, as a response of its own: a new id, creation time and tool-call ids; every
-    other byte of the answer as it was kept (fields an OpenAI-compatible upstream adds included). Clients and
-    their log pipelines key on these ids: a hit that reused them was dropped as a duplicate of the first
-    answer or merged with its record, and two conversations could hold one tool-call id."""
+    """A kept answer served again, as a response of its own: a new id, creation time and tool-call ids; the
+    rest of the answer as it was kept, whatever fields it holds. Clients and their log pipelines key on these
+    ids: a hit that reused them was dropped as a duplicate of the first answer or merged with its record, and
+    two conversations could hold one tool-call id."""
     answer = msgspec.json.decode(body)
     answer["id"] = new_id("chatcmpl" if endpoint == "chat" else "cmpl")
     answer["created"] = now()

@@ -99,8 +99,8 @@ def test_an_answer_kept_with_logprobs_replays_them_in_its_stream():
 
 
 def test_a_hit_is_a_response_of_its_own_with_the_kept_answer():
-    """New id, creation time and tool-call ids (clients key logs on them); everything else as kept, fields an
-    upstream added that our structs do not name included."""
+    """New id, creation time and tool-call ids (clients key logs on them); everything else as kept, even fields
+    our structs do not name."""
     kept = {"id": "chatcmpl-first", "object": "chat.completion", "created": 1, "model": "small",
             "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
                 "role": "assistant", "content": None,
