@@ -70,7 +70,7 @@ from gateway.relay import EventStream, StreamAccount, relay
 from gateway.routing import Router, cascade_call, cascade_stream
 from gateway.slo import SloTracker
 from router.cascade import CascadePlan
-from router.decision import ModelNotAllowed, ModelNotFound, RouteDecision
+from router.decision import ModelNotAllowed, ModelNotFound, RouteDecision, tier_model
 
 if TYPE_CHECKING:
     from gateway.shadow import ShadowSampler
@@ -366,6 +366,7 @@ class Gateway:
         _cascade_headers(state, headers)
         headers["x-sluice-tier"] = served.tier
         headers["x-sluice-cost-usd"] = f"{state.cost_usd:.8f}"
+        served.value.model = tier_model(served.tier)  # a name clients can send back, whatever the tier calls itself
         body = msgspec.json.encode(served.value)
         if lookup.leader and self.cache is not None:
             await self.cache.store(lookup, body, state.cost_usd)
@@ -391,8 +392,15 @@ class Gateway:
         headers["x-sluice-tier"] = served.tier
         first, rest = served.value
         kept: list[Chunk] = []  # what the cache keeps of a led miss
-        if lookup.leader:
-            rest = _kept(rest, kept, first)
+        model = tier_model(served.tier)
+
+        def passing(chunk: Chunk) -> None:
+            chunk.model = model  # a name clients can send back, whatever the tier calls itself
+            if lookup.leader:
+                kept.append(chunk)
+
+        passing(first)
+        rest = _Passing(rest, passing)
 
         def end(account: StreamAccount) -> None:
             self._end_stream(state, account, request)
@@ -650,15 +658,23 @@ def _cascade_headers(state: RequestState, headers: dict[str, str]) -> None:
         headers["x-sluice-confidence"] = f"{state.confidence:.4f}"
 
 
-async def _kept(rest: AsyncIterator[Chunk], kept: list[Chunk], first: Chunk) -> AsyncGenerator[Chunk, None]:
-    """The tier's stream, each chunk also kept (for the cache) as it passes."""
-    kept.append(first)
-    try:
-        async for chunk in rest:
-            kept.append(chunk)
-            yield chunk
-    finally:
-        aclose = getattr(rest, "aclose", None)
+class _Passing:
+    """The tier's stream, `see` called on each chunk as it passes. Closing it closes the tier's stream, also
+    when it was never read (a generator closed before its first step would not reach its cleanup)."""
+
+    def __init__(self, rest: AsyncIterator[Chunk], see: Callable[[Chunk], None]) -> None:
+        self._rest, self._see = rest, see
+
+    def __aiter__(self) -> _Passing:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        chunk = await anext(self._rest)
+        self._see(chunk)
+        return chunk
+
+    async def aclose(self) -> None:
+        aclose = getattr(self._rest, "aclose", None)
         if aclose is not None:
             await aclose()
 

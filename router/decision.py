@@ -1,9 +1,10 @@
-"""Which tier serves a request. For now the requested model decides; the difficulty classifier and
-the cascade come later and will fill `score`.
+"""Which tier a model name asks for. A pinned name decides here; for `sluice` and `auto` the gateway's
+router (`gateway.routing`: the difficulty classifier, then the cascade) decides and fills `score`.
 
 Model names: `sluice-<tier>` (or the bare tier name) asks for that tier; `sluice` and `auto` let the
-router decide. A name asking for a tier the key may not use is refused (`ModelNotAllowed`), because
-the caller asked for something specific; `auto` instead falls to the first allowed tier.
+router decide; an answer names the tier that served it as `sluice-<tier>` (`tier_model`). A name asking
+for a tier the key may not use is refused (`ModelNotAllowed`), because the caller asked for something
+specific; `auto` instead falls to the first allowed tier.
 """
 
 from __future__ import annotations
@@ -30,9 +31,14 @@ class RouteDecision:
     reason: str  # "requested" | "default" | "only_allowed"
 
 
+def tier_model(tier: str) -> str:
+    """The model name of a tier, as clients send it and as its answers name it."""
+    return f"{TIER_MODEL_PREFIX}{tier}"
+
+
 def model_ids(tiers: Collection[str]) -> list[str]:
     """The model names clients may send, as listed by `GET /v1/models`."""
-    return [f"{TIER_MODEL_PREFIX}{tier}" for tier in tiers] + list(AUTO_MODELS)
+    return [tier_model(tier) for tier in tiers] + list(AUTO_MODELS)
 
 
 def requested_tier(model: str, tiers: Collection[str]) -> str | None:

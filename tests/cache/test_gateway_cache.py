@@ -113,6 +113,17 @@ async def test_a_streamed_replay_equals_the_original_stream(cached_gateway, tier
     assert len(tiers["small"].requests) == 1
 
 
+async def test_a_stream_kept_for_the_cache_and_closed_before_it_was_read_closes_upstream(cached_gateway, tiers):
+    tiers["small"].hold_after = 1
+    gateway = cached_gateway()
+    reply = await gateway.chat(await start(gateway), chat(QUESTION, temperature=0, stream=True))
+    await reply.stream.aclose()  # the client left before the first event
+    assert tiers["small"].streams_closed_early == 1
+    tiers["small"].hold_after = None
+    again = await gateway.chat(await start(gateway), chat(QUESTION, temperature=0))
+    assert again.headers["x-sluice-cache"] == "miss"  # a cut stream is not kept
+
+
 async def test_a_cached_stream_carries_usage_only_when_asked(cached_gateway):
     gateway = cached_gateway()
     await gateway.chat(await start(gateway), chat(QUESTION, temperature=0))

@@ -112,6 +112,7 @@ async def test_an_unsure_small_answer_is_escalated_and_only_the_large_answer_is_
     reply = await gateway.chat(await start(gateway), chat("what is two plus two", max_tokens=3))
     body = json.loads(reply.body)
     assert body["choices"][0]["message"]["content"] == "large-a large-b large-c"
+    assert body["model"] == "sluice-large"  # the model that answered, by a name the client can send
     assert body["choices"][0]["logprobs"] is None
     assert reply.headers["x-sluice-route"] == "small"
     assert reply.headers["x-sluice-tier"] == "large"
@@ -142,7 +143,7 @@ async def test_a_sure_small_answer_is_served_without_escalation_and_without_the_
     gateway = cascade_gateway(logprob=HIGH)
     reply = await gateway.chat(await start(gateway), chat("hi", max_tokens=2))
     body = json.loads(reply.body)
-    assert body["choices"][0]["message"]["content"] == "small-a small-b"
+    assert body["choices"][0]["message"]["content"] == "small-a small-b" and body["model"] == "sluice-small"
     assert body["choices"][0]["logprobs"] is None  # asked by the cascade, not by the client
     assert (reply.headers["x-sluice-tier"], reply.headers["x-sluice-escalated"]) == ("small", "false")
     assert reply.headers["x-sluice-confidence"] == "-0.0500"
@@ -250,6 +251,8 @@ async def test_an_unsure_stream_is_escalated_and_the_client_never_sees_the_small
     assert b"small-" not in b"".join(events)
     assert stream_text(events) == "large-a large-b large-c"
     assert events[-1] == b"data: [DONE]\n\n"
+    chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
+    assert {chunk["model"] for chunk in chunks} == {"sluice-large"}
     assert (reply.headers["x-sluice-tier"], reply.headers["x-sluice-escalated"]) == ("large", "true")
     assert tiers["small"].requests[0].logprobs is True
 
