@@ -66,7 +66,7 @@ from gateway.embeddings import EmbeddingsRequest
 from gateway.fallback import Served, call_with_fallback, candidate_tiers, open_stream_with_fallback
 from gateway.keys import KeyCache
 from gateway.metrics import Metrics
-from gateway.relay import EventStream, StreamAccount, relay
+from gateway.relay import EventStream, PassingStream, StreamAccount, relay
 from gateway.routing import Router, cascade_call, cascade_stream
 from gateway.slo import SloTracker
 from router.cascade import CascadePlan
@@ -400,7 +400,7 @@ class Gateway:
                 kept.append(chunk)
 
         passing(first)
-        rest = _Passing(rest, passing)
+        rest = PassingStream(rest, passing)
 
         def end(account: StreamAccount) -> None:
             self._end_stream(state, account, request)
@@ -656,27 +656,6 @@ def _cascade_headers(state: RequestState, headers: dict[str, str]) -> None:
     headers["x-sluice-escalated"] = "true" if state.escalated else "false"
     if state.confidence is not None:
         headers["x-sluice-confidence"] = f"{state.confidence:.4f}"
-
-
-class _Passing:
-    """The tier's stream, `see` called on each chunk as it passes. Closing it closes the tier's stream, also
-    when it was never read (a generator closed before its first step would not reach its cleanup)."""
-
-    def __init__(self, rest: AsyncIterator[Chunk], see: Callable[[Chunk], None]) -> None:
-        self._rest, self._see = rest, see
-
-    def __aiter__(self) -> _Passing:
-        return self
-
-    async def __anext__(self) -> Chunk:
-        chunk = await anext(self._rest)
-        self._see(chunk)
-        return chunk
-
-    async def aclose(self) -> None:
-        aclose = getattr(self._rest, "aclose", None)
-        if aclose is not None:
-            await aclose()
 
 
 def _printable(text: str) -> str:

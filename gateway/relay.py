@@ -9,13 +9,45 @@ with what was produced.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from contextlib import suppress
+from typing import Any
 
 import anyio
 
 from engines.api.protocol import ChatCompletionChunk, Chunk, ErrorDetail, Usage
 from engines.api.sse import sse_events
+
+
+class PassingStream:
+    """`held` chunks (read from the tier already), then the rest of the tier's stream, `see` called on each
+    chunk as it passes. Closing it closes the tier's stream, also when it was never read: a generator closed
+    before its first step skips its cleanup, and the tier would go on generating for a client that left."""
+
+    def __init__(self, rest: AsyncIterator[Chunk], see: Callable[[Chunk], object] | None = None,
+                 held: Iterable[Chunk] = ()) -> None:  # fmt: skip
+        self._held = deque(held)
+        self._rest, self._see = rest, see
+
+    def __aiter__(self) -> PassingStream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        chunk = self._held.popleft() if self._held else await anext(self._rest)
+        if self._see is not None:
+            self._see(chunk)
+        return chunk
+
+    async def aclose(self) -> None:
+        await close_stream(self._rest)
+
+
+async def close_stream(stream: AsyncIterator[Any]) -> None:
+    """Close a tier's stream (which cancels its work), whatever kind of iterator it is."""
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()
 
 
 class StreamAccount:

@@ -24,6 +24,7 @@ from engines.api.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.config import PolicyConfig, Settings
 from gateway.cost import request_cost
 from gateway.fallback import Served, call_with_fallback, open_stream_with_fallback
+from gateway.relay import PassingStream, close_stream
 from router.cascade import (
     CascadePlan,
     StreamProbe,
@@ -204,11 +205,11 @@ async def cascade_stream(gateway: Gateway, state: RequestState, request: Request
     try:
         exhausted = await _fill(probe, first, rest)
     except EngineUnavailable:
-        await _close(rest)  # the small tier died before the client saw anything: the large one answers
+        await close_stream(rest)  # the small tier died before the client saw anything: the large one answers
         large = await open_stream_with_fallback(gateway.clients, [plan.escalate_to], open_stream)
         return Served(large.tier, True, large.value)
     except BaseException:
-        await _close(rest)
+        await close_stream(rest)
         raise
     state.confidence = probe.confidence
     if should_escalate(state.confidence, plan.tau):
@@ -217,7 +218,7 @@ async def cascade_stream(gateway: Gateway, state: RequestState, request: Request
         except APIError:
             log.warning("escalation to %s failed; streaming the small tier's answer", plan.escalate_to)
         else:
-            await _close(rest)
+            await close_stream(rest)
             tokens = probe.generated_tokens
             state.abandoned_cost_usd = _cost(gateway, SMALL, state.counted_prompt_tokens, tokens)
             state.escalated = True
@@ -244,37 +245,16 @@ async def _fill(probe: StreamProbe, first: Any, rest: AsyncIterator[Any]) -> boo
 
 
 def _flushed(served: Served[Any], buffered: list[Any], rest: AsyncIterator[Any], keep_logprobs: bool) -> Served[Any]:
-    stream = _replay(buffered[1:], rest, keep_logprobs)
-    first = buffered[0]
-    if not keep_logprobs:
-        strip_logprobs(first)
-    return Served(served.tier, served.fallback, (first, stream))
-
-
-async def _replay(buffered: list[Any], rest: AsyncIterator[Any], keep_logprobs: bool) -> AsyncGenerator[Any, None]:
-    """The held-back chunks, then the rest of the stream; closing it closes the upstream stream."""
-    try:
-        for chunk in buffered:
-            if not keep_logprobs:
-                strip_logprobs(chunk)
-            yield chunk
-        async for chunk in rest:
-            if not keep_logprobs:
-                strip_logprobs(chunk)
-            yield chunk
-    finally:
-        await _close(rest)
+    """The held-back chunks, then the rest of the stream (logprobs the cascade asked for taken out)."""
+    see = None if keep_logprobs else strip_logprobs
+    if see is not None:
+        see(buffered[0])
+    return Served(served.tier, served.fallback, (buffered[0], PassingStream(rest, see, held=buffered[1:])))
 
 
 async def _empty() -> AsyncGenerator[Any, None]:
     return
     yield
-
-
-async def _close(stream: AsyncIterator[Any]) -> None:
-    aclose = getattr(stream, "aclose", None)
-    if aclose is not None:
-        await aclose()
 
 
 def _cost(gateway: Gateway, tier: str, prompt_tokens: int, completion_tokens: int) -> float:

@@ -284,6 +284,18 @@ async def test_a_sure_stream_is_flushed_and_streamed_on_without_logprobs(cascade
     assert (records[0].completion_tokens, records[0].escalated) == (40, False)
 
 
+async def test_a_sure_stream_its_client_left_before_reading_closes_the_small_tier(cascade_gateway, tiers, records):
+    tiers["small"].words = [f"w{i}" for i in range(40)]
+    gateway = cascade_gateway(logprob=HIGH)
+    tiers["small"].logprobs = [HIGH] * 40
+    tiers["small"].hold_after = 36  # past the decision window: the tier is still generating when the client leaves
+    reply = await gateway.chat(await start(gateway), chat("hi", stream=True, max_tokens=40))
+    assert reply.headers["x-sluice-tier"] == "small"
+    await reply.stream.aclose()
+    assert tiers["small"].streams_closed_early == 1
+    assert len(records) == 1 and records[0].completion_tokens < 40
+
+
 async def test_a_stream_shorter_than_the_window_is_decided_at_its_end(cascade_gateway, tiers):
     gateway = cascade_gateway(logprob=HIGH)
     reply = await gateway.chat(await start(gateway), chat("hi", stream=True, max_tokens=2))
