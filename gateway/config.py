@@ -192,9 +192,9 @@ class PolicyConfig(_Section):
     cache_ttl_s: float = 3600.0
     # Only temperature-0 requests are cached unless a feature opts in to reusing sampled answers.
     cache_nondeterministic: bool = False
-    # The end users of a feature share its cache; true keeps each one's answers apart (the request's `user`,
-    # else its `safety_identifier`, joins the scope).
-    cache_per_user: bool = False
+    # Requests naming an end user (`user`, else `safety_identifier`) are answered from that user's own cache
+    # scope: an answer may quote what its user asked. false shares the feature's cache between its end users.
+    cache_per_user: bool = True
     fallback: bool = True  # may the other tier serve when this one is down
     # May prompts and answers of this feature be shown (dashboard: shadow-run disagreements)?
     log_content: bool = False

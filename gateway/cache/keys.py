@@ -6,7 +6,8 @@ tools and response_format, every sampling parameter, and the versions of the emb
 the matcher. It is a hash of the canonical request (`engines.api.fields.canonical_request`: the fields
 that shape the answer) with the last user message taken out, so a field a later change adds to the request
 schema joins the scope by itself instead of being silently ignored. Fields that only deliver or attribute an
-answer (stream, user, metadata, ...) are not in it: the end users of one feature share its cache.
+answer (stream, user, metadata, ...) are not in it; the end user a request names joins it through `end_user`
+unless the feature's policy shares its cache between its users.
 Entries are only ever compared within one scope: two tenants, two features, two system prompts or two
 temperatures never share an entry, whatever their embeddings say.
 """

@@ -46,7 +46,7 @@ class CachePolicy:
     mode: Literal["off", "exact", "semantic"]
     ttl_s: float
     nondeterministic: bool = False  # the feature opted in to reusing answers sampled at temperature > 0
-    per_user: bool = False  # each end user (`user`, else `safety_identifier`) has a scope of their own
+    per_user: bool = True  # each end user (`user`, else `safety_identifier`) has a scope of their own
 
 
 @dataclass(frozen=True, slots=True)

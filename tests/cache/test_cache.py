@@ -88,6 +88,7 @@ async def test_a_different_question_on_the_same_topic_is_not_served(store, make_
         ({"seed": 3}, {}),
         ({"stop": ["\n"]}, {}),
         ({"model": "sluice-large"}, {}),
+        ({"user": "someone-else"}, {}),
         ({"response_format": ResponseFormat(type="json_schema", json_schema=JSONSchemaFormat(
             name="r", schema={"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "string"}}}))},
          {}),
@@ -120,19 +121,22 @@ async def test_a_schema_with_its_properties_in_another_order_asks_for_another_an
     assert (await get(cache, ask_for("country", "city"), policy=EXACT)).status == "miss"
 
 
-async def test_the_end_users_of_a_feature_share_its_cache_unless_its_policy_keeps_them_apart(store, make_cache):
+async def test_each_end_user_has_their_own_answers_unless_the_feature_shares_them(store, make_cache):
+    """An answer may quote what its user asked, so by default the user a request names (`user`, else
+    `safety_identifier`) is part of its scope; fields that only attribute a request (metadata) are not."""
     cache = make_cache(store)
-    await put(cache, ask("How do I learn Python quickly?", user="alice", metadata={"trace": "1"}), "Practice daily.")
-    for request in (ask("How do I learn Python quickly?", user="bob", metadata={"trace": "2"}),
-                    ask("What is the fastest way to learn Python?", safety_identifier="carol")):
-        assert (await get(cache, request)).status in ("exact", "semantic")
-
-    apart = CachePolicy(mode="semantic", ttl_s=60, per_user=True)
-    await put(cache, ask("How do I learn Rust quickly?", user="alice"), "Read the book.", policy=apart)
-    assert (await get(cache, ask("How do I learn Rust quickly?", user="alice"), policy=apart)).status == "exact"
+    await put(cache, ask("How do I learn Rust quickly?", user="alice", metadata={"trace": "1"}), "Read the book.")
+    again = ask("How do I learn Rust quickly?", user="alice", metadata={"trace": "2"})
+    assert (await get(cache, again)).status == "exact"
     for someone_else in ({"user": "bob"}, {"safety_identifier": "bob"}, {}):
         for question in ("How do I learn Rust quickly?", "What is the fastest way to learn Rust?"):
-            assert (await get(cache, ask(question, **someone_else), policy=apart)).status == "miss"
+            assert (await get(cache, ask(question, **someone_else))).status == "miss"
+
+    shared = CachePolicy(mode="semantic", ttl_s=60, per_user=False)
+    await put(cache, ask("How do I learn Python quickly?", user="alice"), "Practice daily.", policy=shared)
+    for request in (ask("How do I learn Python quickly?", user="bob"),
+                    ask("What is the fastest way to learn Python?", safety_identifier="carol")):
+        assert (await get(cache, request, policy=shared)).status in ("exact", "semantic")
 
 
 async def test_earlier_turns_are_part_of_the_scope(store, make_cache):

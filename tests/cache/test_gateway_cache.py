@@ -89,12 +89,12 @@ async def test_sampled_requests_and_cache_off_features_always_reach_the_tier(cac
     assert {r.cache_status for r in records} == {"off"}
 
 
-async def test_a_feature_that_keeps_its_users_apart_serves_each_only_their_own_answers(cached_gateway, tiers):
-    shared, apart = cached_gateway(), cached_gateway(cache_per_user=True)
-    for gateway in (shared, apart):
+async def test_end_users_get_only_their_own_answers_unless_the_feature_shares_them(cached_gateway, tiers):
+    apart, shared = cached_gateway(), cached_gateway(cache_per_user=False)
+    for gateway in (apart, shared):
         for user in ("alice", "bob", "alice"):
             await gateway.chat(await start(gateway), chat(QUESTION, temperature=0, user=user))
-    assert len(tiers["small"].requests) == 1 + 2  # shared: alice's answer for all; apart: alice's, then bob's
+    assert len(tiers["small"].requests) == 2 + 1  # apart: alice's, then bob's; shared: alice's answer for all
 
 
 async def test_a_streamed_replay_equals_the_original_stream(cached_gateway, tiers):
