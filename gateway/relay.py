@@ -12,12 +12,11 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from contextlib import suppress
-from typing import Any
 
 import anyio
 
 from engines.api.protocol import ChatCompletionChunk, Chunk, ErrorDetail, Usage
-from engines.api.sse import sse_events
+from engines.api.sse import close, sse_events
 
 
 class PassingStream:
@@ -40,14 +39,7 @@ class PassingStream:
         return chunk
 
     async def aclose(self) -> None:
-        await close_stream(self._rest)
-
-
-async def close_stream(stream: AsyncIterator[Any]) -> None:
-    """Close a tier's stream (which cancels its work), whatever kind of iterator it is."""
-    aclose = getattr(stream, "aclose", None)
-    if aclose is not None:
-        await aclose()
+        await close(self._rest)
 
 
 class StreamAccount:

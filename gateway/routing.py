@@ -21,10 +21,11 @@ import numpy as np
 from engines.api.client import EngineClient, EngineUnavailable
 from engines.api.errors import APIError
 from engines.api.protocol import ChatCompletionRequest, CompletionRequest
+from engines.api.sse import close
 from gateway.config import PolicyConfig, Settings
 from gateway.cost import request_cost
 from gateway.fallback import Served, call_with_fallback, open_stream_with_fallback
-from gateway.relay import PassingStream, close_stream
+from gateway.relay import PassingStream
 from router.cascade import (
     CascadePlan,
     StreamProbe,
@@ -205,11 +206,11 @@ async def cascade_stream(gateway: Gateway, state: RequestState, request: Request
     try:
         exhausted = await _fill(probe, first, rest)
     except EngineUnavailable:
-        await close_stream(rest)  # the small tier died before the client saw anything: the large one answers
+        await close(rest)  # the small tier died before the client saw anything: the large one answers
         large = await open_stream_with_fallback(gateway.clients, [plan.escalate_to], open_stream)
         return Served(large.tier, True, large.value)
     except BaseException:
-        await close_stream(rest)
+        await close(rest)
         raise
     state.confidence = probe.confidence
     if should_escalate(state.confidence, plan.tau):
@@ -218,7 +219,7 @@ async def cascade_stream(gateway: Gateway, state: RequestState, request: Request
         except APIError:
             log.warning("escalation to %s failed; streaming the small tier's answer", plan.escalate_to)
         else:
-            await close_stream(rest)
+            await close(rest)
             tokens = probe.generated_tokens
             state.abandoned_cost_usd = _cost(gateway, SMALL, state.counted_prompt_tokens, tokens)
             state.escalated = True
@@ -246,10 +247,10 @@ async def _fill(probe: StreamProbe, first: Any, rest: AsyncIterator[Any]) -> boo
 
 def _flushed(served: Served[Any], buffered: list[Any], rest: AsyncIterator[Any], keep_logprobs: bool) -> Served[Any]:
     """The held-back chunks, then the rest of the stream (logprobs the cascade asked for taken out)."""
-    see = None if keep_logprobs else strip_logprobs
-    if see is not None:
-        see(buffered[0])
-    return Served(served.tier, served.fallback, (buffered[0], PassingStream(rest, see, held=buffered[1:])))
+    if not keep_logprobs:
+        strip_logprobs(buffered[0])
+    stream = PassingStream(rest, None if keep_logprobs else strip_logprobs, held=buffered[1:])
+    return Served(served.tier, served.fallback, (buffered[0], stream))
 
 
 async def _empty() -> AsyncGenerator[Any, None]:
