@@ -51,6 +51,8 @@ def layer_pair(layer_type: type[Int8Linear], in_features: int, out_features: int
     `_weight_int8pack_mm` for int8)."""
     torch.manual_seed(in_features + out_features)
     linear = nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():  # a scale of its own for each output feature (nn.Linear's rows share nearly one)
+        linear.weight.mul_(torch.linspace(0.5, 2.0, out_features).unsqueeze(1))
     with_kernel = layer_type.from_linear(linear, torch.float32)
     reference = layer_type.from_linear(linear, torch.float32)
     reference.gemv = None
@@ -198,7 +200,8 @@ def int16_rows_product(layer: Int8Linear, x: torch.Tensor, x_levels: int) -> tor
 
 @needs_library
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 21])
-@pytest.mark.parametrize(("in_features", "bias"), [(256, False), (200, True), (4864 // 8, True)])
+# 8,968 features: rows whose int16 copies outgrow L1d, where weight rows go in pairs (and an 8-wide tail)
+@pytest.mark.parametrize(("in_features", "bias"), [(256, False), (200, True), (4864 // 8, True), (8968, True)])
 def test_the_int8_kernel_is_the_quantised_layer_on_int16_activations(rows: int, in_features: int, bias: bool) -> None:
     with_kernel, packed = layer_pair(Int8Linear, in_features, 37, bias)  # 37 outputs: the threads' shares end mid-way
     kernel = with_kernel.gemv
@@ -230,7 +233,8 @@ def test_the_int8_layer_without_its_kernel_is_right_at_any_width(in_features: in
 
 
 @needs_library
-def test_the_int8_kernel_sums_exactly_at_its_largest_inputs() -> None:
+@pytest.mark.parametrize("rows", [1, 2])  # two rows of this width take the weight rows in pairs
+def test_the_int8_kernel_sums_exactly_at_its_largest_inputs(rows: int) -> None:
     """Every weight ±127 and every activation at its row's extreme: the int32 lanes must not wrap."""
     kernel = int8_gemv()
     assert kernel is not None
@@ -241,8 +245,8 @@ def test_the_int8_kernel_sums_exactly_at_its_largest_inputs() -> None:
         None,
         torch.float32,
     )
-    x = torch.full((1, in_features), 3.0)
-    expected = torch.tensor([[127.0 * 3 * in_features, -127.0 * 3 * in_features]])
+    x = torch.full((rows, in_features), 3.0)
+    expected = torch.tensor([[127.0 * 3 * in_features, -127.0 * 3 * in_features]] * rows)
     assert torch.equal(layer(x), expected)
     assert torch.equal(layer(x), int16_rows_product(layer, x, kernel.x_levels))
     too_wide = Int8Linear.from_linear(nn.Linear(kernel.max_k + 8, 4), torch.float32)
@@ -250,10 +254,11 @@ def test_the_int8_kernel_sums_exactly_at_its_largest_inputs() -> None:
 
 
 @needs_library
-def test_a_row_through_the_int8_kernel_is_the_same_bits_in_any_batch() -> None:
+@pytest.mark.parametrize("in_features", [200, 8968])  # weight rows one at a time, and in pairs
+def test_a_row_through_the_int8_kernel_is_the_same_bits_in_any_batch(in_features: int) -> None:
     """A speculative verification step (k + 1 rows a sequence) must give the logits plain decoding does."""
-    with_kernel, _ = layer_pair(Int8Linear, 200, 37, True)
-    x = torch.randn(21, 200)
+    with_kernel, _ = layer_pair(Int8Linear, in_features, 37, True)
+    x = torch.randn(21, in_features)
     alone = torch.cat([with_kernel(x[i : i + 1]) for i in range(len(x))])
     assert torch.equal(with_kernel(x), alone)
     assert torch.equal(with_kernel(x[4:9]), alone[4:9])
