@@ -185,10 +185,9 @@ static void int8_pair_share(const int16_t *xq, const float *x_scale, const int64
 #undef ROWS
                 }
             }
-            if (n < block_end)
-                for (int r = 0; r < count; r++)
-                    int8_dot(1, x_rows + r * K, x_scale + m + r, K, w + n * K, w_scale[n], bias ? bias + n : NULL,
-                             out + (m + r) * N + n, N);
+            if (n < block_end)  /* the odd last feature: the group's rows in one pass over its weight row */
+                int8_dot(count, x_rows, x_scale + m, K, w + n * K, w_scale[n], bias ? bias + n : NULL,
+                         out + m * N + n, N);
         }
     }
 }
