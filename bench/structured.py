@@ -8,6 +8,9 @@
 4. Tool-call parse rate on the fixed 50 prompts of bench/data/tool_prompts.jsonl: with
    `tool_choice: "auto"` (the model's own calls: `<tool_call>` blocks, or a reply that is only JSON calls)
    and with `"required"` (forced).
+5. Tools beside a response format (`"auto"` with a `json_schema`, as the OpenAI Agents SDK sends an agent
+   with tools and an output type): over those 50 prompts and 10 that need no tool, replies that are valid
+   calls or a valid answer, which of the two the model chose, and the expected function.
 
     sluice bench structured [--max-tokens 64] [--batches 1 16] [--repeats 5]
     sluice bench structured --model large --tools-only   # part 4 alone, for any model
@@ -86,6 +89,15 @@ VALIDITY_CASES: list[tuple[str, dict[str, Any]]] = [
          "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
                      "required": ["city"], "additionalProperties": False}},
       "required": ["name", "age", "address"], "additionalProperties": False}),
+]
+ANSWER_FORMAT = ResponseFormat(type="json_schema", json_schema=JSONSchemaFormat(name="answer", strict=True, schema={
+    "type": "object", "properties": {"answer": {"type": "string", "maxLength": 160}}, "required": ["answer"],
+    "additionalProperties": False}))
+NO_TOOL_PROMPTS = [  # none of TOOLS helps with these
+    "Say hello to Ann.", "Write a one-line greeting for a new colleague.", "What is the opposite of 'ancient'?",
+    "Name a primary colour.", "Translate 'thank you' into French.", "Suggest a name for a grey cat.",
+    "Is a tomato a fruit or a vegetable?", "Give a synonym of 'happy'.", "What sound does a cow make?",
+    "Finish the sentence: the early bird ...",
 ]
 TOOLS = [
     Tool(type="function", function=FunctionDefinition(
@@ -248,20 +260,54 @@ async def tool_rates(serving: OpenAIServing, tool_choice: str, max_tokens: int) 
             "expected_function_with_schema_valid_arguments": sum(o.schema_valid_arguments for o in outcomes)}
 
 
+async def format_rates(serving: OpenAIServing, max_tokens: int) -> dict[str, Any]:
+    """Part 5: `tool_choice: "auto"` beside ANSWER_FORMAT over the tool prompts and NO_TOOL_PROMPTS."""
+    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
+    rows += [{"prompt": prompt, "expect": None} for prompt in NO_TOOL_PROMPTS]
+    schemas = {tool.function.name: tool.function.parameters for tool in TOOLS}
+    answer_schema = ANSWER_FORMAT.json_schema.schema  # type: ignore[union-attr]
+
+    def valid(choice: Any) -> bool:
+        try:
+            for call in choice.message.tool_calls or []:
+                jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+            if not choice.message.tool_calls:
+                jsonschema.validate(json.loads(choice.message.content or ""), answer_schema)
+        except (ValueError, KeyError, jsonschema.ValidationError):
+            return False
+        return True
+
+    async def one(row: dict[str, Any]) -> tuple[bool, bool, bool]:
+        request = ChatCompletionRequest(model="bench", messages=_user(row["prompt"]), tools=TOOLS, temperature=0,
+                                        response_format=ANSWER_FORMAT, max_tokens=max_tokens)
+        choice = (await serving.chat(request)).choices[0]
+        calls = choice.message.tool_calls or []
+        return valid(choice), bool(calls), bool(calls) and calls[0].function.name == row["expect"]
+
+    outcomes = await asyncio.gather(*(one(row) for row in rows))
+    tool_rows, no_tool_rows = outcomes[:-len(NO_TOOL_PROMPTS)], outcomes[-len(NO_TOOL_PROMPTS):]
+    return {"prompts": len(rows), "max_tokens": max_tokens,
+            "valid_calls_or_valid_answer": sum(v for v, _, _ in outcomes),
+            "tool_prompts": len(tool_rows), "tool_prompts_called": sum(c for _, c, _ in tool_rows),
+            "tool_prompts_expected_function": sum(e for _, _, e in tool_rows),
+            "no_tool_prompts": len(no_tool_rows), "no_tool_prompts_answered": sum(not c for _, c, _ in no_tool_rows)}
+
+
 def through_serving(llm: LLMEngine, tool_max_tokens: int, with_validity: bool
-                    ) -> tuple[dict[str, Any] | None, dict[str, Any], dict[str, Any]]:  # fmt: skip
-    """Parts 3 and 4 through the OpenAI layer (schema validity only `with_validity`); prints their table."""
+                    ) -> tuple[dict[str, Any] | None, dict[str, Any], dict[str, Any], dict[str, Any]]:  # fmt: skip
+    """Parts 3, 4 and 5 through the OpenAI layer (schema validity only `with_validity`); prints their table."""
     serving = OpenAIServing(AsyncLLMEngine(llm), "bench")
 
-    async def run() -> tuple[dict[str, Any] | None, dict[str, Any], dict[str, Any]]:
+    async def run() -> tuple[dict[str, Any] | None, dict[str, Any], dict[str, Any], dict[str, Any]]:
         try:
             return (await validity(serving, 96) if with_validity else None,
                     await tool_rates(serving, "auto", tool_max_tokens),
-                    await tool_rates(serving, "required", tool_max_tokens))
+                    await tool_rates(serving, "required", tool_max_tokens),
+                    await format_rates(serving, 2 * tool_max_tokens))
         finally:
             await serving.engine.shutdown()
 
-    valid, auto, required = asyncio.run(run())
+    valid, auto, required, beside = asyncio.run(run())
     rows = [] if valid is None else [["schema-valid (of finished)",
                                       f"{valid['valid_of_finished']}/{valid['finished_by_grammar']}",
                                       valid["schema_valid_rate"]]]
@@ -275,8 +321,14 @@ def through_serving(llm: LLMEngine, tool_max_tokens: int, with_validity: bool
         valid_calls = rates["expected_function_with_schema_valid_arguments"]
         rows.append([f"... and arguments valid against its schema, {name}", f"{valid_calls}/{rates['prompts']}",
                      valid_calls / rates["prompts"]])
+    for label, count, total in (
+            ("tools beside a format: valid calls or valid answer", "valid_calls_or_valid_answer", "prompts"),
+            ("... tool prompts answered with calls", "tool_prompts_called", "tool_prompts"),
+            ("... tool prompts calling the expected function", "tool_prompts_expected_function", "tool_prompts"),
+            ("... no-tool prompts answered in the format", "no_tool_prompts_answered", "no_tool_prompts")):
+        rows.append([label, f"{beside[count]}/{beside[total]}", beside[count] / beside[total]])
     print_table("Schema validity and tool calls", ["measure", "count", "rate"], rows)
-    return valid, auto, required
+    return valid, auto, required, beside
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -297,10 +349,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                           max_num_batched_tokens=2048, max_model_len=4096, num_threads=args.threads)
     llm = LLMEngine(config)
     if args.tools_only:
-        _, auto, required = through_serving(llm, args.tool_max_tokens, with_validity=False)
+        _, auto, required, beside = through_serving(llm, args.tool_max_tokens, with_validity=False)
         write_results(f"structured_tools_{Path(args.model).stem}", {
             "model": args.model, "cpu_model": cpu_model(), "precision": llm.precision(),
-            "tool_max_tokens": args.tool_max_tokens, "tool_calls_auto": auto, "tool_calls_required": required})
+            "tool_max_tokens": args.tool_max_tokens, "tool_calls_auto": auto, "tool_calls_required": required,
+            "tools_beside_response_format": beside})
         return
     masks = mask_times(llm, args.batches)
     print_table("Grammar mask per decode step (ms)", ["batch", "llguidance fill", "xgrammar fill", "apply (numpy)"],
@@ -326,12 +379,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                 [[b, d["free_tokens_per_s"], d["json_schema_tokens_per_s"], d["throughput_cost_pct"]]
                  for b, d in ((b, decode[f"batch_{b}"]) for b in args.batches)])
 
-    valid, auto, required = through_serving(llm, args.tool_max_tokens, with_validity=True)
+    valid, auto, required, beside = through_serving(llm, args.tool_max_tokens, with_validity=True)
     write_results("structured", {
         "model": args.model, "cpu_model": cpu_model(), "precision": llm.precision(),
         "max_tokens_decode": args.max_tokens,
         "grammar_mask_ms": masks, "decode": decode, "schema_validity": valid,
-        "tool_calls_auto": auto, "tool_calls_required": required,
+        "tool_calls_auto": auto, "tool_calls_required": required, "tools_beside_response_format": beside,
         "load_average_1min_at_end": os.getloadavg()[0],
     })
 

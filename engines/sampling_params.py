@@ -10,10 +10,11 @@ MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI accepts at most 300 biased tokens
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """What constrained decoding must produce: any JSON object, or JSON valid against `schema` (JSON text)."""
+    """What constrained decoding must produce: any JSON object, JSON valid against the schema in `source`
+    (JSON text), or text of the Lark-style grammar in `source` (llguidance's syntax, JSON schemas inline)."""
 
-    kind: Literal["json_object", "json_schema"]
-    schema: str | None = None
+    kind: Literal["json_object", "json_schema", "lark"]
+    source: str | None = None
 
 
 @dataclass

@@ -85,37 +85,45 @@ class ChatPlan:
 
     suffix: str = ""
     grammar: GrammarSpec | None = None
-    grammar_param: str | None = None
+    # The grammars to compile before the request runs, each with the field an unusable one is blamed on.
+    checks: tuple[tuple[GrammarSpec, str], ...] = ()
     tools: str | None = None
     parallel_tool_calls: bool = True
     tool_names: frozenset[str] = frozenset()  # the request's tools, for replies that call them in plain JSON
 
 
-def _response_grammar(request: ChatCompletionRequest) -> GrammarSpec | None:
+def _answer_schema(request: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The JSON schema `response_format` holds the answer to (JSON mode: any object); None for free text."""
     response_format = request.response_format
     if response_format is None or response_format.type == "text":
         return None
     if response_format.type == "json_object":
-        return GrammarSpec("json_object")
+        return {"type": "object"}
     assert response_format.json_schema is not None  # rules.check_response_format
-    return GrammarSpec("json_schema", json.dumps(response_format.json_schema.schema or {}))
+    return response_format.json_schema.schema or {}
 
 
 def chat_plan(request: ChatCompletionRequest, template_supports_tools: bool) -> ChatPlan:
     uses_tools = bool(request.tools) and request.tool_choice != "none"
+    schema = _answer_schema(request)
+    answer = None if schema is None else GrammarSpec("json_schema", json.dumps(schema))
+    answer_checks = () if answer is None else ((answer, "response_format"),)
     if not uses_tools:
-        return ChatPlan(grammar=_response_grammar(request), grammar_param="response_format")
+        return ChatPlan(grammar=answer, checks=answer_checks)
     if not template_supports_tools:
         raise invalid("this model's chat template does not support tools", "tools", "unsupported_parameter")
-    if _response_grammar(request) is not None:
-        raise invalid("`response_format` together with `tools` is not supported by our engines; use a forced "
-                      "`tool_choice` with a strict schema, or `tool_choice: \"none\"`", "response_format",
-                      "unsupported_parameter")
     parallel = request.parallel_tool_calls is not False
+    tools = request.tools or []
+    # A forced call is this turn's whole reply: `response_format` shapes a later turn's answer, as on OpenAI.
     if forced := tool_calls.forced_tools(request):
-        return ChatPlan(tool_calls.FORCED_PREFIX, tool_calls.forced_call_grammar(forced), "tools", "forced", parallel)
-    names = frozenset(tool.function.name for tool in request.tools or [])
-    return ChatPlan(tools="auto", parallel_tool_calls=parallel, tool_names=names)
+        call = tool_calls.forced_call_grammar(forced)
+        return ChatPlan(tool_calls.FORCED_PREFIX, call, ((call, "tools"),), "forced", parallel)
+    names = frozenset(tool.function.name for tool in tools)
+    if schema is None:
+        return ChatPlan(tools="auto", parallel_tool_calls=parallel, tool_names=names)
+    grammar = tool_calls.calls_or_answer_grammar(tools, schema, parallel)
+    checks = ((tool_calls.forced_call_grammar(tools), "tools"), *answer_checks, (grammar, "response_format"))
+    return ChatPlan(grammar=grammar, checks=checks, tools="auto", parallel_tool_calls=parallel, tool_names=names)
 
 
 class _Reply:
@@ -172,7 +180,7 @@ class _Reply:
     def _num_held(self) -> int:
         if self.finished or self.plan.tools is None:
             return 0
-        return len(self.text) if self.plan.tools == "forced" else len(self.parser.buffer)
+        return len(self.text) if self.plan.tools == "forced" else len(self.parser.buffer) + len(self.parser.blank)
 
 
 @dataclass(frozen=True)
@@ -304,12 +312,11 @@ class OpenAIServing:
         return chat_plan(request, getattr(self.tokenizer, "supports_tools", False))
 
     def _check_grammar(self, plan: ChatPlan) -> None:
-        if plan.grammar is None:
-            return
-        try:
-            self.engine.engine.grammars.compile(plan.grammar)
-        except GrammarError as exc:
-            raise invalid(str(exc), plan.grammar_param, "invalid_schema") from exc
+        for grammar, param in plan.checks:
+            try:
+                self.engine.engine.grammars.compile(grammar)
+            except GrammarError as exc:
+                raise invalid(str(exc), param, "invalid_schema") from exc
 
     def _calls(self, request_id: str, prompts: list[list[int]], d: Decoding,
                grammar: GrammarSpec | None = None) -> list[EngineCall]:

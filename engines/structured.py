@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.torch
@@ -32,6 +32,13 @@ if TYPE_CHECKING:
 
 _JSON_OBJECT = {"type": "object"}
 _COMPACT = {"whitespace_flexible": False}
+
+
+def inline_json(schema: dict[str, Any], whitespace: str | None = None) -> str:
+    """A JSON schema as a rule of a Lark-style grammar (`GrammarSpec("lark", ...)`): compact JSON like a
+    `json_schema` spec's, or with whitespace matching the regular expression `whitespace` between its tokens."""
+    options = _COMPACT if whitespace is None else {**_COMPACT, "whitespace_pattern": whitespace}
+    return "%json " + json.dumps({**schema, "x-guidance": options})
 
 
 class GrammarError(ValueError):
@@ -77,8 +84,11 @@ class Grammars:
         if grammar is not None:
             return grammar
         try:
-            schema = _JSON_OBJECT if spec.kind == "json_object" else json.loads(spec.schema or "{}")
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_COMPACT)
+            if spec.kind == "lark":
+                grammar = llguidance.LLMatcher.grammar_from_lark(spec.source or "")
+            else:
+                schema = _JSON_OBJECT if spec.kind == "json_object" else json.loads(spec.source or "{}")
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_COMPACT)
         except (ValueError, TypeError) as exc:
             raise GrammarError(f"the JSON schema cannot be used for constrained decoding: {exc}") from exc
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)

@@ -26,6 +26,7 @@ from typing import Any
 
 from engines.api.protocol import ChatCompletionRequest, FunctionCall, Tool, ToolCall, new_call_id
 from engines.sampling_params import GrammarSpec
+from engines.structured import inline_json
 
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
@@ -34,6 +35,8 @@ _BLOCK = re.compile(re.escape(CALL_START) + r"\s*(.*?)\s*" + re.escape(CALL_END)
 _FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.S)
 WHOLE_REPLY_OPENERS = "{[`"  # how a reply written as JSON calls begins: an object, a list, a fence
 _CALL_KEYS = frozenset({"name", "arguments", "parameters"})
+# Between the tokens of a constrained call's JSON: nothing, a space, or a new line indented (pretty-printed calls).
+CALL_WHITESPACE = r"(?: |\n {0,16})?"
 
 
 def forced_tools(request: ChatCompletionRequest) -> list[Tool]:
@@ -48,6 +51,27 @@ def forced_tools(request: ChatCompletionRequest) -> list[Tool]:
 
 def forced_call_grammar(tools: list[Tool]) -> GrammarSpec:
     """JSON of one call to one of `tools`, arguments valid against its parameters."""
+    return GrammarSpec("json_schema", json.dumps(_call_schema(tools)))
+
+
+def calls_or_answer_grammar(tools: list[Tool], answer: dict[str, Any], parallel: bool) -> GrammarSpec:
+    """What `tool_choice: "auto"` beside a `response_format` allows: tool calls, or an answer valid against the
+    `answer` schema — the model chooses. Calls as models write them: the template's blocks (one, or several on
+    lines of their own when `parallel`), or one call as bare JSON or in a ```json fence (how the demo models
+    call, `whole_reply_calls`), with the line breaks and indentation the model likes (bounded: a weak model
+    cannot loop on blanks) and arguments valid against the function's parameters."""
+    block = f'"{CALL_START}\\n" call "\\n{CALL_END}"'
+    return GrammarSpec("lark", "\n".join([
+        "start: blocks | call | fenced_call | answer",
+        f'blocks: {block} ("\\n" {block})*' if parallel else f"blocks: {block}",
+        'fenced_call: "```json\\n" call "\\n```"',
+        f"call: {inline_json(_call_schema(tools), whitespace=CALL_WHITESPACE)}",
+        f"answer: {inline_json(answer)}",
+    ]))
+
+
+def _call_schema(tools: list[Tool]) -> dict[str, Any]:
+    """The JSON of one call to one of `tools`: its name, then arguments valid against its parameters."""
     alternatives = [
         {
             "type": "object",
@@ -60,8 +84,7 @@ def forced_call_grammar(tools: list[Tool]) -> GrammarSpec:
         }
         for tool in tools
     ]
-    schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
-    return GrammarSpec("json_schema", json.dumps(schema))
+    return alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
 
 
 def _call(payload: str) -> ToolCall | None:
@@ -133,12 +156,14 @@ class StreamParser:
     held until its `</tool_call>`, then sent as one call (OpenAI-style deltas may carry a call whole).
     A reply that opens like JSON (`WHOLE_REPLY_OPENERS`, after any whitespace) when `tool_names` are given
     is held whole, since only its end tells whether it is calls (`whole_reply_calls`) or text.
-    Whatever is held when the stream ends goes out as content."""
+    Blank text is held until text follows it: the line breaks around calls are not content.
+    Whatever else is held when the stream ends goes out as content."""
 
     tool_names: frozenset[str] = frozenset()
     buffer: str = ""
     calls: list[ToolCall] = field(default_factory=list)
     holds_whole_reply: bool | None = None  # None until the reply's first non-blank character
+    blank: str = ""  # blank text not sent yet
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self.buffer += text
@@ -171,7 +196,13 @@ class StreamParser:
             else:
                 content.append(block)
         self.calls.extend(new_calls)
-        return "".join(content), new_calls
+        return self._unless_blank("".join(content)), new_calls
+
+    def _unless_blank(self, content: str) -> str:
+        content, self.blank = self.blank + content, ""
+        if content.isspace():
+            content, self.blank = "", content
+        return content
 
     def flush(self) -> tuple[str, list[ToolCall]]:
         """What is still held when the reply ends: (content, calls)."""
@@ -185,7 +216,8 @@ class StreamParser:
             else:  # read as any other reply: `<tool_call>` blocks inside it still count
                 content, calls = self.feed("")
         rest, self.buffer = self.buffer, ""
-        return content + rest, calls
+        content, self.blank = content + self.blank + rest, ""
+        return ("" if self.calls and content.isspace() else content), calls
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -9,9 +9,10 @@ import json
 import jsonschema
 import pytest
 
-from engines import tool_calls
+from engines import structured, tool_calls
 from engines.api.errors import APIError
 from engines.api.protocol import (
+    ChatChoice,
     ChatCompletionRequest,
     ChatMessage,
     FunctionCall,
@@ -24,6 +25,7 @@ from engines.api.protocol import (
     ToolCall,
 )
 from engines.api.rules import check_request
+from engines.sampling_params import GrammarSpec
 from engines.serving import OpenAIServing
 from engines.tokenizer import Tokenizer
 from tests.serving.conftest import MODEL_NAME
@@ -66,7 +68,7 @@ def ask(**fields: object) -> ChatCompletionRequest:
 
 
 def _valid_call(call: ToolCall) -> None:
-    tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+    tool = {"get_weather": WEATHER, "get_time": TIME, "get_day": DAY}[call.function.name]
     jsonschema.validate(json.loads(call.function.arguments), tool.function.parameters)
 
 
@@ -100,6 +102,18 @@ def test_text_that_only_looks_like_a_marker_start_is_released() -> None:
     parser = tool_calls.StreamParser()
     assert parser.feed("a <to") == ("a ", [])
     assert parser.feed("p>") == ("<top>", [])
+
+
+def test_blank_text_around_calls_is_not_content_and_before_text_is() -> None:
+    block = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    parser = tool_calls.StreamParser()
+    outputs = [parser.feed(piece) for piece in ["\n", block, "\n", block, "\n"]]
+    assert [text for text, _ in outputs] == [""] * 5 and parser.flush() == ("", [])
+    assert [len(calls) for _, calls in outputs] == [0, 1, 0, 1, 0]
+    parser = tool_calls.StreamParser()
+    assert parser.feed("\n") == ("", []) and parser.feed("Hi") == ("\nHi", [])
+    parser = tool_calls.StreamParser()
+    assert parser.feed(" \n") == ("", []) and parser.flush() == (" \n", [])  # no call: the reply is what it is
 
 
 NAMES = frozenset({"get_weather", "get_time"})
@@ -250,9 +264,123 @@ async def test_a_json_schema_answer_gives_its_keys_in_the_schemas_order(serving:
 def test_a_forced_call_names_its_function_before_its_arguments() -> None:
     """The model commits to a function, then writes arguments for it (in their declared order), as the chat
     template's own calls read: `{"name": ..., "arguments": {...}}`."""
-    (alternative,) = [json.loads(tool_calls.forced_call_grammar([WEATHER]).schema or "")]
+    (alternative,) = [json.loads(tool_calls.forced_call_grammar([WEATHER]).source or "")]
     assert list(alternative["properties"]) == ["name", "arguments"]
     assert list(alternative["properties"]["arguments"]["properties"]) == ["city", "unit"]
+
+
+# -- tools beside a response format ---------------------------------------------------------------------
+
+FORECAST = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}, "sunny": {"type": "boolean"}},
+            "required": ["city", "sunny"], "additionalProperties": False}
+FORECAST_FORMAT = ResponseFormat(type="json_schema",
+                                 json_schema=JSONSchemaFormat(name="forecast", schema=FORECAST, strict=True))
+DAY = Tool(type="function", function=FunctionDefinition(
+    name="get_day", parameters={"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                "required": ["zone"], "additionalProperties": False}))
+SHORT_TOOLS = [TIME, DAY]  # short calls: a random model's replies fit the tiny engine's context
+TIME_CALL = '{"name": "get_time", "arguments": {"zone": "UTC"}}'
+
+
+def _follows_grammar(serving: OpenAIServing, grammar: GrammarSpec, text: str) -> bool:
+    """Whether the whole of `text` is a reply the grammar allows: each token, then the end (in the mask the
+    sampler applies)."""
+    engine = serving.engine.engine
+    state = engine.grammars.matcher(grammar)
+    if not all(state.accept(token) for token in serving.tokenizer.encode(text)):
+        return False
+    mask = structured.allocate_bitmask(1, engine.grammars.vocab_size)
+    state.fill(mask, 0)
+    return any(structured.allows(mask, 0, token) for token in engine.scheduler.eos_token_ids)
+
+
+@pytest.mark.parametrize(("reply", "allowed"), [
+    (f"<tool_call>\n{TIME_CALL}\n</tool_call>", True),  # the template's block
+    (f"<tool_call>\n{TIME_CALL}\n</tool_call>\n<tool_call>\n{TIME_CALL}\n</tool_call>", True),
+    (TIME_CALL, True),  # bare JSON, as the small demo model calls
+    ('```json\n{\n  "name": "get_day",\n  "arguments": {\n    "zone": "CET"\n  }\n}\n```', True),  # the large one
+    ('{"city":"Oslo","sunny":true}', True),  # the answer, compact like any structured output
+    ('{"name": "get_weather", "arguments": {"city": "Oslo"}}', False),  # not a declared tool
+    ('{"name": "get_time", "arguments": {"zone": "PST"}}', False),  # arguments outside the parameters
+    ('{"city":"Reykjavik","sunny":true}', False),  # an answer outside the format (maxLength)
+    ('{"city": "Oslo", "sunny": true}', False),  # the answer's JSON is compact
+    ("It is sunny in Oslo.", False),
+    ('{"name": ' + " " * 40 + '"get_time", "arguments": {"zone": "UTC"}}', False),  # bounded blanks in a call
+])
+def test_beside_a_response_format_a_reply_is_calls_to_the_tools_or_an_answer_in_the_format(
+        tool_serving: OpenAIServing, reply: str, allowed: bool) -> None:
+    grammar = tool_calls.calls_or_answer_grammar(SHORT_TOOLS, FORECAST, parallel=True)
+    assert _follows_grammar(tool_serving, grammar, reply) is allowed
+
+
+def test_without_parallel_calls_the_grammar_allows_one_block(tool_serving: OpenAIServing) -> None:
+    grammar = tool_calls.calls_or_answer_grammar(SHORT_TOOLS, FORECAST, parallel=False)
+    block = f"<tool_call>\n{TIME_CALL}\n</tool_call>"
+    assert _follows_grammar(tool_serving, grammar, block)
+    assert not _follows_grammar(tool_serving, grammar, f"{block}\n{block}")
+
+
+def _banning_openings(serving: OpenAIServing, *prefixes: bytes) -> dict[int, float]:
+    """A `logit_bias` that bans every token whose text opens with one of `prefixes`, wherever the grammar
+    allows another token (where it allows only banned ones, they are still taken: the mask comes first).
+    Blanks are banned so that the random model's calls fit the tiny engine's context."""
+    prefixes = (*prefixes, b" ", b"\n")
+    tokenizer = serving.tokenizer
+    banned = {i: -100.0 for i in range(tokenizer.vocab_size)
+              if not tokenizer.is_special(i) and tokenizer.token_bytes(i).startswith(prefixes)}
+    assert 0 < len(banned) <= 300
+    return banned
+
+
+def _calls_or_answer(result: ChatChoice) -> str:
+    """Asserts the reply is valid tool calls and nothing else, or an answer valid against FORECAST; says which."""
+    if result.message.tool_calls:
+        assert result.finish_reason == "tool_calls" and result.message.content is None
+        for call in result.message.tool_calls:
+            _valid_call(call)
+        return "calls"
+    assert result.finish_reason == "stop"
+    jsonschema.validate(json.loads(result.message.content or ""), FORECAST)
+    return "answer"
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_tools_beside_a_response_format_give_valid_calls_or_a_valid_answer(
+        tool_serving: OpenAIServing, seed: int) -> None:
+    """As on OpenAI (and the Agents SDK's agents with tools and an output type): the model calls tools or
+    answers in the format, and whichever it does is valid."""
+    request = ask(tools=SHORT_TOOLS, response_format=FORECAST_FORMAT, seed=seed, logit_bias=_banning_openings(
+        tool_serving))
+    (result,) = (await tool_serving.chat(request)).choices
+    _calls_or_answer(result)
+
+
+@pytest.mark.parametrize("parallel_tool_calls", [True, False])
+async def test_calls_in_the_templates_blocks_become_tool_calls(tool_serving: OpenAIServing,
+                                                               parallel_tool_calls: bool) -> None:
+    """Steered to the blocks (bare and fenced JSON banned), the random model's reply is one or more calls."""
+    bias = _banning_openings(tool_serving, b"{", b"`")
+    for seed in range(3):
+        request = ask(tools=SHORT_TOOLS, response_format=FORECAST_FORMAT, seed=seed, logit_bias=bias,
+                      parallel_tool_calls=parallel_tool_calls)
+        (result,) = (await tool_serving.chat(request)).choices
+        assert _calls_or_answer(result) == "calls"
+        assert parallel_tool_calls or len(result.message.tool_calls or []) == 1
+
+
+async def test_a_forced_call_beside_a_response_format_is_the_call(tool_serving: OpenAIServing) -> None:
+    """The format shapes a later turn's answer; this turn's reply is the forced call."""
+    (result,) = (await tool_serving.chat(ask(tools=[WEATHER], tool_choice="required",
+                                             response_format=FORECAST_FORMAT))).choices
+    assert result.finish_reason == "tool_calls"
+    _valid_call(*(result.message.tool_calls or []))
+
+
+def test_an_unusable_tool_schema_beside_a_response_format_is_a_400_naming_tools(tool_serving: OpenAIServing) -> None:
+    broken = Tool(type="function", function=FunctionDefinition(name="broken", parameters={"type": "nonsense"}))
+    with pytest.raises(APIError) as refused:
+        tool_serving.prepare_chat(ask(tools=[broken], response_format=FORECAST_FORMAT))
+    assert refused.value.param == "tools" and refused.value.code == "invalid_schema"
 
 
 def test_an_unusable_schema_is_a_400_naming_response_format(serving: OpenAIServing) -> None:
