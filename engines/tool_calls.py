@@ -35,6 +35,8 @@ _BLOCK = re.compile(re.escape(CALL_START) + r"\s*(.*?)\s*" + re.escape(CALL_END)
 _FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.S)
 WHOLE_REPLY_OPENERS = "{[`"  # how a reply written as JSON calls begins: an object, a list, a fence
 _CALL_KEYS = frozenset({"name", "arguments", "parameters"})
+# A reply's first key where it opens like JSON (after a fence or a list's bracket): a call's is one of _CALL_KEYS.
+_FIRST_KEY = re.compile(r'\s*(?:```(?:json)?\s*)?\[?\s*\{\s*"([^"\\]*)"')
 # Between the tokens of a constrained call's JSON: nothing, a space, or a new line indented (pretty-printed calls).
 CALL_WHITESPACE = r"(?: |\n {0,16})?"
 
@@ -155,7 +157,8 @@ class StreamParser:
     Text that may be the start of `<tool_call>` is held back until it is known not to be; a block is
     held until its `</tool_call>`, then sent as one call (OpenAI-style deltas may carry a call whole).
     A reply that opens like JSON (`WHOLE_REPLY_OPENERS`, after any whitespace) when `tool_names` are given
-    is held whole, since only its end tells whether it is calls (`whole_reply_calls`) or text.
+    is held whole, since only its end tells whether it is calls (`whole_reply_calls`) or text — unless its
+    first key is not a call's: then it streams like any other reply (a JSON answer beside tools).
     Blank text is held until text follows it: the line breaks around calls are not content.
     Whatever else is held when the stream ends goes out as content."""
 
@@ -172,6 +175,8 @@ class StreamParser:
             if not head:
                 return "", []
             self.holds_whole_reply = bool(self.tool_names) and head[0] in WHOLE_REPLY_OPENERS
+        if self.holds_whole_reply and (first_key := _FIRST_KEY.match(self.buffer)):
+            self.holds_whole_reply = first_key.group(1) in _CALL_KEYS
         if self.holds_whole_reply:
             return "", []
         content: list[str] = []

@@ -145,8 +145,18 @@ def test_a_reply_that_is_only_a_json_call_to_a_declared_tool_is_that_call() -> N
 def test_json_that_is_not_only_calls_to_declared_tools_stays_text(reply: str) -> None:
     assert tool_calls.whole_reply_calls(reply, NAMES) == []
     parser = tool_calls.StreamParser(NAMES)
-    assert parser.feed(reply) == ("", [])  # held: only the end of the reply tells
-    assert parser.flush() == (reply, [])
+    streamed, calls = parser.feed(reply)
+    assert streamed + parser.flush()[0] == reply and calls == [] and parser.calls == []
+
+
+def test_json_whose_first_key_is_not_a_calls_streams_as_it_is_written() -> None:
+    """Held only until its first key shows it cannot be a call: a JSON answer beside tools is not delayed."""
+    parser = tool_calls.StreamParser(NAMES)
+    assert parser.feed('{"ci') == ("", [])
+    assert parser.feed('ty": "Par') == ('{"city": "Par', [])
+    assert parser.feed('is"}') == ('is"}', [])
+    held = tool_calls.StreamParser(NAMES)
+    assert held.feed('```json\n{\n  "name": "get_we') == ("", [])  # may still be a call
 
 
 def test_a_streamed_json_call_is_held_to_the_end_then_sent_as_one_call() -> None:
@@ -165,12 +175,13 @@ def test_prose_streams_at_once_and_json_is_not_held_without_tools() -> None:
     assert without_tools.feed(FENCED_CALL) == (FENCED_CALL, [])
 
 
-def test_a_held_reply_that_holds_tagged_calls_still_yields_them() -> None:
-    reply = '{"thought": 1}\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
-    parser = tool_calls.StreamParser(NAMES)
-    assert parser.feed(reply) == ("", [])
-    content, calls = parser.flush()
-    assert content == '{"thought": 1}\n' and _named(calls) == [("get_time", {"zone": "UTC"})]
+def test_a_json_reply_that_holds_tagged_calls_still_yields_them() -> None:
+    for opening in ('{"thought": 1}', '{"name": 1}'):  # released at its first key, or held to its end
+        reply = opening + '\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+        parser = tool_calls.StreamParser(NAMES)
+        streamed, calls = parser.feed(reply)
+        rest, last_calls = parser.flush()
+        assert streamed + rest == opening + "\n" and _named(calls + last_calls) == [("get_time", {"zone": "UTC"})]
 
 
 # -- rendering --------------------------------------------------------------------------------------
@@ -366,6 +377,17 @@ async def test_calls_in_the_templates_blocks_become_tool_calls(tool_serving: Ope
         (result,) = (await tool_serving.chat(request)).choices
         assert _calls_or_answer(result) == "calls"
         assert parallel_tool_calls or len(result.message.tool_calls or []) == 1
+
+
+async def test_a_streamed_answer_beside_tools_streams_as_it_is_written(tool_serving: OpenAIServing) -> None:
+    """Steered to the answer (no blocks, no fences, and a first key that is not a call's `name`), the reply
+    streams in pieces: it is held only until its first key shows it is not a call."""
+    bias = _banning_openings(tool_serving, b"<", b"`", b"n")
+    request = ask(tools=SHORT_TOOLS, response_format=FORECAST_FORMAT, stream=True, logit_bias=bias)
+    chunks = [chunk async for chunk in tool_serving.chat_stream(request)]
+    pieces = [c.delta.content for chunk in chunks for c in chunk.choices if c.delta.content]
+    assert len(pieces) > 1 and not any(c.delta.tool_calls for chunk in chunks for c in chunk.choices)
+    jsonschema.validate(json.loads("".join(pieces)), FORECAST)
 
 
 async def test_a_forced_call_beside_a_response_format_is_the_call(tool_serving: OpenAIServing) -> None:
