@@ -13,7 +13,7 @@
    calls or a valid answer, which of the two the model chose, and the expected function.
 
     sluice bench structured [--max-tokens 64] [--batches 1 16] [--repeats 5]
-    sluice bench structured --model large --tools-only   # part 4 alone, for any model
+    sluice bench structured --model large --tools-only   # parts 4 and 5 alone, for any model
 """
 
 from __future__ import annotations
@@ -341,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="free/constrained run pairs per batch (median)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--tools-only", action="store_true",
-                        help="only part 4, tool calls (writes bench/results/structured_tools_<model>.json)")
+                        help="only parts 4 and 5, tool calls (writes bench/results/structured_tools_<model>.json)")
     args = parser.parse_args(argv)
 
     config = EngineConfig(model=str(resolve_model(args.model)), dtype="float32", quantization="auto",
