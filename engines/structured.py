@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -68,19 +69,31 @@ class _Vocabulary:
 
 
 class Grammars:
-    """Grammars for one tokenizer and vocabulary (the model's logits width), each spec checked once."""
+    """Grammars for one tokenizer and vocabulary (the model's logits width), each spec checked once while it
+    is among the `max_cached` most recently used: clients send schemas of their own, without bound."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int],
+                 max_cached: int = 1024) -> None:
         self.vocab_size = vocab_size
         vocabulary = _Vocabulary(tokenizer, vocab_size, stop_token_ids)
         self._tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocabulary))
-        self._cache: dict[GrammarSpec, str] = {}
+        self._cache: OrderedDict[GrammarSpec, str] = OrderedDict()
+        self.max_cached = max_cached
         self._lock = threading.Lock()  # used from the event loop (validation) and the step thread
+
+    def __len__(self) -> int:
+        """Grammars held compiled."""
+        return len(self._cache)
+
+    def __contains__(self, spec: GrammarSpec) -> bool:
+        return spec in self._cache
 
     def compile(self, spec: GrammarSpec) -> str:
         """The grammar for `spec`; raises GrammarError when the schema is invalid or unsupported."""
         with self._lock:
             grammar = self._cache.get(spec)
+            if grammar is not None:
+                self._cache.move_to_end(spec)
         if grammar is not None:
             return grammar
         try:
@@ -96,6 +109,8 @@ class Grammars:
             raise GrammarError(f"the JSON schema cannot be used for constrained decoding: {error}")
         with self._lock:
             self._cache[spec] = grammar
+            while len(self._cache) > self.max_cached:
+                self._cache.popitem(last=False)
         return grammar
 
     def matcher(self, spec: GrammarSpec) -> GrammarState:

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from engines.llm_engine import LLMEngine
 from engines.sampling_params import GrammarSpec, SamplingParams
-from engines.structured import GrammarError, allocate_bitmask, allows
+from engines.structured import GrammarError, Grammars, allocate_bitmask, allows
 from tests.engine.conftest import TinyModel, generated_ids, make_engine, run_to_completion
 
 PROMPT = [5, 17, 42, 99, 3]
@@ -126,6 +126,18 @@ def test_an_invalid_schema_is_refused_before_it_runs(engine: LLMEngine) -> None:
     with pytest.raises(GrammarError, match="objectx"):
         engine.add_request("bad", PROMPT, params)
     assert not engine.has_unfinished_requests()
+
+
+def test_compiled_grammars_are_bounded_and_the_ones_in_use_are_kept(engine: LLMEngine) -> None:
+    """Every client schema is a grammar of its own: the compiled ones are bounded, least recently used out."""
+    grammars = Grammars(engine.tokenizer, engine.model_config.vocab_size, sorted(engine.scheduler.eos_token_ids),
+                        max_cached=3)
+    specs = [GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {f"k{i}": {"type": "integer"}}}))
+             for i in range(6)]
+    for spec in specs:
+        grammars.compile(spec)
+        grammars.compile(specs[0])  # in use all along
+    assert len(grammars) == 3 and specs[0] in grammars and specs[-1] in grammars and specs[1] not in grammars
 
 
 def test_zero_penalties_leave_greedy_output_unchanged_and_penalties_change_it(engine: LLMEngine) -> None:
