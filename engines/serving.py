@@ -17,7 +17,7 @@ import json
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Coroutine, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from engines import tool_calls
@@ -90,6 +90,9 @@ class ChatPlan:
     tools: str | None = None
     parallel_tool_calls: bool = True
     tool_names: frozenset[str] = frozenset()  # the request's tools, for replies that call them in plain JSON
+    # Beside tools, the answer's grammar alone: a reply calling a function the request does not declare is
+    # answered again under it (`tool_calls.invented_call`).
+    answer: GrammarSpec | None = None
 
 
 def _answer_schema(request: ChatCompletionRequest) -> dict[str, Any] | None:
@@ -123,7 +126,8 @@ def chat_plan(request: ChatCompletionRequest, template_supports_tools: bool) -> 
         return ChatPlan(tools="auto", parallel_tool_calls=parallel, tool_names=names)
     grammar = tool_calls.calls_or_answer_grammar(tools, schema, parallel)
     checks = ((tool_calls.forced_call_grammar(tools), "tools"), *answer_checks, (grammar, "response_format"))
-    return ChatPlan(grammar=grammar, checks=checks, tools="auto", parallel_tool_calls=parallel, tool_names=names)
+    return ChatPlan(grammar=grammar, checks=checks, tools="auto", parallel_tool_calls=parallel, tool_names=names,
+                    answer=answer)
 
 
 class _Reply:
@@ -181,6 +185,11 @@ class _Reply:
         if self.finished or self.plan.tools is None:
             return 0
         return len(self.text) if self.plan.tools == "forced" else len(self.parser.buffer) + len(self.parser.blank)
+
+
+def _invented(plan: ChatPlan, state: _ChoiceState) -> bool:
+    """Whether a finished reply beside tools and a format calls a function the request does not declare."""
+    return plan.answer is not None and tool_calls.invented_call("".join(state.text), plan.tool_names)
 
 
 @dataclass(frozen=True)
@@ -433,6 +442,9 @@ class OpenAIServing:
         states = [_ChoiceState() for _ in calls]
         async for _ in self._run(calls, states):
             pass
+        if again := [call for call, state in zip(calls, states, strict=True) if _invented(plan, state)]:
+            async for _ in self._answer_again(plan, again, states):
+                pass
         top = request.top_logprobs or 0
         choices = []
         for call, state in zip(calls, states, strict=True):
@@ -468,31 +480,63 @@ class OpenAIServing:
         states = [_ChoiceState() for _ in calls]
         replies = {call.index: _Reply(plan) for call in calls}
         announced: set[int] = set()
-        top = request.top_logprobs or 0
+        again: list[EngineCall] = []
         async for call, output in self._run(calls, states):
-            reply = replies[call.index]
-            content, new_calls = reply.feed(output.new_text)
-            if output.finished:
-                rest, last_calls = reply.finish()
-                content, new_calls = content + rest, new_calls + last_calls
-            logprobs = reply.logprobs_to_send(output.logprobs) if request.logprobs else []
-            if not (content or new_calls or output.finished or logprobs):
+            if output.finished and _invented(plan, states[call.index]):
+                again.append(call)  # held so far (it opens like a call): nothing of it was sent
                 continue
-            first = call.index not in announced
-            announced.add(call.index)
-            first_call = len(reply.calls) - len(new_calls)
-            choice = ChatChunkChoice(
-                index=call.index,
-                delta=DeltaMessage(role="assistant" if first else None,
-                                   content=(content or None) if new_calls else content,
-                                   tool_calls=tool_call_deltas(new_calls, first_call) or None),
-                finish_reason=reply.finish_reason(output.finish_reason) if output.finished else None,
-                logprobs=ChoiceLogprobs(content=self._chat_logprobs(logprobs, top)) if request.logprobs else None,
-            )
-            yield ChatCompletionChunk(id=response_id, created=created, model=self.model_name, choices=[choice])
+            if chunk := self._chat_chunk(request, replies[call.index], call, output, announced):
+                yield ChatCompletionChunk(id=response_id, created=created, model=self.model_name, choices=[chunk])
+        if again:
+            replies.update({call.index: _Reply(plan) for call in again})
+            async for call, output in self._answer_again(plan, again, states):
+                if chunk := self._chat_chunk(request, replies[call.index], call, output, announced):
+                    yield ChatCompletionChunk(id=response_id, created=created, model=self.model_name, choices=[chunk])
         yield ChatCompletionChunk(
             id=response_id, created=created, model=self.model_name, choices=[], usage=_usage(calls, states)
         )
+
+    def _chat_chunk(self, request: ChatCompletionRequest, reply: _Reply, call: EngineCall, output: RequestOutput,
+                    announced: set[int]) -> ChatChunkChoice | None:
+        """What one engine output of a choice sends, if anything: the role first, then content, whole calls,
+        logprobs and, at the end, the finish reason."""
+        content, new_calls = reply.feed(output.new_text)
+        if output.finished:
+            rest, last_calls = reply.finish()
+            content, new_calls = content + rest, new_calls + last_calls
+        logprobs = reply.logprobs_to_send(output.logprobs) if request.logprobs else []
+        if not (content or new_calls or output.finished or logprobs):
+            return None
+        first = call.index not in announced
+        announced.add(call.index)
+        first_call = len(reply.calls) - len(new_calls)
+        return ChatChunkChoice(
+            index=call.index,
+            delta=DeltaMessage(role="assistant" if first else None,
+                               content=(content or None) if new_calls else content,
+                               tool_calls=tool_call_deltas(new_calls, first_call) or None),
+            finish_reason=reply.finish_reason(output.finish_reason) if output.finished else None,
+            logprobs=ChoiceLogprobs(content=self._chat_logprobs(logprobs, request.top_logprobs or 0))
+            if request.logprobs else None,
+        )
+
+    async def _answer_again(self, plan: ChatPlan, calls: list[EngineCall], states: list[_ChoiceState]
+                            ) -> AsyncGenerator[tuple[EngineCall, RequestOutput], None]:  # fmt: skip
+        """Generate these choices again under the answer's grammar alone; each one's state becomes the new
+        reply's, its completion tokens counting both generations and its cached prompt tokens the first's (the
+        second finds the prompt cached by the first)."""
+        assert plan.answer is not None
+        answer = plan.answer
+        again = [replace(call, request_id=f"{call.request_id}-answer", params=replace(call.params, grammar=answer))
+                 for call in calls]
+        fresh = [_ChoiceState() for _ in again]
+        async for call, output in self._run(again, fresh):
+            yield call, output
+        for call, state in zip(again, fresh, strict=True):
+            first = states[call.index]
+            state.num_output_tokens += first.num_output_tokens
+            state.num_cached_tokens = first.num_cached_tokens
+            states[call.index] = state
 
     # -- text completions -------------------------------------------------------------------
 

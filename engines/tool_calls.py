@@ -61,15 +61,58 @@ def calls_or_answer_grammar(tools: list[Tool], answer: dict[str, Any], parallel:
     `answer` schema — the model chooses. Calls as models write them: the template's blocks (one, or several on
     lines of their own when `parallel`), or one call as bare JSON or in a ```json fence (how the demo models
     call, `whole_reply_calls`), with the line breaks and indentation the model likes (bounded: a weak model
-    cannot loop on blanks) and arguments valid against the function's parameters."""
+    cannot loop on blanks) and arguments valid against the function's parameters. A bare or fenced call may
+    also name a function the request does not declare: that is how weak models answer beside tools, and such a
+    reply is answered again under the answer's schema alone (`invented_call`), where forcing a declared name
+    would have made it a call to the wrong tool."""
     block = f'"{CALL_START}\\n" call "\\n{CALL_END}"'
     return GrammarSpec("lark", "\n".join([
-        "start: blocks | call | fenced_call | answer",
+        "start: blocks | any_call | fenced_call | answer",
         f'blocks: {block} ("\\n" {block})*' if parallel else f"blocks: {block}",
-        'fenced_call: "```json\\n" call "\\n```"',
+        'fenced_call: "```json\\n" any_call "\\n```"',
         f"call: {inline_json(_call_schema(tools), whitespace=CALL_WHITESPACE)}",
+        f"any_call: {inline_json(_any_call_schema(tools), whitespace=CALL_WHITESPACE)}",
         f"answer: {inline_json(answer)}",
     ]))
+
+
+def _any_call_schema(tools: list[Tool]) -> dict[str, Any]:
+    """A call to one of `tools` (arguments valid against its parameters) or to a function it does not name."""
+    invented = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "pattern": other_name_pattern([t.function.name for t in tools])},
+                       "arguments": {"type": "object"}},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+    declared = _call_schema(tools)
+    return {"anyOf": [*declared.get("anyOf", [declared]), invented]}
+
+
+_NAME_CHARS = "A-Za-z0-9_.\\-"  # what a function name is written in (OpenAI: letters, digits, _ and -)
+
+
+def other_name_pattern(names: Collection[str]) -> str:
+    """An anchored regular expression for function names other than `names` (a declared name cannot take
+    an invented call's looser arguments): along the trie of `names`, any string that leaves it, or that ends
+    where no name ends."""
+    prefixes = sorted({name[:i] for name in names for i in range(len(name) + 1)})
+    ends, alternatives = set(names), []
+    for prefix in prefixes:
+        taken = "".join(re.escape(char) for char in sorted({name[len(prefix)] for name in names
+                                                            if name.startswith(prefix) and len(name) > len(prefix)}))
+        free = f"[{_NAME_CHARS}&&[^{taken}]]" if taken else f"[{_NAME_CHARS}]"
+        alternatives.append(f"{re.escape(prefix)}{free}[{_NAME_CHARS}]{{0,63}}")
+        if prefix and prefix not in ends:
+            alternatives.append(re.escape(prefix))
+    return "^(?:" + "|".join(alternatives) + ")$"
+
+
+def invented_call(text: str, tool_names: Collection[str]) -> bool:
+    """Whether a whole reply is one call, bare or in a fence, to a function not among `tool_names`."""
+    value = _json_reply(text)
+    return (isinstance(value, dict) and isinstance(value.get("name"), str) and value["name"] not in tool_names
+            and set(value) <= _CALL_KEYS)
 
 
 def _call_schema(tools: list[Tool]) -> dict[str, Any]:
@@ -107,16 +150,23 @@ def _tool_call(name: str, arguments: Any) -> ToolCall:
     return ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=json.dumps(arguments)))
 
 
-def whole_reply_calls(text: str, tool_names: Collection[str]) -> list[ToolCall]:
-    """The calls of a reply that is only calls written as JSON, bare or in one ```json fence: an object
-    `{"name": <one of tool_names>, "arguments": {...}}` or a list of them; [] for any other reply, so that
-    JSON which is not a call to one of the request's tools (an example, an answer) stays text."""
+def _json_reply(text: str) -> Any:
+    """The JSON value a whole reply is, bare or in one ```json fence; None when it is not JSON."""
     body = text.strip()
     if fenced := _FENCE.fullmatch(body):
         body = fenced.group(1)
     try:
-        value = json.loads(body)
+        return json.loads(body)
     except ValueError:
+        return None
+
+
+def whole_reply_calls(text: str, tool_names: Collection[str]) -> list[ToolCall]:
+    """The calls of a reply that is only calls written as JSON, bare or in one ```json fence: an object
+    `{"name": <one of tool_names>, "arguments": {...}}` or a list of them; [] for any other reply, so that
+    JSON which is not a call to one of the request's tools (an example, an answer) stays text."""
+    value = _json_reply(text)
+    if value is None:
         return []
     items = value if isinstance(value, list) and value else [value]
     for item in items:
