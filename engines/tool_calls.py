@@ -85,8 +85,7 @@ def _any_call_schema(tools: list[Tool]) -> dict[str, Any]:
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
-    declared = _call_schema(tools)
-    return {"anyOf": [*declared.get("anyOf", [declared]), invented]}
+    return {"anyOf": [*_call_alternatives(tools), invented]}
 
 
 _NAME_CHARS = "A-Za-z0-9_.\\-"  # what a function name is written in (OpenAI: letters, digits, _ and -)
@@ -117,7 +116,13 @@ def invented_call(text: str, tool_names: Collection[str]) -> bool:
 
 def _call_schema(tools: list[Tool]) -> dict[str, Any]:
     """The JSON of one call to one of `tools`: its name, then arguments valid against its parameters."""
-    alternatives = [
+    alternatives = _call_alternatives(tools)
+    return alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+
+
+def _call_alternatives(tools: list[Tool]) -> list[dict[str, Any]]:
+    """One call's JSON per tool: its name, then arguments valid against its parameters."""
+    return [
         {
             "type": "object",
             "properties": {
@@ -129,7 +134,6 @@ def _call_schema(tools: list[Tool]) -> dict[str, Any]:
         }
         for tool in tools
     ]
-    return alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
 
 
 def _call(payload: str) -> ToolCall | None:
