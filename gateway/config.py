@@ -96,10 +96,20 @@ class CacheConfig(_Section):
     """The response cache (gateway/cache); which features use it is each policy's `cache` key."""
 
     max_entries_per_scope: int = 10_000  # past this the oldest entries of the scope are evicted
+    # Without Redis: entries this process keeps in all scopes together (the soonest to expire go first).
+    max_entries_in_process: int = 100_000
+    # Question vectors a replica keeps in memory for the semantic tier, all scopes together (~1.6 KB each); the
+    # least recently searched scopes are dropped first and rebuilt from the store when searched again.
+    replica_index_max_entries: int = 200_000
     candidates: int = 2  # nearest cached questions the matcher reads
     matcher_dir: str = ""  # empty: the shipped matcher (gateway/cache/matcher)
     redis_timeout_ms: int = 250  # a slower Redis is treated as down: the cache is bypassed
     retry_after_s: float = 1.0  # how long the cache stays bypassed after Redis failed
+
+    def __post_init__(self) -> None:
+        for name in ("max_entries_per_scope", "max_entries_in_process", "replica_index_max_entries", "candidates"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"cache.{name}: must be at least 1, got {getattr(self, name)}")
 
 
 class ModelsConfig(_Section):

@@ -63,6 +63,7 @@ def test_config_file_from_environment_variable(tmp_path: Path) -> None:
         ({"SLUICE_TIERS__LARGE__MAX_NUM_SEQS": "-1"}, "tiers.large.max_num_seqs"),
         ({"SLUICE_TIERS__LARGE__DEVICE": "tpu"}, "tiers.large.device"),
         ({"SLUICE_ROUTER__EMBEDDING_PRECISION": "int4"}, "router.embedding_precision"),
+        ({"SLUICE_CACHE__REPLICA_INDEX_MAX_ENTRIES": "0"}, "cache.replica_index_max_entries"),
     ],
 )
 def test_invalid_config_fails_with_a_message_naming_the_key(environ: dict[str, str], named_key: str) -> None:

@@ -75,11 +75,12 @@ def build_cache(settings: Settings, models: CacheModels, redis_prefix: str = "sl
         redis = Redis.from_url(settings.redis.url, socket_timeout=timeout, socket_connect_timeout=timeout)
         store = RedisCacheStore(redis, redis_prefix)
     else:
-        store = MemoryCacheStore()
+        store = MemoryCacheStore(max_entries=cfg.max_entries_in_process)
     return ResponseCache(
         store,
         models,
         max_entries_per_scope=cfg.max_entries_per_scope,
+        replica_index_max_entries=cfg.replica_index_max_entries,
         candidates=cfg.candidates,
         retry_after_s=cfg.retry_after_s,
     )

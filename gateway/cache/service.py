@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -69,6 +70,13 @@ class Lookup:
     leader: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class IndexFootprint:
+    scopes: int
+    entries: int  # live rows
+    rows: int  # rows allocated: what `replica_index_max_entries` bounds
+
+
 @dataclass(slots=True)
 class _Replica:
     index: VectorIndex
@@ -83,6 +91,7 @@ class ResponseCache:
         models: Callable[[], Awaitable[tuple[Embeds, Matcher]]],
         *,
         max_entries_per_scope: int = 10_000,
+        replica_index_max_entries: int = 200_000,
         candidates: int = 2,
         retry_after_s: float = 1.0,
         flight_wait_s: float = 60.0,
@@ -91,11 +100,15 @@ class ResponseCache:
         self.backend = store
         self._load_models = models
         self.max_entries_per_scope = max_entries_per_scope
+        self.replica_index_max_entries = replica_index_max_entries
         self.candidates = candidates
         self.retry_after_s = retry_after_s
         self.flight_wait_s = flight_wait_s
         self.clock = clock
-        self._replicas: dict[str, _Replica] = {}
+        # This replica's indexes of the scopes it searched, least recently searched first: bounded by the rows they
+        # hold (`replica_index_max_entries`), since traffic opens scopes without end (each conversation, each user).
+        self._replicas: OrderedDict[str, _Replica] = OrderedDict()
+        self._replica_rows = 0
         self._flights: dict[str, asyncio.Future[None]] = {}
         self._down_until = 0.0
 
@@ -247,10 +260,27 @@ class ResponseCache:
         replica = self._replicas.get(scope)
         if replica is None:
             replica = self._replicas[scope] = _Replica(VectorIndex(dim))
+        self._replicas.move_to_end(scope)
         async with replica.lock:
+            held = replica.index.rows_held
             changes = await self.backend.changes(scope, replica.cursor)
             _apply(replica, changes)
+            if self._replicas.get(scope) is replica:  # else dropped meanwhile, its rows no longer counted
+                self._replica_rows += replica.index.rows_held - held
+                if not len(replica.index):  # an empty scope costs nothing to find empty again
+                    self._drop_replica(scope)
+        while self._replica_rows > self.replica_index_max_entries and len(self._replicas) > 1:
+            self._drop_replica(next(iter(self._replicas)))  # the least recently searched; rebuilt when searched again
         return replica
+
+    def _drop_replica(self, scope: str) -> None:
+        self._replica_rows -= self._replicas.pop(scope).index.rows_held
+
+    @property
+    def replica_index(self) -> IndexFootprint:
+        """What this replica's indexes hold now."""
+        entries = sum(len(replica.index) for replica in self._replicas.values())
+        return IndexFootprint(len(self._replicas), entries, self._replica_rows)
 
     def _bypass(self, exc: Exception) -> Lookup:
         if self.clock() >= self._down_until:

@@ -11,7 +11,8 @@ semantic tier's vectors, kept one of two ways:
   (`RedisCacheStore.nearest`); replicas then keep no index.
 
 Either way a candidate is read from the store before it is served, so TTLs, evictions and purges hold
-in every replica at once. Per tenant: a hash scope → feature, for purging.
+in every replica at once. Per tenant, for purging: a sorted set of its scopes (`scope:feature`) by the time
+the last of their entries expires, so scopes whose entries all expired drop out of it on the next put.
 
 `MemoryCacheStore` has the same semantics without Redis (`make run`, one replica).
 """
@@ -116,7 +117,7 @@ class CacheStore(Protocol):
 # Redis
 # ---------------------------------------------------------------------------------------------
 
-# KEYS: entry, expiry zset, vector hash, change log, tenant registry, vector set. ARGV[11] = '1': the vector
+# KEYS: entry, expiry zset, vector hash, change log, tenant's scopes, vector set. ARGV[11] = '1': the vector
 # goes to the vector set (ARGV[5] its float32 bytes), else to the hash and the log (ARGV[5] a packed record).
 # Vector sets store int8 vectors (Q8, Redis's default) and build with EF 100: 0.9 ms an insert at 20k entries
 # against 2.2 ms for float32 at EF 200, the nearest one still found (BENCHMARKS.md). Redis runs scripts one at a
@@ -149,11 +150,13 @@ if over > 0 then
     drop(k)
   end
 end
--- The scope's structures live as long as its longest-lived entry: a shorter TTL never shortens them.
-for _, i in ipairs({2, 3, 4, 6}) do
+-- The scope's structures, and the tenant's list of scopes, live as long as their longest-lived entry: a shorter
+-- TTL never shortens them; a scope leaves the list once its last entry has expired.
+redis.call('ZADD', KEYS[5], 'GT', now + ttl, ARGV[9] .. ':' .. ARGV[10])
+redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
+for _, i in ipairs({2, 3, 4, 5, 6}) do
   if redis.call('PTTL', KEYS[i]) < ttl then redis.call('PEXPIRE', KEYS[i], ttl) end
 end
-redis.call('HSET', KEYS[5], ARGV[9], ARGV[10])
 return over
 """
 
@@ -205,6 +208,9 @@ class RedisCacheStore:
     def _scope(self, scope: str, part: str) -> str:
         return f"{self.prefix}:s:{scope}:{part}"
 
+    def _tenant_scopes(self, tenant: str) -> str:
+        return f"{self.prefix}:tz:{tenant}"
+
     async def get(self, key: str) -> Entry | None:
         try:
             raw = await self.redis.get(self._entry(key))
@@ -246,7 +252,7 @@ class RedisCacheStore:
         keys = [
             self._entry(key),
             *(self._scope(scope.id, p) for p in ("z", "v", "log")),
-            f"{self.prefix}:t:{scope.tenant}",
+            self._tenant_scopes(scope.tenant),
             self._scope(scope.id, "vs"),
         ]
         args = [
@@ -275,7 +281,9 @@ class RedisCacheStore:
                     pipe.xrange(log, min=f"({cursor}", count=self.log_length)
                     pipe.xrange(log, count=1)
                     tail, first = await pipe.execute()
-                if not first or _stream_id(first[0][0]) <= _stream_id(cursor):
+                if not first:  # no log: the scope expired (or was never written), and its vectors with it
+                    return IndexChanges([], "0-0", reset=True)
+                if _stream_id(first[0][0]) <= _stream_id(cursor):
                     events = [_event(fields) for _, fields in tail]
                     return IndexChanges(events, tail[-1][0].decode() if tail else cursor, reset=False)
             async with self.redis.pipeline(transaction=True) as pipe:  # one consistent snapshot
@@ -288,15 +296,19 @@ class RedisCacheStore:
         return IndexChanges(events, last[0][0].decode() if last else "0-0", reset=True)
 
     async def purge(self, tenant: str, feature: str | None) -> int:
-        registry = f"{self.prefix}:t:{tenant}"
+        registry = self._tenant_scopes(tenant)
+        legacy = f"{self.prefix}:t:{tenant}"  # the hash scope → feature that earlier versions kept
         try:
-            scopes = {s.decode(): f.decode() for s, f in (await self.redis.hgetall(registry)).items()}
+            members = [m.decode() for m in await self.redis.zrange(registry, 0, -1)]
+            scopes = dict(m.split(":", 1) for m in members)  # a scope id is hex: the first ':' ends it
+            scopes |= {s.decode(): f.decode() for s, f in (await self.redis.hgetall(legacy)).items()}
             purged = 0
             for scope, owner in scopes.items():
                 if feature is None or owner == feature:
                     keys = [self._scope(scope, p) for p in ("z", "v", "log", "vs")]
                     purged += int(await self._purge(keys=keys, args=[f"{self.prefix}:e:", self.log_length, 86_400_000]))
-                    await self.redis.hdel(registry, scope)
+                    await self.redis.zrem(registry, f"{scope}:{owner}")
+                    await self.redis.hdel(legacy, scope)
             return purged
         except Exception as exc:
             raise CacheUnavailable(str(exc)) from exc
@@ -333,23 +345,39 @@ def _event(fields: dict[bytes, bytes]) -> IndexEvent:
 
 @dataclass(slots=True)
 class _Scope:
+    tenant: str
     expiry: dict[str, float] = field(default_factory=dict)
     vectors: dict[str, bytes] = field(default_factory=dict)
     log: list[tuple[int, IndexEvent]] = field(default_factory=list)
-    trimmed_to: int = 0  # the last sequence number trimmed off the log
+    trimmed_to: int = 0  # a cursor before it reloads the scope: the log's trimmed start, or the scope's birth
     by_expiry: list[tuple[float, str]] = field(default_factory=list)  # a heap; items whose key moved are stale
 
 
 class MemoryCacheStore:
-    """The same store in this process, for a gateway without Redis."""
+    """The same store in this process, for a gateway without Redis.
 
-    def __init__(self, log_length: int = 20_000, clock: object = time.time) -> None:
+    Memory stays bounded however many scopes traffic opens (every conversation and end user is one): expired
+    entries are dropped on any put, whichever scope they are in, a scope with no entries left is forgotten
+    (with its change log: a replica index of it then resets to empty), at most `max_entries` entries are held
+    in all (soonest to expire out first), and a scope's log is kept near its live entries."""
+
+    def __init__(self, log_length: int = 20_000, clock: object = time.time, max_entries: int = 100_000) -> None:
         self.log_length = log_length
         self.clock = clock
+        self.max_entries = max_entries
         self._entries: dict[str, tuple[Entry, float]] = {}
         self._scopes: dict[str, _Scope] = {}
         self._tenants: dict[str, dict[str, str]] = {}
+        self._by_expiry: list[tuple[float, str, str]] = []  # (expires, scope, key) over all scopes; stale items skipped
         self._seq = 0
+
+    def __len__(self) -> int:
+        """Entries held, expired ones not yet dropped included."""
+        return len(self._entries)
+
+    @property
+    def scope_count(self) -> int:
+        return len(self._scopes)
 
     async def nearest(self, scope: str, vector: np.ndarray, k: int, floor: float) -> list[Candidate] | None:
         return None  # the replica's own index searches (one replica: the log never falls behind)
@@ -364,13 +392,17 @@ class MemoryCacheStore:
     def _log(self, scope: _Scope, event: IndexEvent) -> None:
         self._seq += 1
         scope.log.append((self._seq, event))
-        if len(scope.log) > self.log_length:
-            cut = len(scope.log) - self.log_length
+        # A replica reads the log since its cursor; one behind the trimmed start reloads the scope's vectors. Past
+        # twice the live entries the log is mostly history (an add event holds its vector): trim it to half that.
+        limit = min(self.log_length, 2 * len(scope.vectors) + 64)
+        if len(scope.log) > limit:
+            cut = len(scope.log) - limit // 2
             scope.trimmed_to = scope.log[cut - 1][0]
             del scope.log[:cut]
 
     def _drop(self, scope: _Scope, key: str) -> None:
         scope.expiry.pop(key, None)
+        self._entries.pop(key, None)
         if scope.vectors.pop(key, None) is not None:
             self._log(scope, IndexEvent("del", key))
 
@@ -378,20 +410,45 @@ class MemoryCacheStore:
         self, scope: ScopeRef, key: str, entry: Entry, ttl_s: float, vector: np.ndarray | None, max_entries: int
     ) -> None:
         now: float = self.clock()  # type: ignore[operator]
-        s = self._scopes.setdefault(scope.id, _Scope())
-        self._entries[key] = (entry, now + ttl_s)
-        s.expiry[key] = now + ttl_s
-        heapq.heappush(s.by_expiry, (now + ttl_s, key))
+        s = self._scopes.get(scope.id)
+        if s is None:
+            # Cursors from before this scope existed (or from its purged past) predate `trimmed_to`: a replica
+            # holding one reloads the scope instead of keeping rows of its earlier life.
+            s = self._scopes[scope.id] = _Scope(scope.tenant, trimmed_to=self._seq + 1)
+            self._tenants.setdefault(scope.tenant, {})[scope.id] = scope.feature
+        expires = now + ttl_s
+        self._entries[key] = (entry, expires)
+        s.expiry[key] = expires
+        heapq.heappush(s.by_expiry, (expires, key))
+        heapq.heappush(self._by_expiry, (expires, scope.id, key))
         if vector is not None:
-            s.vectors[key] = pack_vector(vector, now + ttl_s, entry.query)
+            s.vectors[key] = pack_vector(vector, expires, entry.query)
             self._log(s, unpack_vector(key, s.vectors[key]))
         # Soonest expiry first: the expired, then the oldest while the scope is over its bound.
         while s.by_expiry and (s.by_expiry[0][0] <= now or len(s.expiry) > max_entries):
             expires, k = heapq.heappop(s.by_expiry)
             if s.expiry.get(k) == expires:
-                self._entries.pop(k, None)
                 self._drop(s, k)
-        self._tenants.setdefault(scope.tenant, {})[scope.id] = scope.feature
+        self._sweep(now)
+
+    def _sweep(self, now: float) -> None:
+        """Drop what expired in any scope, then the soonest to expire while more than `max_entries` are held."""
+        while self._by_expiry and (self._by_expiry[0][0] <= now or len(self._entries) > self.max_entries):
+            expires, scope_id, key = heapq.heappop(self._by_expiry)
+            s = self._scopes.get(scope_id)
+            if s is None:
+                continue  # purged
+            if s.expiry.get(key) == expires:  # else stale: stored again since, or already dropped
+                self._drop(s, key)
+            if not s.expiry:
+                self._forget(scope_id)
+
+    def _forget(self, scope_id: str) -> None:
+        s = self._scopes.pop(scope_id)
+        owners = self._tenants.get(s.tenant, {})
+        owners.pop(scope_id, None)
+        if not owners:
+            self._tenants.pop(s.tenant, None)
 
     async def changes(self, scope: str, cursor: str | None) -> IndexChanges:
         s = self._scopes.get(scope)
@@ -407,18 +464,12 @@ class MemoryCacheStore:
         return IndexChanges(events, str(s.log[-1][0]) if s.log else "0", reset=True)
 
     async def purge(self, tenant: str, feature: str | None) -> int:
-        scopes = self._tenants.get(tenant, {})
         purged = 0
-        for scope_id, owner in list(scopes.items()):
+        for scope_id, owner in list(self._tenants.get(tenant, {}).items()):
             if feature is None or owner == feature:
-                s = self._scopes[scope_id]
-                for k in s.expiry:
+                for k in self._scopes[scope_id].expiry:
                     purged += self._entries.pop(k, None) is not None
-                s.expiry.clear()
-                s.vectors.clear()
-                s.by_expiry.clear()
-                self._log(s, IndexEvent("purge"))
-                del scopes[scope_id]
+                self._forget(scope_id)  # a replica index of it resets to empty on its next sync
         return purged
 
     async def aclose(self) -> None:
