@@ -147,7 +147,14 @@ def _call(payload: str) -> ToolCall | None:
 
 
 def _arguments(call: dict[str, Any]) -> Any:
-    return call.get("arguments", call.get("parameters", {}))  # Llama 3 models write "parameters"
+    arguments = call.get("arguments", call.get("parameters", {}))  # Llama 3 models write "parameters"
+    if isinstance(arguments, str):  # an object as a JSON string, OpenAI's wire form, which models imitate
+        try:
+            decoded = json.loads(arguments)
+        except ValueError:
+            return arguments
+        return decoded if isinstance(decoded, dict) else arguments
+    return arguments
 
 
 def _tool_call(name: str, arguments: Any) -> ToolCall:

@@ -83,6 +83,15 @@ def test_tool_call_blocks_become_calls_and_the_rest_stays_text() -> None:
     assert calls[0].id.startswith("call_")
 
 
+def test_arguments_written_as_a_json_string_are_read_as_the_object_not_encoded_twice() -> None:
+    """OpenAI's wire form (`"arguments": "{...}"`), which models trained on it write: the client's
+    `json.loads(arguments)` must give the object, not a string holding it."""
+    quoted = '{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}'
+    _, calls = tool_calls.parse(f"<tool_call>\n{quoted}\n</tool_call>")
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+    assert _named(tool_calls.whole_reply_calls(quoted, NAMES)) == [("get_weather", {"city": "Paris"})]
+
+
 def test_a_block_that_is_not_a_call_stays_text() -> None:
     text = "<tool_call>\nnot json\n</tool_call>"
     assert tool_calls.parse(text) == (text, [])
