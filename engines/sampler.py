@@ -160,7 +160,10 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
         sorted_logits = sorted_logits.masked_fill(ranks >= ks, float("-inf"))
         sorted_probs = sorted_logits.softmax(dim=-1)
         # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does.
+        # The most likely token always stays (top_p 0 samples it alone, as OpenAI does).
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_logits = sorted_logits.masked_fill(mass_before >= torch.tensor(top_ps).unsqueeze(1), float("-inf"))
+        drop = mass_before >= torch.tensor(top_ps).unsqueeze(1)
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, sorted_ids, sorted_logits)
     return logits.softmax(dim=-1)

@@ -43,7 +43,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         assert self.temperature >= 0, "temperature must be >= 0"
-        assert 0 < self.top_p <= 1, "top_p must be in (0, 1]"
+        assert 0 <= self.top_p <= 1, "top_p must be in [0, 1]"
         assert self.top_k >= 0, "top_k must be >= 0"
         assert self.max_tokens >= 1, "max_tokens must be >= 1"
         assert 0 <= self.top_logprobs <= 20, "top_logprobs must be between 0 and 20"
@@ -55,7 +55,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """The most likely token every step: temperature 0, or top_p 0 (which keeps that token alone)."""
+        return self.temperature == 0.0 or self.top_p == 0.0
 
     @property
     def penalised(self) -> bool:

@@ -267,17 +267,14 @@ def check_prompt_shape(prompt: object) -> None:
             raise invalid(f"prompt {i} is empty", "prompt", "empty_prompt")
 
 
-def check_range(value: float | None, low: float, high: float, param: str, low_open: bool = False) -> None:
-    if value is None:
-        return
-    if value > high or value < low or (low_open and value == low):
-        bracket = "(" if low_open else "["
-        raise invalid(f"`{param}` must be in {bracket}{low}, {high}]; got {value}", param)
+def check_range(value: float | None, low: float, high: float, param: str) -> None:
+    if value is not None and not low <= value <= high:
+        raise invalid(f"`{param}` must be in [{low}, {high}]; got {value}", param)
 
 
 def check_decoding(d: Decoding) -> None:
     check_range(d.temperature, 0.0, 2.0, "temperature")
-    check_range(d.top_p, 0.0, 1.0, "top_p", low_open=True)
+    check_range(d.top_p, 0.0, 1.0, "top_p")  # as OpenAI: 0 keeps the most likely token alone
     if d.top_k is not None and d.top_k < -1:
         raise invalid("`top_k` must be -1 or 0 (off) or a positive number of tokens", "top_k")
     if not 1 <= d.n <= MAX_N:

@@ -36,8 +36,9 @@ class CacheKey:
 
 
 def is_deterministic(request: ChatCompletionRequest | CompletionRequest, opt_in: bool) -> bool:
-    """Eligible for caching: greedy decoding, or a feature that opted in to reusing sampled answers."""
-    return opt_in or request.temperature == 0
+    """Eligible for caching: greedy decoding (temperature 0, or top_p 0: the most likely token alone), or a
+    feature that opted in to reusing sampled answers."""
+    return opt_in or request.temperature == 0 or request.top_p == 0
 
 
 def end_user(request: ChatCompletionRequest | CompletionRequest) -> str | None:

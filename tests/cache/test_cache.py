@@ -167,6 +167,7 @@ async def test_only_deterministic_requests_are_eligible_unless_the_feature_opts_
     sampled = ask("How do I learn Python quickly?", temperature=0.7)
     assert (await cache.begin(sampled, SEMANTIC, **WHO)).status == "off"
     assert (await cache.begin(ask("x", temperature=None), SEMANTIC, **WHO)).status == "off"
+    assert (await get(cache, ask("x", temperature=0.7, top_p=0))).status == "miss"  # greedy too: a lookup
     opted_in = CachePolicy(mode="semantic", ttl_s=60, nondeterministic=True)
     await put(cache, sampled, "Practice daily.", opted_in)
     assert (await get(cache, sampled, opted_in)).status == "exact"

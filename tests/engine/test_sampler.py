@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.sampler import argmax_ids, sample
+from engines.sampler import argmax_ids, filtered_probs, sample
 from engines.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([[1.0, 3.0, 2.0, 0.5, -1.0], [0.0, 0.1, 0.2, 5.0, 0.3]])
@@ -47,6 +47,9 @@ def test_top_p_keeps_the_smallest_set_reaching_the_mass() -> None:
     # Row 0's probabilities: 0.63, 0.23, 0.09, ... — 0.63 alone does not reach 0.7, the top two do.
     assert draw_many(SamplingParams(temperature=1.0, top_p=0.7)) == {1, 2}
     assert draw_many(SamplingParams(temperature=1.0, top_p=0.5)) == {1}
+    assert draw_many(SamplingParams(temperature=5.0, top_p=0.0)) == {1}  # OpenAI takes 0: the most likely alone
+    assert filtered_probs(LOGITS, [SamplingParams(temperature=5.0, top_p=0.0)] * 2).tolist() == [
+        [0.0, 1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0, 0.0]]
 
 
 def test_without_filters_every_token_can_be_drawn() -> None:

@@ -92,7 +92,8 @@ def test_completion_prompt_forms_and_integer_logprobs(serving: OpenAIServing) ->
     ("request_", "param"),
     [
         (chat("Hi", temperature=2.5), "temperature"),
-        (chat("Hi", top_p=0.0), "top_p"),
+        (chat("Hi", top_p=-0.1), "top_p"),
+        (chat("Hi", top_p=1.5), "top_p"),
         (chat("Hi", n=0), "n"),
         (chat("Hi", max_tokens=0), "max_tokens"),
         (chat("Hi", max_completion_tokens=-1), "max_completion_tokens"),
