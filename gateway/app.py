@@ -28,7 +28,7 @@ from gateway.cache.hook import build_cache, cache_models
 from gateway.config import Settings
 from gateway.controllers import dashboard
 from gateway.controllers.admin import AdminCacheController, AdminKeysController, bearer_key, provide_db
-from gateway.controllers.batches import BatchController, provide_batches
+from gateway.controllers.batches import BatchController, FilesController, provide_batches
 from gateway.controllers.http import provide_gateway
 from gateway.controllers.openai import OpenAIController
 from gateway.controllers.ops import OpsController
@@ -179,6 +179,8 @@ def create_app(
 
     return Litestar(
         route_handlers=[OpenAIController, BatchController, AdminKeysController, AdminCacheController, OpsController,
+                        Router("/", route_handlers=[FilesController],
+                               request_max_body_size=settings.batch.max_file_bytes),
                         *dashboard.route_handlers],
         dependencies={
             "gateway": Provide(provide_gateway, sync_to_thread=False),

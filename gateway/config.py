@@ -84,12 +84,14 @@ class BatchConfig(_Section):
     # A worker holds a batch this long between heartbeats; a batch whose worker died is taken over
     # once its lease has run out (a gateway shut down cleanly hands its batches back at once).
     lease_s: float = 30.0
+    # Largest upload to /v1/files (OpenAI's bound for batch input files); it spools to disk, never whole in memory.
+    max_file_bytes: int = 200 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.discount <= 1.0:
             raise ConfigError(f"batch.discount: must be between 0 and 1 (a share of the price), got {self.discount}")
-        if self.concurrency < 1 or self.lease_s <= 0:
-            raise ConfigError("batch.concurrency and batch.lease_s: must be positive")
+        if self.concurrency < 1 or self.lease_s <= 0 or self.max_file_bytes < 1:
+            raise ConfigError("batch.concurrency, batch.lease_s and batch.max_file_bytes: must be positive")
 
 
 class CacheConfig(_Section):

@@ -4,6 +4,7 @@ and cancelled, each scoped to the caller's tenant."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -70,11 +71,11 @@ class BatchService:
         self.files = files
         self.worker = worker
 
-    async def upload(self, principal: Principal, filename: str, purpose: str, data: bytes) -> FileObject:
+    async def upload(self, principal: Principal, filename: str, purpose: str, chunks: Iterable[bytes]) -> FileObject:
         if purpose != "batch":
             raise invalid("Only files of purpose `batch` can be uploaded here.", "purpose")
         file_id, now = new_id("file-"), datetime.now(UTC)
-        size = await self.files.write(file_id, [data])
+        size = await self.files.write(file_id, chunks)
         name = "".join(c for c in filename if c.isprintable())[:MAX_FILENAME_LEN] or "upload.jsonl"
         row = {"id": file_id, "created_at": now, "tenant": principal.tenant, "filename": name,
                "purpose": purpose, "bytes": size}  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from litestar import Controller, Request, delete, get, post
@@ -33,19 +34,12 @@ def _principal(request: Request[Any, Any, Any]) -> Principal:
     return principal
 
 
-class BatchController(Controller):
+class FilesController(Controller):
+    """`/v1/files` itself, where uploads come: mounted under a router whose body bound is `batch.max_file_bytes`,
+    while every other endpoint keeps `server.max_body_bytes`."""
+
     path = "/v1"
     before_request = authenticated_unrecorded
-
-    @post("/files", status_code=200, summary="Upload a batch input file (multipart: file, purpose)")
-    async def upload(self, request: Request[Any, Any, Any], batches: NamedDependency[BatchService]) -> FileObject:
-        form = await request.form()
-        upload, purpose = form.get("file"), form.get("purpose")
-        if not isinstance(upload, UploadFile):
-            raise invalid("Send the file as the multipart field `file`.", "file", "missing_required_parameter")
-        if not isinstance(purpose, str):
-            raise invalid("Send the multipart field `purpose` (batch).", "purpose", "missing_required_parameter")
-        return await batches.upload(_principal(request), upload.filename, purpose, await upload.read())
 
     @get("/files", summary="The caller's files, newest first")
     async def list_files(self, request: Request[Any, Any, Any], batches: NamedDependency[BatchService],
@@ -53,6 +47,28 @@ class BatchController(Controller):
                          limit: FromQuery[int] = MAX_FILE_LIST_LIMIT,
                          order: FromQuery[str] = "desc") -> FileList:  # fmt: skip
         return await batches.list_files(_principal(request), purpose, after, limit, order)
+
+    @post("/files", status_code=200, summary="Upload a batch input file (multipart: file, purpose)")
+    async def upload(self, request: Request[Any, Any, Any], batches: NamedDependency[BatchService]) -> FileObject:
+        form = await request.form()  # the file part spools to disk as it arrives
+        upload, purpose = form.get("file"), form.get("purpose")
+        if not isinstance(upload, UploadFile):
+            raise invalid("Send the file as the multipart field `file`.", "file", "missing_required_parameter")
+        if not isinstance(purpose, str):
+            raise invalid("Send the multipart field `purpose` (batch).", "purpose", "missing_required_parameter")
+        return await batches.upload(_principal(request), upload.filename, purpose, _chunks(upload))
+
+
+def _chunks(upload: UploadFile, size: int = 1 << 20) -> Iterator[bytes]:
+    """The uploaded bytes in pieces, read where they are written (off the event loop): never whole in memory."""
+    upload.file.seek(0)
+    while chunk := upload.file.read(size):
+        yield chunk
+
+
+class BatchController(Controller):
+    path = "/v1"
+    before_request = authenticated_unrecorded
 
     @delete("/files/{file_id:str}", status_code=200, summary="Delete a file")
     async def delete_file(self, request: Request[Any, Any, Any], file_id: FromPath[str],

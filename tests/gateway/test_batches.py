@@ -283,6 +283,21 @@ async def attempts(database_url: str, batch_id: str, state: str | None = None) -
     return [a if state is None or s == state else 0 for a, s in rows]
 
 
+async def test_a_batch_file_may_be_larger_than_a_request_body_up_to_its_own_bound(sqlite_url: str, tmp_path: Path):
+    """OpenAI takes batch input files up to 200 MB; requests keep the server's far smaller body bound."""
+    settings = with_batch(make_settings(database_url=sqlite_url), tmp_path, max_file_bytes=64 * 1024)
+    settings = msgspec.structs.replace(settings, server=msgspec.structs.replace(settings.server, max_body_bytes=4096))
+    lines = jsonl(*(chat_body(f"question {i}") for i in range(120)))
+    assert 4096 < len(lines) < 64 * 1024
+    async with gateway(settings, ScriptedTier("small"), []) as client:
+        batch = await finished(client, await submit(client, lines))
+        assert (batch["status"], batch["request_counts"]["completed"]) == ("completed", 120)
+        too_large = await client.post("/v1/files", files={"file": ("in.jsonl", lines * 10)}, data={"purpose": "batch"})
+        assert too_large.status_code == 413 and too_large.json()["error"]["code"] == "request_too_large"
+        long_chat = await client.post(CHAT_URL, json=chat_body("x" * 5000))
+        assert long_chat.status_code == 413
+
+
 async def test_lines_run_as_the_key_that_created_the_batch_and_other_tenants_see_nothing(
     database_url: str, tmp_path: Path
 ):
