@@ -165,6 +165,7 @@ def create_app(
             gateway.charges.start()
             stack.push_async_callback(gateway.drain)
             metrics.watch_tiers(clients, gateway.slo.pressure)
+            metrics.watch_cache(cache)
             app.state.batches = await start_batches(settings, gateway, db, stack)
             app.state.gateway = gateway
             app.state.db = db

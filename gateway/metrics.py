@@ -12,6 +12,8 @@ from prometheus_client.registry import Collector
 
 from engines.api.client import EngineClient
 from gateway.accounting import RequestRecord
+from gateway.cache.service import ResponseCache
+from gateway.cache.store import MemoryCacheStore
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 
@@ -105,8 +107,31 @@ class Metrics:
         """Export each tier's load and SLO pressure (read at scrape time): what an autoscaler scales on."""
         self.registry.register(_TierLoadCollector(clients, slo_pressure))
 
+    def watch_cache(self, cache: ResponseCache) -> None:
+        """Export what the response cache holds in this process (read at scrape time): its memory bounds at work."""
+        self.registry.register(_CacheCollector(cache))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _CacheCollector(Collector):
+    def __init__(self, cache: ResponseCache) -> None:
+        self.cache = cache
+
+    def collect(self) -> Iterator[Metric]:
+        footprint = self.cache.replica_index
+        vectors = GaugeMetricFamily("sluice_cache_index_vectors", "Question vectors in this replica's semantic "
+                                    "indexes: live entries, and rows allocated (bounded by "
+                                    "cache.replica_index_max_entries)", labels=["kind"])  # fmt: skip
+        vectors.add_metric(["entries"], footprint.entries)
+        vectors.add_metric(["rows"], footprint.rows)
+        yield vectors
+        yield GaugeMetricFamily("sluice_cache_index_scopes", "Scopes this replica keeps a semantic index of",
+                                value=footprint.scopes)
+        if isinstance(self.cache.backend, MemoryCacheStore):
+            yield GaugeMetricFamily("sluice_cache_in_process_entries", "Answers the in-process store holds "
+                                    "(bounded by cache.max_entries_in_process)", value=len(self.cache.backend))
 
 
 class _TierLoadCollector(Collector):

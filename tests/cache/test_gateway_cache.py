@@ -73,9 +73,12 @@ async def test_a_repeated_question_is_answered_from_the_cache_and_accounted_as_s
     assert (miss.cache_status, miss.cost_usd) == ("miss", pytest.approx(3.0))  # 3 tokens at $1
     assert (hit.cache_status, hit.tier, hit.cost_usd, hit.cost_saved_usd) == ("exact", None, 0.0, pytest.approx(3.0))
     assert hit.cache_similarity == 1.0
+    gateway.metrics.watch_cache(gateway.cache)
     metrics = gateway.metrics.render().decode()
     assert 'sluice_cache_lookups_total{result="exact"} 1.0' in metrics
     assert "sluice_cache_saved_usd_total 3.0" in metrics
+    assert "sluice_cache_in_process_entries 1.0" in metrics  # what the store holds, beside its bound
+    assert 'sluice_cache_index_vectors{kind="entries"}' in metrics and "sluice_cache_index_scopes" in metrics
 
 
 async def test_sampled_requests_and_cache_off_features_always_reach_the_tier(cached_gateway, tiers, records):
