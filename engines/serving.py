@@ -13,11 +13,13 @@ drops it when the client did not ask.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from engines import tool_calls
@@ -53,7 +55,7 @@ from engines.sampling_params import GrammarSpec, SamplingParams
 from engines.structured import GrammarError
 
 if TYPE_CHECKING:
-    from engines.llm_engine import AsyncLLMEngine
+    from engines.llm_engine import AsyncLLMEngine, LLMEngine
     from engines.metrics import EngineMetrics
     from engines.tiers import TierSpec
 
@@ -305,6 +307,7 @@ class OpenAIServing:
         self.tokenizer: PromptTokenizer = tokenizer or engine.tokenizer
         self.max_model_len = max_model_len or engine.engine.max_model_len
         self.metrics = metrics
+        self.system_fingerprint = backend_fingerprint(engine.engine)
 
     # -- prompt accounting ------------------------------------------------------------------
 
@@ -466,6 +469,7 @@ class OpenAIServing:
             model=self.model_name,
             choices=choices,
             usage=_usage(calls, states),
+            system_fingerprint=self.system_fingerprint,
         )
 
     def chat_stream(self, request: ChatCompletionRequest) -> AsyncGenerator[ChatCompletionChunk, None]:
@@ -486,14 +490,17 @@ class OpenAIServing:
                 again.append(call)  # held so far (it opens like a call): nothing of it was sent
                 continue
             if chunk := self._chat_chunk(request, replies[call.index], call, output, announced):
-                yield ChatCompletionChunk(id=response_id, created=created, model=self.model_name, choices=[chunk])
+                yield ChatCompletionChunk(id=response_id, created=created, model=self.model_name, choices=[chunk],
+                                          system_fingerprint=self.system_fingerprint)
         if again:
             replies.update({call.index: _Reply(plan) for call in again})
             async for call, output in self._answer_again(plan, again, states):
                 if chunk := self._chat_chunk(request, replies[call.index], call, output, announced):
-                    yield ChatCompletionChunk(id=response_id, created=created, model=self.model_name, choices=[chunk])
+                    yield ChatCompletionChunk(id=response_id, created=created, model=self.model_name, choices=[chunk],
+                                          system_fingerprint=self.system_fingerprint)
         yield ChatCompletionChunk(
-            id=response_id, created=created, model=self.model_name, choices=[], usage=_usage(calls, states)
+            id=response_id, created=created, model=self.model_name, choices=[], usage=_usage(calls, states),
+            system_fingerprint=self.system_fingerprint,
         )
 
     def _chat_chunk(self, request: ChatCompletionRequest, reply: _Reply, call: EngineCall, output: RequestOutput,
@@ -575,6 +582,7 @@ class OpenAIServing:
             model=self.model_name,
             choices=choices,
             usage=_usage(calls, states),
+            system_fingerprint=self.system_fingerprint,
         )
 
     def complete_stream(self, request: CompletionRequest) -> AsyncGenerator[Completion, None]:
@@ -607,9 +615,20 @@ class OpenAIServing:
                 finish_reason=output.finish_reason if output.finished else None,
                 logprobs=logprobs,
             )
-            yield Completion(id=response_id, created=created, model=self.model_name, choices=[choice])
+            yield Completion(id=response_id, created=created, model=self.model_name, choices=[choice],
+                             system_fingerprint=self.system_fingerprint)
         usage = _usage(calls, states)
-        yield Completion(id=response_id, created=created, model=self.model_name, choices=[], usage=usage)
+        yield Completion(id=response_id, created=created, model=self.model_name, choices=[], usage=usage,
+                         system_fingerprint=self.system_fingerprint)
+
+
+def backend_fingerprint(engine: LLMEngine) -> str:
+    """OpenAI's `system_fingerprint`: what besides the request and its seed decides the tokens here — the model's
+    weights file and the precision, device and kernels its steps run with (`LLMEngine.precision`). A client that
+    pins `seed` sees it change when the backend does: another CPU's int8 kernels, for one, give other bits."""
+    model = Path(engine.config.model)
+    identity = {"model": model.name, "bytes": model.stat().st_size if model.is_file() else None, **engine.precision()}
+    return "fp_" + hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def is_usage_chunk(chunk: ChatCompletionChunk | Completion) -> bool:

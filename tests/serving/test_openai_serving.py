@@ -4,6 +4,7 @@ logprobs, usage with prefix-cache hits, and OpenAI-style errors."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -15,7 +16,8 @@ from engines.api.protocol import (
     ContentPart,
 )
 from engines.api.rules import check_request, decode_request
-from engines.serving import OpenAIServing, is_usage_chunk
+from engines.llm_engine import LLMEngine
+from engines.serving import OpenAIServing, backend_fingerprint, is_usage_chunk
 from tests.serving.conftest import (
     BLOCK_SIZE,
     MAX_MODEL_LEN,
@@ -177,6 +179,20 @@ async def test_greedy_chat_is_deterministic_and_reports_usage(serving: OpenAISer
     assert 1 <= first.usage.completion_tokens <= 12
     assert first.usage.total_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
     assert first.model == MODEL_NAME and first.id.startswith("chatcmpl-")
+
+
+async def test_every_answer_names_its_backend_in_system_fingerprint(serving: OpenAIServing, async_engine) -> None:
+    """OpenAI's field for telling, beside `seed`, when the backend changed: here the model file and the precision
+    and kernels its steps run with."""
+    answers = [await serving.chat(chat("Hi", max_tokens=2)), await serving.complete(completion("Hi", max_tokens=2)),
+               *[chunk async for chunk in serving.chat_stream(chat("Hi", max_tokens=2))],
+               *[chunk async for chunk in serving.complete_stream(completion("Hi", max_tokens=2))]]
+    assert {answer.system_fingerprint for answer in answers} == {serving.system_fingerprint}
+    assert serving.system_fingerprint.startswith("fp_")
+    config = async_engine.engine.config
+    int8 = LLMEngine(replace(config, quantization="int8"))
+    assert backend_fingerprint(int8) != serving.system_fingerprint
+    assert backend_fingerprint(LLMEngine(config)) == serving.system_fingerprint
 
 
 async def test_generation_stops_before_the_first_stop_string(serving: OpenAIServing) -> None:
