@@ -4,12 +4,13 @@ user is a scope of its own, so a long-running gateway sees scopes without end, m
 from __future__ import annotations
 
 import asyncio
+import zlib
 
 import numpy as np
 
-from gateway.cache.service import ResponseCache
+from gateway.cache.service import CachePolicy, ResponseCache
 from gateway.cache.store import Entry, MemoryCacheStore, ScopeRef
-from tests.cache.test_cache import SEMANTIC, ask, get, put
+from tests.cache.test_cache import ask, get, put
 
 
 class Clock:
@@ -27,7 +28,7 @@ def vector(seed: int) -> np.ndarray:
 
 async def put_entry(store: MemoryCacheStore, scope: str, key: str, ttl_s: float = 60.0, tenant: str = "acme") -> None:
     entry = Entry(b"{}", "chat", f"question {key}", 0.001, 0.0)
-    await store.put(ScopeRef(scope, tenant, "search"), key, entry, ttl_s, vector(hash(key) % 1000), 100)
+    await store.put(ScopeRef(scope, tenant, "search"), key, entry, ttl_s, vector(zlib.crc32(key.encode())), 100)
 
 
 async def test_expired_entries_go_whichever_scope_they_are_in_and_empty_scopes_are_forgotten():
@@ -102,7 +103,7 @@ async def test_lookups_in_empty_scopes_leave_no_index_behind(make_cache):
 
 async def test_an_index_of_entries_that_all_expired_is_dropped(make_cache):
     cache = make_cache(MemoryCacheStore())
-    brief = type(SEMANTIC)(mode="semantic", ttl_s=0.05)
+    brief = CachePolicy(mode="semantic", ttl_s=0.05)
     await put(cache, ask("How do I learn Python quickly?"), "Practice daily.", brief)
     await asyncio.sleep(0.1)
     await put(cache, ask("What is the capital of France?"), "Paris.", brief, feature="other")  # sweeps the first
@@ -134,7 +135,7 @@ async def test_a_purge_also_finds_scopes_listed_the_way_earlier_versions_listed_
 
 async def test_a_replica_drops_its_index_of_a_scope_that_expired_in_redis(redis_stores, make_cache):
     writer, reader = make_cache(redis_stores()), make_cache(redis_stores())
-    brief = type(SEMANTIC)(mode="semantic", ttl_s=0.1)
+    brief = CachePolicy(mode="semantic", ttl_s=0.1)
     await put(writer, ask("How do I learn Python quickly?"), "Practice daily.", brief)
     assert (await get(reader, ask("What is the fastest way to learn Python?"), brief)).status == "semantic"
     assert reader.replica_index.entries == 1
