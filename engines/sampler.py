@@ -112,7 +112,7 @@ def _constrain(logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[S
     """
     chosen = token_ids.tolist()
     redo = [row for row, grammar in enumerate(grammars) if grammar is not None and (
-        params[row].top_k or params[row].top_p < 1.0 or not grammar.allows(chosen[row]))]
+        params[row].top_k or params[row].top_p < 1.0 or params[row].min_p or not grammar.allows(chosen[row]))]
     if not redo:
         return
     bitmask = allocate_bitmask(len(redo), logits.shape[-1])
@@ -147,11 +147,16 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int],
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """The distribution each row samples from: softmax after temperature, top-k and top-p (rows: random params)."""
+    """The distribution each row samples from: softmax after temperature, min-p, top-k and top-p (rows: random
+    params)."""
     temperatures = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
     logits = logits / temperatures
     top_ks = [p.top_k for p in params]
     top_ps = [p.top_p for p in params]
+    min_ps = torch.tensor([p.min_p for p in params], dtype=logits.dtype).unsqueeze(1)
+    if (min_ps > 0).any():  # vLLM's min_p, on the tempered distribution: relative to its most likely token
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < min_ps * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
         sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[-1]

@@ -26,6 +26,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off; else tokens below min_p × the most likely token's probability are dropped
     max_tokens: int = 16
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
@@ -45,6 +46,7 @@ class SamplingParams:
         assert self.temperature >= 0, "temperature must be >= 0"
         assert 0 <= self.top_p <= 1, "top_p must be in [0, 1]"
         assert self.top_k >= 0, "top_k must be >= 0"
+        assert 0 <= self.min_p <= 1, "min_p must be in [0, 1]"
         assert self.max_tokens >= 1, "max_tokens must be >= 1"
         assert 0 <= self.top_logprobs <= 20, "top_logprobs must be between 0 and 20"
         for name in ("presence_penalty", "frequency_penalty"):

@@ -66,6 +66,7 @@ def sampling_params(d: Decoding, max_tokens: int, choice: int, grammar: GrammarS
         temperature=1.0 if d.temperature is None else d.temperature,
         top_p=1.0 if d.top_p is None else d.top_p,
         top_k=max(d.top_k or 0, 0),
+        min_p=d.min_p or 0.0,
         max_tokens=max_tokens,
         # Siblings of an `n` > 1 request must differ, yet stay reproducible under a seed.
         seed=None if d.seed is None else d.seed + choice,

@@ -102,6 +102,7 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None  # extension, as in vLLM
+    min_p: float | None = None  # extension, as in vLLM: drop tokens below min_p × the top token's probability
     # Extension: the scheduling class. The gateway sets it (a key's policy, or `x-sluice-priority` where
     # the key may choose); our engines admit interactive work first and preempt batch work for it.
     priority: Literal["interactive", "batch"] | None = None
@@ -155,6 +156,7 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None  # as in ChatCompletionRequest
     priority: Literal["interactive", "batch"] | None = None  # as in ChatCompletionRequest
     n: int = 1
     stream: bool = False

@@ -67,6 +67,7 @@ class Decoding:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     priority: Literal["interactive", "batch"] = "interactive"
+    min_p: float | None = None
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
@@ -91,6 +92,7 @@ def decoding(request: Request) -> Decoding:
             frequency_penalty=request.frequency_penalty or 0.0,
             logit_bias=_logit_bias(request.logit_bias),
             priority=request.priority or "interactive",
+            min_p=request.min_p,
         )
     return Decoding(
         temperature=request.temperature,
@@ -107,6 +109,7 @@ def decoding(request: Request) -> Decoding:
         frequency_penalty=request.frequency_penalty or 0.0,
         logit_bias=_logit_bias(request.logit_bias),
         priority=request.priority or "interactive",
+        min_p=request.min_p,
     )
 
 
@@ -275,6 +278,7 @@ def check_range(value: float | None, low: float, high: float, param: str) -> Non
 def check_decoding(d: Decoding) -> None:
     check_range(d.temperature, 0.0, 2.0, "temperature")
     check_range(d.top_p, 0.0, 1.0, "top_p")  # as OpenAI: 0 keeps the most likely token alone
+    check_range(d.min_p, 0.0, 1.0, "min_p")
     if d.top_k is not None and d.top_k < -1:
         raise invalid("`top_k` must be -1 or 0 (off) or a positive number of tokens", "top_k")
     if not 1 <= d.n <= MAX_N:

@@ -52,6 +52,13 @@ def test_top_p_keeps_the_smallest_set_reaching_the_mass() -> None:
         [0.0, 1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0, 0.0]]
 
 
+def test_min_p_keeps_the_tokens_at_least_that_share_of_the_most_likely_ones_probability() -> None:
+    # Row 0's probabilities: 0.62, 0.23, 0.08, 0.05, 0.01 — 0.3 of the top is 0.19, 0.1 of it 0.06.
+    assert draw_many(SamplingParams(temperature=1.0, min_p=0.3)) == {1, 2}
+    assert draw_many(SamplingParams(temperature=1.0, min_p=0.1)) == {0, 1, 2}
+    assert draw_many(SamplingParams(temperature=1.0, min_p=1.0)) == {1}
+
+
 def test_without_filters_every_token_can_be_drawn() -> None:
     assert draw_many(SamplingParams(temperature=3.0), n=1000) == {0, 1, 2, 3, 4}
 

@@ -58,12 +58,12 @@ def test_defaults_sample_at_temperature_one_up_to_the_remaining_context(serving:
 
 def test_request_fields_map_onto_sampling_params(serving: OpenAIServing) -> None:
     request = chat(
-        "Hello", temperature=0.0, top_p=0.5, top_k=7, seed=11, stop=["x", "", "yz"], max_tokens=3,
+        "Hello", temperature=0.0, top_p=0.5, top_k=7, min_p=0.05, seed=11, stop=["x", "", "yz"], max_tokens=3,
         max_completion_tokens=9, logprobs=True, top_logprobs=4,
     )  # fmt: skip
     (call,) = serving.prepare_chat(request)
     assert call.params.greedy
-    assert (call.params.top_p, call.params.top_k, call.params.seed) == (0.5, 7, 11)
+    assert (call.params.top_p, call.params.top_k, call.params.min_p, call.params.seed) == (0.5, 7, 0.05, 11)
     assert call.params.stop == ["x", "yz"]  # empty stop strings mean nothing
     assert call.params.max_tokens == 9  # max_completion_tokens supersedes max_tokens
     assert (call.params.logprobs, call.params.top_logprobs) == (True, 4)
@@ -96,6 +96,7 @@ def test_completion_prompt_forms_and_integer_logprobs(serving: OpenAIServing) ->
         (chat("Hi", temperature=2.5), "temperature"),
         (chat("Hi", top_p=-0.1), "top_p"),
         (chat("Hi", top_p=1.5), "top_p"),
+        (chat("Hi", min_p=1.5), "min_p"),
         (chat("Hi", n=0), "n"),
         (chat("Hi", max_tokens=0), "max_tokens"),
         (chat("Hi", max_completion_tokens=-1), "max_completion_tokens"),
