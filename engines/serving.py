@@ -67,6 +67,8 @@ def sampling_params(d: Decoding, max_tokens: int, choice: int, grammar: GrammarS
         top_p=1.0 if d.top_p is None else d.top_p,
         top_k=max(d.top_k or 0, 0),
         min_p=d.min_p or 0.0,
+        stop_token_ids=d.stop_token_ids,
+        ignore_eos=d.ignore_eos,
         max_tokens=max_tokens,
         # Siblings of an `n` > 1 request must differ, yet stay reproducible under a seed.
         seed=None if d.seed is None else d.seed + choice,
@@ -336,6 +338,8 @@ class OpenAIServing:
         check_token_ids(prompts, self.tokenizer.vocab_size)
         if any(token >= self.tokenizer.vocab_size for token in d.logit_bias):
             raise invalid(f"`logit_bias` token ids must be below {self.tokenizer.vocab_size}", "logit_bias")
+        if any(token >= self.tokenizer.vocab_size for token in d.stop_token_ids):
+            raise invalid(f"`stop_token_ids` must be below {self.tokenizer.vocab_size}", "stop_token_ids")
         calls = []
         for prompt_index, prompt in enumerate(prompts):
             max_tokens = max_tokens_for(d, len(prompt), self.max_model_len)

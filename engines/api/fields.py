@@ -13,8 +13,9 @@ and `COMPLETIONS` (a test walks the installed `openai` SDK's request types again
 - REFUSED: 400 `unsupported_parameter` whatever the tier, unless neutral.
 
 Fields that no OpenAI type names (vLLM's `min_p`, `chat_template_kwargs`, ...) are kept aside as
-the request's `extra_fields`: forwarded untouched to HTTP tiers, refused by our engines. `top_k`, `min_p`
-(vLLM's) and `priority` (the scheduling class) are modelled extensions (honoured).
+the request's `extra_fields`: forwarded untouched to HTTP tiers, refused by our engines. vLLM's `top_k`,
+`min_p`, `stop_token_ids` and `ignore_eos`, and `priority` (the scheduling class), are modelled extensions
+(honoured).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ _COMMON = {
     "model": HONOURED, "n": HONOURED, "stream": HONOURED, "stream_options": HONOURED, "stop": HONOURED,
     "seed": HONOURED, "temperature": HONOURED, "top_p": HONOURED, "top_k": HONOURED, "min_p": HONOURED,
     "logprobs": HONOURED, "max_tokens": HONOURED, "user": HONOURED, "presence_penalty": HONOURED,
-    "frequency_penalty": HONOURED, "logit_bias": HONOURED, "priority": HONOURED,
+    "frequency_penalty": HONOURED, "logit_bias": HONOURED, "priority": HONOURED, "stop_token_ids": HONOURED,
+    "ignore_eos": HONOURED,
 }
 
 CHAT: dict[str, Fate] = {

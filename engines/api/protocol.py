@@ -103,6 +103,8 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     top_p: float | None = None
     top_k: int | None = None  # extension, as in vLLM
     min_p: float | None = None  # extension, as in vLLM: drop tokens below min_p × the top token's probability
+    stop_token_ids: list[int] | None = None  # extension, as in vLLM: these tokens end the answer (not in its text)
+    ignore_eos: bool | None = None  # extension, as in vLLM: generate to the token limit (benchmark clients send it)
     # Extension: the scheduling class. The gateway sets it (a key's policy, or `x-sluice-priority` where
     # the key may choose); our engines admit interactive work first and preempt batch work for it.
     priority: Literal["interactive", "batch"] | None = None
@@ -157,6 +159,8 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None  # as in ChatCompletionRequest
+    stop_token_ids: list[int] | None = None  # as in ChatCompletionRequest
+    ignore_eos: bool | None = None  # as in ChatCompletionRequest
     priority: Literal["interactive", "batch"] | None = None  # as in ChatCompletionRequest
     n: int = 1
     stream: bool = False

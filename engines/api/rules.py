@@ -24,6 +24,7 @@ RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest)
 
 MAX_N = 16
 MAX_STOP_STRINGS = 4
+MAX_STOP_TOKEN_IDS = 256
 MAX_TOP_LOGPROBS_CHAT = 20
 MAX_LOGPROBS_COMPLETION = 5  # OpenAI's limit for the legacy completions endpoint
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -68,6 +69,8 @@ class Decoding:
     logit_bias: dict[int, float] = field(default_factory=dict)
     priority: Literal["interactive", "batch"] = "interactive"
     min_p: float | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
@@ -93,6 +96,8 @@ def decoding(request: Request) -> Decoding:
             logit_bias=_logit_bias(request.logit_bias),
             priority=request.priority or "interactive",
             min_p=request.min_p,
+            stop_token_ids=request.stop_token_ids or [],
+            ignore_eos=bool(request.ignore_eos),
         )
     return Decoding(
         temperature=request.temperature,
@@ -110,6 +115,8 @@ def decoding(request: Request) -> Decoding:
         logit_bias=_logit_bias(request.logit_bias),
         priority=request.priority or "interactive",
         min_p=request.min_p,
+        stop_token_ids=request.stop_token_ids or [],
+        ignore_eos=bool(request.ignore_eos),
     )
 
 
@@ -279,6 +286,8 @@ def check_decoding(d: Decoding) -> None:
     check_range(d.temperature, 0.0, 2.0, "temperature")
     check_range(d.top_p, 0.0, 1.0, "top_p")  # as OpenAI: 0 keeps the most likely token alone
     check_range(d.min_p, 0.0, 1.0, "min_p")
+    if len(d.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(t < 0 for t in d.stop_token_ids):
+        raise invalid(f"`stop_token_ids` takes at most {MAX_STOP_TOKEN_IDS} token ids, none negative", "stop_token_ids")
     if d.top_k is not None and d.top_k < -1:
         raise invalid("`top_k` must be -1 or 0 (off) or a positive number of tokens", "top_k")
     if not 1 <= d.n <= MAX_N:

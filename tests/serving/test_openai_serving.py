@@ -97,6 +97,8 @@ def test_completion_prompt_forms_and_integer_logprobs(serving: OpenAIServing) ->
         (chat("Hi", top_p=-0.1), "top_p"),
         (chat("Hi", top_p=1.5), "top_p"),
         (chat("Hi", min_p=1.5), "min_p"),
+        (chat("Hi", stop_token_ids=[-1]), "stop_token_ids"),
+        (chat("Hi", stop_token_ids=[10**9]), "stop_token_ids"),
         (chat("Hi", n=0), "n"),
         (chat("Hi", max_tokens=0), "max_tokens"),
         (chat("Hi", max_completion_tokens=-1), "max_completion_tokens"),
@@ -194,6 +196,21 @@ async def test_every_answer_names_its_backend_in_system_fingerprint(serving: Ope
     int8 = LLMEngine(replace(config, quantization="int8"))
     assert backend_fingerprint(int8) != serving.system_fingerprint
     assert backend_fingerprint(LLMEngine(config)) == serving.system_fingerprint
+
+
+async def test_vllms_stop_token_ids_end_the_answer_and_ignore_eos_runs_to_the_limit(serving: OpenAIServing) -> None:
+    """What vLLM clients send: benchmark tools set `ignore_eos` to get answers of a fixed length."""
+    eos = serving.engine.tokenizer.eos_token_ids[0]
+    forced = {str(eos): 100.0}  # the random model would otherwise rarely pick it
+    ended = await serving.complete(completion("Hi", max_tokens=8, logit_bias=forced))
+    assert (ended.choices[0].finish_reason, ended.usage.completion_tokens) == ("stop", 1)
+    ran_on = await serving.complete(completion("Hi", max_tokens=8, logit_bias=forced, ignore_eos=True))
+    assert (ran_on.choices[0].finish_reason, ran_on.usage.completion_tokens) == ("length", 8)
+    token = 7
+    stopped = await serving.complete(completion("Hi", max_tokens=8, logit_bias={str(token): 100.0},
+                                                stop_token_ids=[token]))  # fmt: skip
+    choice = stopped.choices[0]
+    assert (choice.finish_reason, stopped.usage.completion_tokens, choice.text) == ("stop", 1, "")
 
 
 async def test_generation_stops_before_the_first_stop_string(serving: OpenAIServing) -> None:
