@@ -378,7 +378,7 @@ class LLMEngine:
         else:
             token_ids, logprobs = ([], []) if not seqs else sample(
                 result, [s.params for s in seqs], [s.generator for s in seqs],
-                [s.output_token_ids for s in seqs], [s.grammar for s in seqs])
+                [s.output_token_ids for s in seqs], [s.grammar for s in seqs], [s.token_ids for s in seqs])
         texts = self.scheduler.postprocess(batch, token_ids)
         self._num_generated_tokens_total += len(seqs)
         outputs = []

@@ -36,6 +36,8 @@ class SamplingParams:
     top_logprobs: int = 0
     presence_penalty: float = 0.0  # subtracted once from every token already generated
     frequency_penalty: float = 0.0  # subtracted per occurrence of a token already generated
+    repetition_penalty: float = 1.0  # vLLM's: a token already in the prompt or the answer has its logit divided
+    # by it where positive, multiplied where negative (1: off)
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     grammar: GrammarSpec | None = None
     # Scheduling class: interactive sequences are admitted first and take the slots and KV blocks of
@@ -47,6 +49,7 @@ class SamplingParams:
         assert 0 <= self.top_p <= 1, "top_p must be in [0, 1]"
         assert self.top_k >= 0, "top_k must be >= 0"
         assert 0 <= self.min_p <= 1, "min_p must be in [0, 1]"
+        assert self.repetition_penalty > 0, "repetition_penalty must be > 0"
         assert self.max_tokens >= 1, "max_tokens must be >= 1"
         assert 0 <= self.top_logprobs <= 20, "top_logprobs must be between 0 and 20"
         for name in ("presence_penalty", "frequency_penalty"):
@@ -62,4 +65,4 @@ class SamplingParams:
 
     @property
     def penalised(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

@@ -69,6 +69,7 @@ def sampling_params(d: Decoding, max_tokens: int, choice: int, grammar: GrammarS
         min_p=d.min_p or 0.0,
         stop_token_ids=d.stop_token_ids,
         ignore_eos=d.ignore_eos,
+        repetition_penalty=1.0 if d.repetition_penalty is None else d.repetition_penalty,
         max_tokens=max_tokens,
         # Siblings of an `n` > 1 request must differ, yet stay reproducible under a seed.
         seed=None if d.seed is None else d.seed + choice,

@@ -25,6 +25,7 @@ RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest)
 MAX_N = 16
 MAX_STOP_STRINGS = 4
 MAX_STOP_TOKEN_IDS = 256
+MAX_REPETITION_PENALTY = 10.0  # vLLM sets no bound; past a few it only garbles the answer
 MAX_TOP_LOGPROBS_CHAT = 20
 MAX_LOGPROBS_COMPLETION = 5  # OpenAI's limit for the legacy completions endpoint
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -71,6 +72,7 @@ class Decoding:
     min_p: float | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    repetition_penalty: float | None = None
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
@@ -98,6 +100,7 @@ def decoding(request: Request) -> Decoding:
             min_p=request.min_p,
             stop_token_ids=request.stop_token_ids or [],
             ignore_eos=bool(request.ignore_eos),
+            repetition_penalty=request.repetition_penalty,
         )
     return Decoding(
         temperature=request.temperature,
@@ -117,6 +120,7 @@ def decoding(request: Request) -> Decoding:
         min_p=request.min_p,
         stop_token_ids=request.stop_token_ids or [],
         ignore_eos=bool(request.ignore_eos),
+        repetition_penalty=request.repetition_penalty,
     )
 
 
@@ -286,6 +290,9 @@ def check_decoding(d: Decoding) -> None:
     check_range(d.temperature, 0.0, 2.0, "temperature")
     check_range(d.top_p, 0.0, 1.0, "top_p")  # as OpenAI: 0 keeps the most likely token alone
     check_range(d.min_p, 0.0, 1.0, "min_p")
+    if d.repetition_penalty is not None and not 0.0 < d.repetition_penalty <= MAX_REPETITION_PENALTY:
+        raise invalid(f"`repetition_penalty` must be in (0, {MAX_REPETITION_PENALTY}]; got {d.repetition_penalty}",
+                      "repetition_penalty")
     if len(d.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(t < 0 for t in d.stop_token_ids):
         raise invalid(f"`stop_token_ids` takes at most {MAX_STOP_TOKEN_IDS} token ids, none negative", "stop_token_ids")
     if d.top_k is not None and d.top_k < -1:

@@ -134,6 +134,19 @@ def test_a_repeated_token_loses_the_argmax_to_the_penalty() -> None:
     assert sample(LOGITS[:1], params, [None], [[1]])[0] == [1]
 
 
+def test_the_repetition_penalty_divides_positive_logits_of_seen_tokens_and_multiplies_negative_ones() -> None:
+    """vLLM's, over the prompt and the answer alike (`token_ids`), applied before OpenAI's penalties."""
+    from engines.sampler import adjust_logits
+
+    params = [SamplingParams(temperature=0, repetition_penalty=2.0), SamplingParams(temperature=0)]
+    adjusted = adjust_logits(LOGITS, params, [[], []], token_ids=[[1, 4, 1], [3]])
+    expected = LOGITS.clone()
+    expected[0, 1] /= 2.0  # 3.0 -> 1.5: token 2 (2.0) now leads
+    expected[0, 4] *= 2.0  # -1.0 -> -2.0
+    assert torch.equal(adjusted, expected)
+    assert sample(LOGITS, params, [None, None], [[], []], token_ids=[[1], [3]])[0] == [2, 3]
+
+
 def test_logit_bias_adds_to_each_listed_token_per_row() -> None:
     params = [SamplingParams(temperature=0, logit_bias={4: 100.0}), SamplingParams(temperature=0, logit_bias={3: -100})]
     assert sample(LOGITS, params, [None, None])[0] == [4, 4]

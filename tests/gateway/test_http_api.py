@@ -254,11 +254,11 @@ async def test_fields_openai_does_not_define_travel_with_the_request_to_the_tier
     from engines.api.fields import extra_fields
 
     async with gateway_client() as client:
-        response = await client.post("/v1/chat/completions", json={**CHAT, "repetition_penalty": 1.1,
+        response = await client.post("/v1/chat/completions", json={**CHAT, "best_of_n_tokens": 3,
                                                                    "metadata": {"a": "b"}})
     assert response.status_code == 200, response.text
     (request,) = tiers["small"].requests
-    assert extra_fields(request) == {"repetition_penalty": 1.1}
+    assert extra_fields(request) == {"best_of_n_tokens": 3}
     assert request.metadata == {"a": "b"}
 
 

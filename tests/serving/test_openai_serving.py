@@ -59,11 +59,12 @@ def test_defaults_sample_at_temperature_one_up_to_the_remaining_context(serving:
 def test_request_fields_map_onto_sampling_params(serving: OpenAIServing) -> None:
     request = chat(
         "Hello", temperature=0.0, top_p=0.5, top_k=7, min_p=0.05, seed=11, stop=["x", "", "yz"], max_tokens=3,
-        max_completion_tokens=9, logprobs=True, top_logprobs=4,
+        max_completion_tokens=9, logprobs=True, top_logprobs=4, repetition_penalty=1.2,
     )  # fmt: skip
     (call,) = serving.prepare_chat(request)
     assert call.params.greedy
     assert (call.params.top_p, call.params.top_k, call.params.min_p, call.params.seed) == (0.5, 7, 0.05, 11)
+    assert call.params.repetition_penalty == 1.2 and call.params.penalised
     assert call.params.stop == ["x", "yz"]  # empty stop strings mean nothing
     assert call.params.max_tokens == 9  # max_completion_tokens supersedes max_tokens
     assert (call.params.logprobs, call.params.top_logprobs) == (True, 4)
@@ -97,6 +98,7 @@ def test_completion_prompt_forms_and_integer_logprobs(serving: OpenAIServing) ->
         (chat("Hi", top_p=-0.1), "top_p"),
         (chat("Hi", top_p=1.5), "top_p"),
         (chat("Hi", min_p=1.5), "min_p"),
+        (chat("Hi", repetition_penalty=0.0), "repetition_penalty"),
         (chat("Hi", stop_token_ids=[-1]), "stop_token_ids"),
         (chat("Hi", stop_token_ids=[10**9]), "stop_token_ids"),
         (chat("Hi", n=0), "n"),
@@ -211,6 +213,20 @@ async def test_vllms_stop_token_ids_end_the_answer_and_ignore_eos_runs_to_the_li
                                                 stop_token_ids=[token]))  # fmt: skip
     choice = stopped.choices[0]
     assert (choice.finish_reason, stopped.usage.completion_tokens, choice.text) == ("stop", 1, "")
+
+
+async def test_a_repetition_penalty_keeps_a_greedy_answer_off_the_tokens_it_has_seen(serving: OpenAIServing) -> None:
+    """The random model repeats itself when greedy; vLLM's penalty counts the prompt's tokens as seen too."""
+    prompt = [5, 6, 7, 8]
+    seen = {serving.tokenizer.token_text(token) for token in prompt}
+
+    async def tokens(**fields: object) -> list[str]:
+        answer = await serving.complete(completion(prompt, max_tokens=12, temperature=0, logprobs=0, **fields))
+        return answer.choices[0].logprobs.tokens
+
+    plain, penalised = await tokens(), await tokens(repetition_penalty=10.0)
+    assert len(set(plain)) < len(plain) or set(plain) & seen  # what the penalty is there to prevent
+    assert len(set(penalised)) == len(penalised) and not set(penalised) & seen
 
 
 async def test_generation_stops_before_the_first_stop_string(serving: OpenAIServing) -> None:

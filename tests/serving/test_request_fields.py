@@ -86,14 +86,14 @@ def test_honoured_chat_fields_are_typed_not_passed_through_blindly(name: str) ->
 
 
 def test_unknown_fields_are_forwarded_to_http_tiers_and_refused_by_our_engine() -> None:
-    body = {**BASE_CHAT, "repetition_penalty": 1.05, "chat_template_kwargs": {"enable_thinking": False}}
+    body = {**BASE_CHAT, "length_penalty": 1.05, "chat_template_kwargs": {"enable_thinking": False}}
     request = _decode(body, ChatCompletionRequest)
     payload = json.loads(to_body(request, model="upstream"))
-    assert payload["repetition_penalty"] == 1.05 and payload["chat_template_kwargs"] == {"enable_thinking": False}
+    assert payload["length_penalty"] == 1.05 and payload["chat_template_kwargs"] == {"enable_thinking": False}
     assert payload["model"] == "upstream"
     with pytest.raises(APIError) as refused:
         fields.check_engine_supports(request, "small")
-    assert refused.value.param in {"repetition_penalty", "chat_template_kwargs"}
+    assert refused.value.param in {"length_penalty", "chat_template_kwargs"}
 
 
 def test_a_request_without_unknown_fields_carries_none() -> None:
