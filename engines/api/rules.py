@@ -82,26 +82,12 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
 def decoding(request: Request) -> Decoding:
     """The decoding fields of a request (read, not checked: `check_request` checks them)."""
     if isinstance(request, ChatCompletionRequest):
-        return Decoding(
-            temperature=request.temperature,
-            top_p=request.top_p,
-            top_k=request.top_k,
-            n=request.n,
-            stop=[s for s in stop_list(request.stop) if s],
-            seed=request.seed,
-            output_limit=request.output_limit(),
-            logprobs=request.logprobs,
-            top_logprobs=request.top_logprobs or 0,
-            output_limit_param="max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens",
-            presence_penalty=request.presence_penalty or 0.0,
-            frequency_penalty=request.frequency_penalty or 0.0,
-            logit_bias=_logit_bias(request.logit_bias),
-            priority=request.priority or "interactive",
-            min_p=request.min_p,
-            stop_token_ids=request.stop_token_ids or [],
-            ignore_eos=bool(request.ignore_eos),
-            repetition_penalty=request.repetition_penalty,
-        )
+        limit = request.output_limit()
+        limit_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        logprobs, top_logprobs = request.logprobs, request.top_logprobs or 0
+    else:  # the completions endpoint's `logprobs` is the number of alternatives
+        limit, limit_param = request.max_tokens, "max_tokens"
+        logprobs, top_logprobs = request.logprobs is not None, request.logprobs or 0
     return Decoding(
         temperature=request.temperature,
         top_p=request.top_p,
@@ -109,10 +95,10 @@ def decoding(request: Request) -> Decoding:
         n=request.n,
         stop=[s for s in stop_list(request.stop) if s],
         seed=request.seed,
-        output_limit=request.max_tokens,
-        logprobs=request.logprobs is not None,
-        top_logprobs=request.logprobs or 0,
-        output_limit_param="max_tokens",
+        output_limit=limit,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        output_limit_param=limit_param,
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,
         logit_bias=_logit_bias(request.logit_bias),
