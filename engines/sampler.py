@@ -16,19 +16,19 @@ from engines.structured import GrammarState, allocate_bitmask, apply_bitmask
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            output_token_ids: Sequence[Sequence[int]] | None = None,
            grammars: Sequence[GrammarState | None] | None = None,
-           token_ids: Sequence[Sequence[int]] | None = None,
+           seen_token_ids: Sequence[Sequence[int]] | None = None,
            ) -> tuple[list[int], list[TokenLogprob | None]]:
     """Pick one token per row of `logits` [B, V] (float32).
 
-    `output_token_ids` (what each row generated so far) feeds the penalties, `token_ids` (its prompt and those)
-    the repetition penalty; `grammars` constrain
+    `output_token_ids` (what each row generated so far) feeds the penalties, `seen_token_ids` (its prompt and
+    those) the repetition penalty; `grammars` constrain
     their rows. Random rows draw from their own generator, so a seeded request samples the same
     tokens whatever else is in the batch. Logprobs always come from the unmodified distribution
     (before penalties, bias, grammar, temperature, top-k and top-p), as OpenAI reports them.
     """
     if logits.device.type != "cpu" and _needs_host(params, grammars):
         logits = logits.cpu()  # penalties, bias, grammars and seeded draws work on the host (generators live there)
-    adjusted = adjust_logits(logits, params, output_token_ids, token_ids)
+    adjusted = adjust_logits(logits, params, output_token_ids, seen_token_ids)
     token_ids = _choose(adjusted, params, generators)
     if grammars is not None and any(g is not None for g in grammars):
         _constrain(adjusted, token_ids, params, generators, grammars)
@@ -51,7 +51,7 @@ def _needs_host(params: Sequence[SamplingParams], grammars: Sequence[GrammarStat
 
 def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
                   output_token_ids: Sequence[Sequence[int]] | None,
-                  token_ids: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+                  seen_token_ids: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
     """The penalties and logit bias, vectorised over the rows that ask for them; returns `logits` itself when no
     row does, else a modified copy.
 
@@ -60,7 +60,7 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
     counting the tokens the request generated so far (not its prompt, as vLLM and OpenAI do); then
     logit[t] += bias[t].
     """
-    repeated = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0] if token_ids is not None else []
+    repeated = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0] if seen_token_ids is not None else []
     penalised = ([i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
                  if output_token_ids is not None else [])
     biased = [i for i, p in enumerate(params) if p.logit_bias]
@@ -68,10 +68,10 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
         return logits
     logits = logits.clone()
     vocab = logits.shape[-1]
-    if repeated and token_ids is not None:
+    if repeated and seen_token_ids is not None:
         seen = torch.zeros(len(repeated), vocab, dtype=torch.bool)
         for row, i in enumerate(repeated):
-            seen[row, torch.tensor([t for t in set(token_ids[i]) if t < vocab], dtype=torch.long)] = True
+            seen[row, torch.tensor([t for t in set(seen_token_ids[i]) if t < vocab], dtype=torch.long)] = True
         penalty = torch.tensor([params[i].repetition_penalty for i in repeated], dtype=logits.dtype).unsqueeze(1)
         rows = torch.tensor(repeated)
         picked = logits[rows]

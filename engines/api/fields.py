@@ -12,7 +12,7 @@ and `COMPLETIONS` (a test walks the installed `openai` SDK's request types again
   `reasoning_effort: "none"`, ...).
 - REFUSED: 400 `unsupported_parameter` whatever the tier, unless neutral.
 
-Fields that no OpenAI type names (vLLM's `min_p`, `chat_template_kwargs`, ...) are kept aside as
+Fields that no OpenAI type names (vLLM's `length_penalty`, `chat_template_kwargs`, ...) are kept aside as
 the request's `extra_fields`: forwarded untouched to HTTP tiers, refused by our engines. vLLM's `top_k`,
 `min_p`, `repetition_penalty`, `stop_token_ids` and `ignore_eos`, and `priority` (the scheduling class), are
 modelled extensions (honoured).

@@ -139,12 +139,12 @@ def test_the_repetition_penalty_divides_positive_logits_of_seen_tokens_and_multi
     from engines.sampler import adjust_logits
 
     params = [SamplingParams(temperature=0, repetition_penalty=2.0), SamplingParams(temperature=0)]
-    adjusted = adjust_logits(LOGITS, params, [[], []], token_ids=[[1, 4, 1], [3]])
+    adjusted = adjust_logits(LOGITS, params, [[], []], seen_token_ids=[[1, 4, 1], [3]])
     expected = LOGITS.clone()
     expected[0, 1] /= 2.0  # 3.0 -> 1.5: token 2 (2.0) now leads
     expected[0, 4] *= 2.0  # -1.0 -> -2.0
     assert torch.equal(adjusted, expected)
-    assert sample(LOGITS, params, [None, None], [[], []], token_ids=[[1], [3]])[0] == [2, 3]
+    assert sample(LOGITS, params, [None, None], [[], []], seen_token_ids=[[1], [3]])[0] == [2, 3]
 
 
 def test_logit_bias_adds_to_each_listed_token_per_row() -> None:
