@@ -487,6 +487,11 @@ class OpenAIServing:
         self, request: ChatCompletionRequest, plan: ChatPlan, calls: list[EngineCall]
     ) -> AsyncGenerator[ChatCompletionChunk, None]:
         response_id, created = _response_id(calls), now()
+
+        def chunk_of(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=response_id, created=created, model=self.model_name, choices=choices,
+                                       usage=usage, system_fingerprint=self.system_fingerprint)
+
         states = [_ChoiceState() for _ in calls]
         replies = {call.index: _Reply(plan) for call in calls}
         announced: set[int] = set()
@@ -496,18 +501,13 @@ class OpenAIServing:
                 again.append(call)  # held so far (it opens like a call): nothing of it was sent
                 continue
             if chunk := self._chat_chunk(request, replies[call.index], call, output, announced):
-                yield ChatCompletionChunk(id=response_id, created=created, model=self.model_name, choices=[chunk],
-                                          system_fingerprint=self.system_fingerprint)
+                yield chunk_of([chunk])
         if again:
             replies.update({call.index: _Reply(plan) for call in again})
             async for call, output in self._answer_again(plan, again, states):
                 if chunk := self._chat_chunk(request, replies[call.index], call, output, announced):
-                    yield ChatCompletionChunk(id=response_id, created=created, model=self.model_name, choices=[chunk],
-                                          system_fingerprint=self.system_fingerprint)
-        yield ChatCompletionChunk(
-            id=response_id, created=created, model=self.model_name, choices=[], usage=_usage(calls, states),
-            system_fingerprint=self.system_fingerprint,
-        )
+                    yield chunk_of([chunk])
+        yield chunk_of([], _usage(calls, states))
 
     def _chat_chunk(self, request: ChatCompletionRequest, reply: _Reply, call: EngineCall, output: RequestOutput,
                     announced: set[int]) -> ChatChunkChoice | None:
