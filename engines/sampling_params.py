@@ -3,6 +3,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from engines.api.rules import decodes_greedily
+
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI accepts at most 300 biased tokens
@@ -60,8 +62,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """The most likely token every step: temperature 0, or top_p 0 (which keeps that token alone)."""
-        return self.temperature == 0.0 or self.top_p == 0.0
+        return decodes_greedily(self.temperature, self.top_p)
 
     @property
     def penalised(self) -> bool:

@@ -267,6 +267,12 @@ def check_prompt_shape(prompt: object) -> None:
             raise invalid(f"prompt {i} is empty", "prompt", "empty_prompt")
 
 
+def decodes_greedily(temperature: float | None, top_p: float | None) -> bool:
+    """The most likely token every step: temperature 0, or top_p 0 (which keeps that token alone, as OpenAI takes
+    it). The engines decode such requests greedily; the response cache may keep their answers."""
+    return temperature == 0 or top_p == 0
+
+
 def check_range(value: float | None, low: float, high: float, param: str) -> None:
     if value is not None and not low <= value <= high:
         raise invalid(f"`{param}` must be in [{low}, {high}]; got {value}", param)

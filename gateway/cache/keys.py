@@ -22,6 +22,7 @@ import msgspec
 
 from engines.api.fields import canonical_request
 from engines.api.protocol import ChatCompletionRequest, CompletionRequest
+from engines.api.rules import decodes_greedily
 
 CacheMode = Literal["off", "exact", "semantic"]
 _QUERY_PLACEHOLDER = "<query>"
@@ -36,9 +37,8 @@ class CacheKey:
 
 
 def is_deterministic(request: ChatCompletionRequest | CompletionRequest, opt_in: bool) -> bool:
-    """Eligible for caching: greedy decoding (temperature 0, or top_p 0: the most likely token alone), or a
-    feature that opted in to reusing sampled answers."""
-    return opt_in or request.temperature == 0 or request.top_p == 0
+    """Eligible for caching: greedy decoding, or a feature that opted in to reusing sampled answers."""
+    return opt_in or decodes_greedily(request.temperature, request.top_p)
 
 
 def end_user(request: ChatCompletionRequest | CompletionRequest) -> str | None:
