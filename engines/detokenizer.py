@@ -3,7 +3,8 @@
 Text is produced token by token by decoding a short window of recent tokens and keeping what
 the newest token added: this stays correct for byte-level BPE (a character split over several
 tokens is held back until complete) and for tokenizers whose spacing depends on context. Text
-that could still turn into a stop string is held back until it cannot.
+that could still turn into a stop string is held back until it cannot. Before `min_tokens` output tokens
+no stop string matches (vLLM's rule): from then on, only text that ends after that token can.
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded with the first output tokens,
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str]) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str],
+                 min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens
+        self.num_output_tokens = 0
         self.stop = [s for s in stop if s]
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
         self.tokens = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
@@ -30,6 +34,7 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self.tokens.append(token_id)
+        self.num_output_tokens += 1
         self._decode_pending(final=False)
         return self._release(final=self.stopped)
 
@@ -50,7 +55,7 @@ class IncrementalDetokenizer:
             self.text += full_text[len(prefix_text):]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.tokens)
-            if self.stop:
+            if self.stop and self.num_output_tokens >= self.min_tokens:
                 self._match_stop(search_from)
 
     def _match_stop(self, search_from: int) -> None:

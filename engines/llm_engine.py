@@ -330,7 +330,7 @@ class LLMEngine:
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             generator = torch.Generator().manual_seed(seed)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop, params.min_tokens)
         seq = Sequence(request_id, prompt_token_ids, params, generator, detokenizer)
         if params.grammar is not None:
             seq.grammar = self.grammars.matcher(params.grammar)
@@ -378,7 +378,8 @@ class LLMEngine:
         else:
             token_ids, logprobs = ([], []) if not seqs else sample(
                 result, [s.params for s in seqs], [s.generator for s in seqs],
-                [s.output_token_ids for s in seqs], [s.grammar for s in seqs], [s.token_ids for s in seqs])
+                [s.output_token_ids for s in seqs], [s.grammar for s in seqs], [s.token_ids for s in seqs],
+                self.scheduler.eos_token_ids)
         texts = self.scheduler.postprocess(batch, token_ids)
         self._num_generated_tokens_total += len(seqs)
         outputs = []
@@ -455,9 +456,11 @@ class LLMEngine:
 
 def _speculable(seq: Sequence) -> bool:
     """Whether a round's acceptance test is exact for `seq`: it judges drafts by the target's raw
-    (filtered) distribution, and a grammar mask, penalties or a logit bias would change that
-    distribution token by token within the round. Such sequences decode plainly (the whole step)."""
-    return seq.grammar is None and not seq.params.penalised and not seq.params.logit_bias
+    (filtered) distribution, and a grammar mask, penalties, a logit bias or `min_tokens` not yet reached would
+    change that distribution token by token within the round. Such sequences decode plainly (the whole step)."""
+    params = seq.params
+    return (seq.grammar is None and not params.penalised and not params.logit_bias
+            and seq.num_output_tokens >= params.min_tokens)
 
 
 def _delta(seq: Sequence, token_ids: list[int], text: str, logprobs: list[TokenLogprob | None]) -> RequestOutput:

@@ -3,7 +3,7 @@ top-k, top-p, per-request seeds, logprobs."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import torch
@@ -17,18 +17,20 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
            output_token_ids: Sequence[Sequence[int]] | None = None,
            grammars: Sequence[GrammarState | None] | None = None,
            seen_token_ids: Sequence[Sequence[int]] | None = None,
+           eos_token_ids: Collection[int] = (),
            ) -> tuple[list[int], list[TokenLogprob | None]]:
     """Pick one token per row of `logits` [B, V] (float32).
 
-    `output_token_ids` (what each row generated so far) feeds the penalties, `seen_token_ids` (its prompt and
-    those) the repetition penalty; `grammars` constrain
-    their rows. Random rows draw from their own generator, so a seeded request samples the same
-    tokens whatever else is in the batch. Logprobs always come from the unmodified distribution
-    (before penalties, bias, grammar, temperature, top-k and top-p), as OpenAI reports them.
+    `output_token_ids` (what each row generated so far) feeds the penalties and `min_tokens` (which keeps
+    `eos_token_ids` and the row's stop tokens out until then), `seen_token_ids` (its prompt and those) the
+    repetition penalty; `grammars` constrain their rows. Random rows draw from their own generator, so a seeded
+    request samples the same tokens whatever else is in the batch. Logprobs always come from the unmodified
+    distribution (before penalties, bias, `min_tokens`, grammar, temperature, top-k and top-p), as OpenAI reports
+    them.
     """
     if logits.device.type != "cpu" and _needs_host(params, grammars):
         logits = logits.cpu()  # penalties, bias, grammars and seeded draws work on the host (generators live there)
-    adjusted = adjust_logits(logits, params, output_token_ids, seen_token_ids)
+    adjusted = adjust_logits(logits, params, output_token_ids, seen_token_ids, eos_token_ids)
     token_ids = _choose(adjusted, params, generators)
     if grammars is not None and any(g is not None for g in grammars):
         _constrain(adjusted, token_ids, params, generators, grammars)
@@ -46,25 +48,29 @@ def greedy_only(params: Sequence[SamplingParams], grammars: Sequence[GrammarStat
 def _needs_host(params: Sequence[SamplingParams], grammars: Sequence[GrammarState | None] | None) -> bool:
     """Whether a row asks for more than a greedy choice (and its logprobs), which run wherever the logits are."""
     constrained = grammars is not None and any(grammar is not None for grammar in grammars)
-    return constrained or any(not p.greedy or p.penalised or p.logit_bias for p in params)
+    return constrained or any(not p.greedy or p.penalised or p.logit_bias or p.min_tokens for p in params)
 
 
 def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
                   output_token_ids: Sequence[Sequence[int]] | None,
-                  seen_token_ids: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
-    """The penalties and logit bias, vectorised over the rows that ask for them; returns `logits` itself when no
-    row does, else a modified copy.
+                  seen_token_ids: Sequence[Sequence[int]] | None = None,
+                  eos_token_ids: Collection[int] = ()) -> torch.Tensor:
+    """The penalties, logit bias and `min_tokens`, vectorised over the rows that ask for them; returns `logits`
+    itself when no row does, else a modified copy.
 
     First vLLM's repetition penalty over every token seen (prompt and answer): logit[t] /= p where positive, *= p
     where not. Then OpenAI's: logit[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0),
     counting the tokens the request generated so far (not its prompt, as vLLM and OpenAI do); then
-    logit[t] += bias[t].
+    logit[t] += bias[t]. Last, a row with fewer than `min_tokens` output tokens cannot end (vLLM's rule): its
+    stop tokens and, unless it ignores EOS, `eos_token_ids` are masked.
     """
+    unended = ([i for i, p in enumerate(params) if p.min_tokens > len(output_token_ids[i])]
+               if output_token_ids is not None else [])
     repeated = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0] if seen_token_ids is not None else []
     penalised = ([i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
                  if output_token_ids is not None else [])
     biased = [i for i, p in enumerate(params) if p.logit_bias]
-    if not repeated and not penalised and not biased:
+    if not repeated and not penalised and not biased and not unended:
         return logits
     logits = logits.clone()
     vocab = logits.shape[-1]
@@ -90,6 +96,9 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
         if entries:
             rows_t, tokens_t, values_t = (torch.tensor(column) for column in zip(*entries, strict=True))
             logits.index_put_((rows_t, tokens_t), values_t.to(logits.dtype), accumulate=True)
+    for i in unended:
+        ends = {*params[i].stop_token_ids, *(() if params[i].ignore_eos else eos_token_ids)}
+        logits[i, [t for t in ends if t < vocab]] = float("-inf")
     return logits
 
 

@@ -30,6 +30,7 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     min_p: float = 0.0  # 0: off; else tokens below min_p × the most likely token's probability are dropped
     max_tokens: int = 16
+    min_tokens: int = 0  # vLLM's: until this many tokens, no EOS or stop token is sampled and no stop string matches
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -53,6 +54,7 @@ class SamplingParams:
         assert 0 <= self.min_p <= 1, "min_p must be in [0, 1]"
         assert self.repetition_penalty > 0, "repetition_penalty must be > 0"
         assert self.max_tokens >= 1, "max_tokens must be >= 1"
+        assert 0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"
         assert 0 <= self.top_logprobs <= 20, "top_logprobs must be between 0 and 20"
         for name in ("presence_penalty", "frequency_penalty"):
             assert -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY, f"{name} must be in [-2, 2]"

@@ -71,6 +71,7 @@ def sampling_params(d: Decoding, max_tokens: int, choice: int, grammar: GrammarS
         ignore_eos=d.ignore_eos,
         repetition_penalty=1.0 if d.repetition_penalty is None else d.repetition_penalty,
         max_tokens=max_tokens,
+        min_tokens=min(d.min_tokens, max_tokens),  # a key's output cap may have lowered max_tokens below it
         # Siblings of an `n` > 1 request must differ, yet stay reproducible under a seed.
         seed=None if d.seed is None else d.seed + choice,
         stop=d.stop,
@@ -341,6 +342,9 @@ class OpenAIServing:
             raise invalid(f"`logit_bias` token ids must be below {self.tokenizer.vocab_size}", "logit_bias")
         if any(token >= self.tokenizer.vocab_size for token in d.stop_token_ids):
             raise invalid(f"`stop_token_ids` must be below {self.tokenizer.vocab_size}", "stop_token_ids")
+        if d.min_tokens and grammar is not None:
+            raise invalid("`min_tokens` cannot be combined with `response_format` or `tools` on this tier: a "
+                          "structured answer ends where its grammar does", "min_tokens", "unsupported_parameter")
         calls = []
         for prompt_index, prompt in enumerate(prompts):
             max_tokens = max_tokens_for(d, len(prompt), self.max_model_len)

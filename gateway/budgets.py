@@ -83,15 +83,17 @@ def check_prompt_length(prompt_tokens: int, policy: PolicyConfig) -> None:
 
 
 def clamp_output(request: Request, policy: PolicyConfig) -> tuple[Request, bool]:
-    """The request with its output limit set to at most the cap (the cap when missing), and whether
-    a limit the client asked for was lowered."""
+    """The request with its output limit set to at most the cap (the cap when missing; vLLM's `min_tokens` with
+    it), and whether a limit the client asked for was lowered."""
     cap = policy.max_output_tokens
     asked = request.output_limit()
     if asked is not None and asked <= cap:
         return request, False
-    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
-        return msgspec.structs.replace(request, max_completion_tokens=cap), True
-    return msgspec.structs.replace(request, max_tokens=cap), asked is not None
+    chat_limit = isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None
+    changes: dict[str, int] = {"max_completion_tokens" if chat_limit else "max_tokens": cap}
+    if request.min_tokens is not None and request.min_tokens > cap:
+        changes["min_tokens"] = cap  # a floor above the limit is refused by vLLM tiers
+    return msgspec.structs.replace(request, **changes), asked is not None
 
 
 def prompt_count(request: Request) -> int:

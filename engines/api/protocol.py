@@ -106,6 +106,7 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None  # extension, as in vLLM: these tokens end the answer (not in its text)
     ignore_eos: bool | None = None  # extension, as in vLLM: generate to the token limit (benchmark clients send it)
     repetition_penalty: float | None = None  # extension, as in vLLM: > 1 discourages tokens seen in prompt or answer
+    min_tokens: int | None = None  # extension, as in vLLM: no EOS, stop token or stop string before this many tokens
     # Extension: the scheduling class. The gateway sets it (a key's policy, or `x-sluice-priority` where
     # the key may choose); our engines admit interactive work first and preempt batch work for it.
     priority: Literal["interactive", "batch"] | None = None
@@ -163,6 +164,7 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None  # as in ChatCompletionRequest
     ignore_eos: bool | None = None  # as in ChatCompletionRequest
     repetition_penalty: float | None = None  # as in ChatCompletionRequest
+    min_tokens: int | None = None  # as in ChatCompletionRequest
     priority: Literal["interactive", "batch"] | None = None  # as in ChatCompletionRequest
     n: int = 1
     stream: bool = False

@@ -73,6 +73,7 @@ class Decoding:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     repetition_penalty: float | None = None
+    min_tokens: int = 0
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
@@ -107,6 +108,7 @@ def decoding(request: Request) -> Decoding:
         stop_token_ids=request.stop_token_ids or [],
         ignore_eos=bool(request.ignore_eos),
         repetition_penalty=request.repetition_penalty,
+        min_tokens=request.min_tokens or 0,
     )
 
 
@@ -295,6 +297,8 @@ def check_decoding(d: Decoding) -> None:
         raise invalid(f"`stop` takes at most {MAX_STOP_STRINGS} sequences; got {len(d.stop)}", "stop")
     if d.output_limit is not None and d.output_limit < 1:
         raise invalid(f"`{d.output_limit_param}` must be at least 1; got {d.output_limit}", d.output_limit_param)
+    if d.min_tokens < 0 or (d.output_limit is not None and d.min_tokens > d.output_limit):
+        raise invalid(f"`min_tokens` must be between 0 and `{d.output_limit_param}`; got {d.min_tokens}", "min_tokens")
 
 
 # ---------------------------------------------------------------------------------------------

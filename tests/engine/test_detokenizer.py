@@ -34,6 +34,14 @@ def test_a_stop_string_cuts_the_text_before_it(tokenizer: Tokenizer) -> None:
     assert detokenizer.stopped
 
 
+def test_no_stop_string_matches_before_min_tokens(tokenizer: Tokenizer) -> None:
+    token_ids = tokenizer.encode("Hello, world! Hello, world!")
+    early = len(tokenizer.encode("Hello, world"))
+    detokenizer = IncrementalDetokenizer(tokenizer, [], stop=["world"], min_tokens=early + 1)
+    assert "".join(stream(detokenizer, token_ids)) == "Hello, world! Hello, "  # the second one stops it
+    assert detokenizer.stopped
+
+
 def test_text_that_may_begin_a_stop_string_is_held_back_until_it_cannot(tokenizer: Tokenizer) -> None:
     detokenizer = IncrementalDetokenizer(tokenizer, [], stop=["capital city"])
     released = ""

@@ -147,6 +147,19 @@ def test_the_repetition_penalty_divides_positive_logits_of_seen_tokens_and_multi
     assert sample(LOGITS, params, [None, None], [[], []], seen_token_ids=[[1], [3]])[0] == [2, 3]
 
 
+def test_min_tokens_keeps_the_end_tokens_out_until_that_many_tokens_were_generated() -> None:
+    """vLLM's rule: EOS (unless ignored) and the row's stop tokens cannot be drawn before `min_tokens`."""
+    eos, stop = 1, 3  # each row's most likely token
+    held = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[stop])
+    assert sample(LOGITS, [held, held], [None, None], [[5], [5]], eos_token_ids=[eos])[0] == [2, 4]
+    assert sample(LOGITS, [held, held], [None, None], [[5, 5], [5, 5]], eos_token_ids=[eos])[0] == [1, 3]
+    ignoring = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)
+    assert sample(LOGITS[:1], [ignoring], [None], [[]], eos_token_ids=[eos])[0] == [1]  # EOS is no end for it
+    drawn = {sample(LOGITS[:1], [SamplingParams(min_tokens=1)], generators(seed), [[]], eos_token_ids=[eos])[0][0]
+             for seed in range(200)}
+    assert eos not in drawn and len(drawn) > 1
+
+
 def test_logit_bias_adds_to_each_listed_token_per_row() -> None:
     params = [SamplingParams(temperature=0, logit_bias={4: 100.0}), SamplingParams(temperature=0, logit_bias={3: -100})]
     assert sample(LOGITS, params, [None, None])[0] == [4, 4]

@@ -223,6 +223,18 @@ def test_max_tokens_and_stop_tokens_end_a_round_early(tiny_llama: TinyModel) -> 
     assert generate_all(engine, PROMPTS[:1], stopped)[0] == plain[:plain.index(stop) + 1]
 
 
+def test_min_tokens_holds_a_request_open_as_in_plain_decoding(tiny_llama: TinyModel) -> None:
+    """Until `min_tokens`, the stop token is masked out of the target's distribution, so drafts are not judged by
+    it: the request decodes plainly, then speculates once the floor is reached."""
+    free = generate_all(make_engine(tiny_llama), PROMPTS[:1], SamplingParams(temperature=0, max_tokens=30,
+                                                                               ignore_eos=True))[0]
+    held = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[free[2]], min_tokens=6)
+    expected = generate_all(make_engine(tiny_llama), PROMPTS[:1], held)[0]
+    assert len(expected) > 6 and free[2] not in expected[:6]
+    engine = speculative_engine(tiny_llama, tiny_llama.checkpoint)
+    assert generate_all(engine, PROMPTS[:1], held)[0] == expected
+
+
 def test_rejected_tokens_kv_slots_are_returned_to_the_block_manager(tiny_qwen2: TinyModel) -> None:
     engine = speculative_engine(tiny_qwen2, drafter_of(tiny_qwen2, noise=0.01), enable_prefix_caching=False)
     manager = engine.block_manager

@@ -55,6 +55,14 @@ async def test_max_completion_tokens_is_clamped_too(make_gateway, tiers):
     assert tiers["small"].requests[0].output_limit() == 2
 
 
+async def test_vllms_min_tokens_is_lowered_with_the_limit_it_would_exceed(make_gateway, tiers):
+    """vLLM refuses a floor above the limit: a capped request must still reach such a tier whole."""
+    gateway = make_gateway(max_output_tokens=3)
+    await gateway.chat(await start(gateway), chat(max_tokens=100, min_tokens=50))
+    await gateway.chat(await start(gateway), chat(max_tokens=100, min_tokens=2))
+    assert [(r.max_tokens, r.min_tokens) for r in tiers["small"].requests] == [(3, 3), (3, 2)]
+
+
 async def test_a_missing_max_tokens_gets_the_cap_without_the_clamped_header(make_gateway, tiers):
     gateway = make_gateway(max_output_tokens=4)
     reply = await gateway.chat(await start(gateway), chat())

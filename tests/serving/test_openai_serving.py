@@ -14,6 +14,7 @@ from engines.api.protocol import (
     ChatMessage,
     CompletionRequest,
     ContentPart,
+    ResponseFormat,
 )
 from engines.api.rules import check_request, decode_request
 from engines.llm_engine import LLMEngine
@@ -100,6 +101,9 @@ def test_completion_prompt_forms_and_integer_logprobs(serving: OpenAIServing) ->
         (chat("Hi", min_p=1.5), "min_p"),
         (chat("Hi", repetition_penalty=0.0), "repetition_penalty"),
         (chat("Hi", stop_token_ids=[-1]), "stop_token_ids"),
+        (chat("Hi", min_tokens=-1), "min_tokens"),
+        (chat("Hi", max_tokens=4, min_tokens=5), "min_tokens"),
+        (chat("Hi", min_tokens=2, response_format=ResponseFormat(type="json_object")), "min_tokens"),
         (chat("Hi", stop_token_ids=[10**9]), "stop_token_ids"),
         (chat("Hi", n=0), "n"),
         (chat("Hi", max_tokens=0), "max_tokens"),
@@ -227,6 +231,19 @@ async def test_a_repetition_penalty_keeps_a_greedy_answer_off_the_tokens_it_has_
     plain, penalised = await tokens(), await tokens(repetition_penalty=10.0)
     assert len(set(plain)) < len(plain) or set(plain) & seen  # what the penalty is there to prevent
     assert len(set(penalised)) == len(penalised) and not set(penalised) & seen
+
+
+async def test_vllms_min_tokens_holds_the_answer_open_past_eos_and_stop_tokens(serving: OpenAIServing) -> None:
+    eos = serving.engine.tokenizer.eos_token_ids[0]
+    token = 7
+    for end, extra in ((eos, {}), (token, {"stop_token_ids": [token]})):
+        forced = {str(end): 100.0}  # without min_tokens, the answer would end at its first token
+        held = await serving.complete(completion("Hi", max_tokens=8, logit_bias=forced, min_tokens=3, **extra))
+        # Three other tokens, then the end, counted as without min_tokens.
+        assert (held.choices[0].finish_reason, held.usage.completion_tokens) == ("stop", 4)
+    forced = {str(eos): 100.0}
+    running = await serving.complete(completion("Hi", max_tokens=5, logit_bias=forced, min_tokens=5))
+    assert (running.choices[0].finish_reason, running.usage.completion_tokens) == ("length", 5)
 
 
 async def test_generation_stops_before_the_first_stop_string(serving: OpenAIServing) -> None:
