@@ -16,7 +16,7 @@ from gateway.controllers.http import cancel_on_disconnect, reply_response
 from gateway.embeddings import EMBED_MODEL, EmbeddingsRequest
 from gateway.pipeline import Gateway, RequestState, request_ids
 from gateway.responses import ResponsesRequest
-from router.decision import model_ids
+from router.decision import ModelNotFound, model_ids, requested_tier
 
 
 async def authenticated(request: Request[Any, Any, Any]) -> None:
@@ -84,7 +84,7 @@ class OpenAIController(Controller):
         self, request: Request[Any, Any, Any], model_id: FromPath[str], gateway: NamedDependency[Gateway]
     ) -> ModelCard:
         request.state.sluice.finished = True
-        if model_id not in served_models(gateway):
+        if not serves(gateway, model_id):
             raise APIError(404, f"The model `{model_id}` does not exist. GET /v1/models lists the models.",
                            code="model_not_found", param="model")
         return ModelCard(id=model_id)
@@ -93,3 +93,14 @@ class OpenAIController(Controller):
 def served_models(gateway: Gateway) -> list[str]:
     """What clients may name as `model`: the tiers, the router, and the embedding model where it is served."""
     return model_ids(gateway.clients) + ([EMBED_MODEL] if gateway.embedder is not None else [])
+
+
+def serves(gateway: Gateway, model: str) -> bool:
+    """Whether a request may name `model`: a listed name, or a tier's bare name (`small`), which chat accepts too."""
+    if model in served_models(gateway):
+        return True
+    try:
+        requested_tier(model, gateway.clients)
+    except ModelNotFound:
+        return False
+    return True

@@ -143,9 +143,11 @@ async def test_models_lists_the_tiers_the_router_and_the_embedding_model(gateway
 async def test_a_model_is_retrieved_by_id_and_an_unknown_one_is_a_404(gateway_client, records):
     async with gateway_client() as client:
         found = await client.get("/v1/models/sluice-large")
+        bare = await client.get("/v1/models/large")  # what a chat request may name as well
         missing = await client.get("/v1/models/gpt-4o")
     assert found.status_code == 200 and found.json() == {"id": "sluice-large", "created": 0, "object": "model",
                                                          "owned_by": "sluice"}
+    assert bare.status_code == 200 and bare.json()["id"] == "large"
     assert_openai_error(missing, 404, "model_not_found", "model")
     assert records == []  # listing models is not a served request
 
