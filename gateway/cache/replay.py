@@ -97,35 +97,28 @@ def replay(body: bytes, endpoint: str, include_usage: bool) -> list[bytes]:
                 events.append(_chat_chunk(chat, choice.index, answer, logprobs=choice.logprobs))
             events.append(_chat_chunk(chat, choice.index, DeltaMessage(), choice.finish_reason))
         if include_usage:
-            events.append(
-                sse_event(
-                    ChatCompletionChunk(
-                        id=chat.id, created=chat.created, model=chat.model, choices=[], usage=chat.usage
-                    )
-                )
-            )
+            events.append(sse_event(ChatCompletionChunk(
+                id=chat.id, created=chat.created, model=chat.model, choices=[], usage=chat.usage,
+                system_fingerprint=chat.system_fingerprint)))
         return [*events, SSE_DONE]
     completion = msgspec.json.decode(body, type=Completion)
-    events = [
-        sse_event(Completion(id=completion.id, created=completion.created, model=completion.model, choices=[choice]))
-        for choice in completion.choices
-    ]
+    events = [sse_event(_completion_chunk(completion, [choice])) for choice in completion.choices]
     if include_usage and completion.usage is not None:
-        events.append(
-            sse_event(
-                Completion(
-                    id=completion.id,
-                    created=completion.created,
-                    model=completion.model,
-                    choices=[],
-                    usage=completion.usage,
-                )
-            )
-        )
+        events.append(sse_event(_completion_chunk(completion, [], completion.usage)))
     return [*events, SSE_DONE]
+
+
+# Every chunk carries the answer's id, time, model and fingerprint, as the stream it was kept from did.
 
 
 def _chat_chunk(chat: ChatCompletion, index: int, delta: DeltaMessage, finish: str | None = None,
                 logprobs: ChoiceLogprobs | None = None) -> bytes:
     choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)
-    return sse_event(ChatCompletionChunk(id=chat.id, created=chat.created, model=chat.model, choices=[choice]))
+    return sse_event(ChatCompletionChunk(id=chat.id, created=chat.created, model=chat.model, choices=[choice],
+                                         system_fingerprint=chat.system_fingerprint))
+
+
+def _completion_chunk(completion: Completion, choices: list[CompletionChoice],
+                      usage: Usage | None = None) -> Completion:
+    return Completion(id=completion.id, created=completion.created, model=completion.model, choices=choices,
+                      usage=usage, system_fingerprint=completion.system_fingerprint)

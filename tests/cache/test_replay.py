@@ -13,6 +13,8 @@ from engines.api.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
     ChoiceLogprobs,
+    Completion,
+    CompletionChoice,
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
@@ -118,3 +120,15 @@ def test_a_hit_is_a_response_of_its_own_with_the_kept_answer():
     assert served[0]["id"] != served[1]["id"]
     completion = json.loads(as_new_response(b'{"id": "cmpl-first", "created": 1, "choices": []}', "completions"))
     assert completion["id"].startswith("cmpl-") and completion["id"] != "cmpl-first"
+
+
+def test_every_replayed_chunk_names_the_backend_of_the_answer_it_replays():
+    """A client pinning `seed` reads `system_fingerprint` from the chunks, as from the stream that was kept."""
+    answer = ChatCompletion(id="c1", created=1, model="small", usage=USAGE, system_fingerprint="fp_abc", choices=[
+        ChatChoice(index=0, message=AssistantMessage(content="Hi"), finish_reason="stop")])
+    chunks = replayed_chunks(msgspec.json.encode(answer), include_usage=True)
+    assert len(chunks) == 4 and {c["system_fingerprint"] for c in chunks} == {"fp_abc"}
+    text = Completion(id="c2", created=1, model="small", usage=USAGE, system_fingerprint="fp_abc", choices=[
+        CompletionChoice(index=0, text="Hi", finish_reason="stop")])
+    events = replay(msgspec.json.encode(text), "completions", include_usage=True)
+    assert {json.loads(event[6:])["system_fingerprint"] for event in events[:-1]} == {"fp_abc"}
