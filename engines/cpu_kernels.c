@@ -830,9 +830,12 @@ static inline __attribute__((always_inline)) void vnni_group_rows(
     const int32_t *w_sum, const float *w_scale, const float *bias, float *out, const int64_t stride, const int64_t N,
     const int64_t n_group, const int8_t *ahead, const int64_t ahead_lines) {
     const int64_t chunks = Kp / TILE_K_CHUNK, ahead_per_chunk = (ahead_lines + chunks - 1) / chunks;
-    __m512i acc[4][VNNI_ROWS];
-    for (int s = 0; s < 4; s++)
-        for (int r = 0; r < rows; r++) acc[s][r] = _mm512_setzero_si512();
+    /* Sixteen named accumulators, not an array: GCC kept the array's elements in registers but copied them between
+     * registers around every `vpdpbusd` (two copies per product), which held a Zen 5 core, which issues two
+     * `vpdpbusd` a cycle, to about half its products (BENCHMARKS.md, 2026-12-07). */
+    const __m512i zero = _mm512_setzero_si512();
+    __m512i a00 = zero, a01 = zero, a02 = zero, a03 = zero, a10 = zero, a11 = zero, a12 = zero, a13 = zero;
+    __m512i a20 = zero, a21 = zero, a22 = zero, a23 = zero, a30 = zero, a31 = zero, a32 = zero, a33 = zero;
     for (int64_t chunk = 0; chunk < chunks; chunk++) {
         const int8_t *block = weight + chunk * TILE_BLOCK_BYTES;
         const uint8_t *x_chunk = xq + chunk * TILE_K_CHUNK;
@@ -841,16 +844,26 @@ static inline __attribute__((always_inline)) void vnni_group_rows(
         for (int q = 0; q < 16; q++) {
             for (int line = 0; line < 4; line++)  /* the next block, a 256-byte quarter per quad */
                 _mm_prefetch((const char *)(block + TILE_BLOCK_BYTES + q * 256 + line * 64), _MM_HINT_T0);
-            __m512i w_quad[4];
-            for (int s = 0; s < 4; s++) w_quad[s] = _mm512_loadu_si512((const void *)(block + q * 256 + s * 64));
-            for (int r = 0; r < rows; r++) {
-                int32_t x4;
-                memcpy(&x4, x_chunk + r * Kp + q * 4, sizeof x4);
-                const __m512i x_quad = _mm512_set1_epi32(x4);
-                for (int s = 0; s < 4; s++) acc[s][r] = _mm512_dpbusd_epi32(acc[s][r], x_quad, w_quad[s]);
+            const __m512i w0 = _mm512_loadu_si512((const void *)(block + q * 256));
+            const __m512i w1 = _mm512_loadu_si512((const void *)(block + q * 256 + 64));
+            const __m512i w2 = _mm512_loadu_si512((const void *)(block + q * 256 + 128));
+            const __m512i w3 = _mm512_loadu_si512((const void *)(block + q * 256 + 192));
+#define VNNI_ROW(r)                                                                                             \
+            if (rows > r) {                                                                                     \
+                int32_t x4;                                                                                     \
+                memcpy(&x4, x_chunk + r * Kp + q * 4, sizeof x4);                                               \
+                const __m512i x_quad = _mm512_set1_epi32(x4);                                                   \
+                a0##r = _mm512_dpbusd_epi32(a0##r, x_quad, w0);                                                 \
+                a1##r = _mm512_dpbusd_epi32(a1##r, x_quad, w1);                                                 \
+                a2##r = _mm512_dpbusd_epi32(a2##r, x_quad, w2);                                                 \
+                a3##r = _mm512_dpbusd_epi32(a3##r, x_quad, w3);                                                 \
             }
+            VNNI_ROW(0) VNNI_ROW(1) VNNI_ROW(2) VNNI_ROW(3)
+#undef VNNI_ROW
         }
     }
+    const __m512i acc[4][VNNI_ROWS] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23},
+                                       {a30, a31, a32, a33}};
     for (int s = 0; s < 4; s++) {
         const int64_t n0 = n_group + s * 16;
         if (n0 >= N) break;
