@@ -13,9 +13,10 @@ MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI accepts at most 300 biased tokens
 @dataclass(frozen=True)
 class GrammarSpec:
     """What constrained decoding must produce: any JSON object, JSON valid against the schema in `source`
-    (JSON text), or text of the Lark-style grammar in `source` (llguidance's syntax, JSON schemas inline)."""
+    (JSON text), text of the Lark-style grammar in `source` (llguidance's syntax, JSON schemas inline), or text
+    matching the regular expression in `source` whole."""
 
-    kind: Literal["json_object", "json_schema", "lark"]
+    kind: Literal["json_object", "json_schema", "lark", "regex"]
     source: str | None = None
 
 

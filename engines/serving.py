@@ -22,6 +22,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import msgspec
+
 from engines import tool_calls
 from engines.api.client import EngineUnavailable, TierLoad
 from engines.api.errors import APIError, invalid, service_unavailable
@@ -40,6 +42,7 @@ from engines.api.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     DeltaMessage,
+    StructuredOutputs,
     TokenLogprob,
     ToolCall,
     TopLogprob,
@@ -113,9 +116,53 @@ def _answer_schema(request: ChatCompletionRequest) -> dict[str, Any] | None:
     return response_format.json_schema.schema or {}
 
 
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# What our engine does anyway: one grammar library, no fallback to another; JSON without free whitespace.
+_STRUCTURED_OUTPUT_NEUTRAL = ("disable_fallback", "disable_any_whitespace")
+
+
+def structured_output_grammar(spec: StructuredOutputs) -> GrammarSpec:
+    """vLLM's `structured_outputs` as the grammar our engine decodes under: exactly one of `json` (a JSON schema, as
+    an object or its text), `regex` (matched whole), `choice` (one of these strings), `grammar` (llguidance's
+    Lark-style syntax) or `json_object: true`. vLLM's other options there are refused, not ignored."""
+    fields = {key: value for key, value in msgspec.structs.asdict(spec).items() if value not in (None, False)}
+    unsupported = [key for key in fields if key not in STRUCTURED_OUTPUT_KINDS + _STRUCTURED_OUTPUT_NEUTRAL]
+    if unsupported:
+        raise invalid(f"`structured_outputs.{unsupported[0]}` is not supported by our engine",
+                      f"structured_outputs.{unsupported[0]}", "unsupported_parameter")
+    asked = [key for key in STRUCTURED_OUTPUT_KINDS if key in fields]
+    if len(asked) != 1:
+        raise invalid(f"`structured_outputs` takes exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}",
+                      "structured_outputs")
+    kind, value = asked[0], fields[asked[0]]
+    param = f"structured_outputs.{kind}"
+    if kind == "json_object":
+        return GrammarSpec("json_object")
+    if kind == "json":
+        try:
+            schema = json.loads(value) if isinstance(value, str) else value
+        except json.JSONDecodeError as exc:
+            raise invalid(f"`{param}` is not valid JSON: {exc}", param, "invalid_schema") from exc
+        if not isinstance(schema, dict):
+            raise invalid(f"`{param}` must be a JSON schema (an object)", param, "invalid_schema")
+        return GrammarSpec("json_schema", json.dumps(schema))
+    if kind == "choice":
+        if not value or not all(value):
+            raise invalid(f"`{param}` must be a non-empty list of non-empty strings", param)
+        # Lark string literals: JSON's escapes for quotes, backslashes and control characters.
+        return GrammarSpec("lark", "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
+    return GrammarSpec("regex" if kind == "regex" else "lark", value)
+
+
 def chat_plan(request: ChatCompletionRequest, template_supports_tools: bool) -> ChatPlan:
     uses_tools = bool(request.tools) and request.tool_choice != "none"
     schema = _answer_schema(request)
+    if request.structured_outputs is not None:
+        if uses_tools or schema is not None:
+            raise invalid("`structured_outputs` cannot be combined with `response_format` or `tools`",
+                          "structured_outputs")
+        grammar = structured_output_grammar(request.structured_outputs)
+        return ChatPlan(grammar=grammar, checks=((grammar, "structured_outputs"),))
     answer = None if schema is None else GrammarSpec("json_schema", json.dumps(schema))
     answer_checks = () if answer is None else ((answer, "response_format"),)
     if not uses_tools:
@@ -328,8 +375,8 @@ class OpenAIServing:
     def _plan(self, request: ChatCompletionRequest) -> ChatPlan:
         return chat_plan(request, getattr(self.tokenizer, "supports_tools", False))
 
-    def _check_grammar(self, plan: ChatPlan) -> None:
-        for grammar, param in plan.checks:
+    def _check_grammar(self, checks: Sequence[tuple[GrammarSpec, str]]) -> None:
+        for grammar, param in checks:
             try:
                 self.engine.engine.grammars.compile(grammar)
             except GrammarError as exc:
@@ -343,8 +390,9 @@ class OpenAIServing:
         if any(token >= self.tokenizer.vocab_size for token in d.stop_token_ids):
             raise invalid(f"`stop_token_ids` must be below {self.tokenizer.vocab_size}", "stop_token_ids")
         if d.min_tokens and grammar is not None:
-            raise invalid("`min_tokens` cannot be combined with `response_format` or `tools` on this tier: a "
-                          "structured answer ends where its grammar does", "min_tokens", "unsupported_parameter")
+            raise invalid("`min_tokens` cannot be combined with `response_format`, `tools` or `structured_outputs` on "
+                          "this tier: a structured answer ends where its grammar does", "min_tokens",
+                          "unsupported_parameter")
         calls = []
         for prompt_index, prompt in enumerate(prompts):
             max_tokens = max_tokens_for(d, len(prompt), self.max_model_len)
@@ -362,7 +410,7 @@ class OpenAIServing:
     def _prepare_chat(self, request: ChatCompletionRequest) -> tuple[ChatPlan, list[EngineCall]]:
         check_engine_supports(request, self.model_name)
         plan = self._plan(request)
-        self._check_grammar(plan)
+        self._check_grammar(plan.checks)
         prompt = chat_prompt_token_ids(self.tokenizer, request, plan.suffix)
         return plan, self._calls(new_id("chatcmpl"), [prompt], decoding(request), plan.grammar)
 
@@ -370,7 +418,11 @@ class OpenAIServing:
         """Map a checked text-completion request to engine calls; raises APIError on the rules of
         this model (context length, token ids, what our engine supports)."""
         check_engine_supports(request, self.model_name)
-        return self._calls(new_id("cmpl"), completion_prompts(self.tokenizer, request), decoding(request))
+        grammar = None
+        if request.structured_outputs is not None:
+            grammar = structured_output_grammar(request.structured_outputs)
+            self._check_grammar(((grammar, "structured_outputs"),))
+        return self._calls(new_id("cmpl"), completion_prompts(self.tokenizer, request), decoding(request), grammar)
 
     # -- running ----------------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""Constrained decoding: a grammar (JSON, or JSON valid against a schema) decides which tokens may come next.
+"""Constrained decoding: a grammar (JSON, JSON valid against a schema, a Lark-style grammar, a regular expression)
+decides which tokens may come next.
 
 llguidance turns a `GrammarSpec` into a grammar and gives every constrained sequence its own
 matcher. Each step the sampler fills a token bitmask for the constrained rows (one bit per
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from engines.tokenizer import Tokenizer
 
 _JSON_OBJECT = {"type": "object"}
+_WHAT = {"lark": "the grammar", "regex": "the regular expression"}  # for errors; else a JSON schema
 _COMPACT = {"whitespace_flexible": False}
 
 
@@ -96,17 +98,20 @@ class Grammars:
                 self._cache.move_to_end(spec)
         if grammar is not None:
             return grammar
+        what = _WHAT.get(spec.kind, "the JSON schema")
         try:
             if spec.kind == "lark":
                 grammar = llguidance.LLMatcher.grammar_from_lark(spec.source or "")
+            elif spec.kind == "regex":
+                grammar = llguidance.LLMatcher.grammar_from_regex(spec.source or "")
             else:
                 schema = _JSON_OBJECT if spec.kind == "json_object" else json.loads(spec.source or "{}")
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_COMPACT)
         except (ValueError, TypeError) as exc:
-            raise GrammarError(f"the JSON schema cannot be used for constrained decoding: {exc}") from exc
+            raise GrammarError(f"{what} cannot be used for constrained decoding: {exc}") from exc
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error:
-            raise GrammarError(f"the JSON schema cannot be used for constrained decoding: {error}")
+            raise GrammarError(f"{what} cannot be used for constrained decoding: {error}")
         with self._lock:
             self._cache[spec] = grammar
             while len(self._cache) > self.max_cached:

@@ -14,8 +14,8 @@ and `COMPLETIONS` (a test walks the installed `openai` SDK's request types again
 
 Fields that no OpenAI type names (vLLM's `length_penalty`, `chat_template_kwargs`, ...) are kept aside as
 the request's `extra_fields`: forwarded untouched to HTTP tiers, refused by our engines. vLLM's `top_k`,
-`min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos` and `min_tokens`, and `priority` (the scheduling
-class), are modelled extensions (honoured).
+`min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos`, `min_tokens` and `structured_outputs`, and `priority`
+(the scheduling class), are modelled extensions (honoured).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ _COMMON = {
     "seed": HONOURED, "temperature": HONOURED, "top_p": HONOURED, "top_k": HONOURED, "min_p": HONOURED,
     "logprobs": HONOURED, "max_tokens": HONOURED, "user": HONOURED, "presence_penalty": HONOURED,
     "frequency_penalty": HONOURED, "logit_bias": HONOURED, "priority": HONOURED, "stop_token_ids": HONOURED,
-    "ignore_eos": HONOURED, "repetition_penalty": HONOURED, "min_tokens": HONOURED,
+    "ignore_eos": HONOURED, "repetition_penalty": HONOURED, "min_tokens": HONOURED, "structured_outputs": HONOURED,
 }
 
 CHAT: dict[str, Fate] = {

@@ -78,6 +78,23 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
     json_schema: JSONSchemaFormat | None = None
 
 
+class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """vLLM's `structured_outputs` (its StructuredOutputsParams, vLLM 0.10.2 on): one form the answer must take.
+    Every field vLLM defines, so none is dropped on the way to an HTTP tier; our engines read it in
+    `engines.serving.structured_output_grammar`."""
+
+    json: str | dict[str, Any] | None = None  # a JSON schema, or its text
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
@@ -107,6 +124,7 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     ignore_eos: bool | None = None  # extension, as in vLLM: generate to the token limit (benchmark clients send it)
     repetition_penalty: float | None = None  # extension, as in vLLM: > 1 discourages tokens seen in prompt or answer
     min_tokens: int | None = None  # extension, as in vLLM: no EOS, stop token or stop string before this many tokens
+    structured_outputs: StructuredOutputs | None = None  # extension, as in vLLM: the answer constrained to a form
     # Extension: the scheduling class. The gateway sets it (a key's policy, or `x-sluice-priority` where
     # the key may choose); our engines admit interactive work first and preempt batch work for it.
     priority: Literal["interactive", "batch"] | None = None
@@ -165,6 +183,7 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     ignore_eos: bool | None = None  # as in ChatCompletionRequest
     repetition_penalty: float | None = None  # as in ChatCompletionRequest
     min_tokens: int | None = None  # as in ChatCompletionRequest
+    structured_outputs: StructuredOutputs | None = None  # as in ChatCompletionRequest
     priority: Literal["interactive", "batch"] | None = None  # as in ChatCompletionRequest
     n: int = 1
     stream: bool = False

@@ -5,26 +5,30 @@ constrained decoding. The model is random, so only the grammar makes forced outp
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
 
 from engines import structured, tool_calls
+from engines.api.client import to_body
 from engines.api.errors import APIError
 from engines.api.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatMessage,
+    CompletionRequest,
     FunctionCall,
     FunctionDefinition,
     JSONSchemaFormat,
     NamedFunction,
     NamedToolChoice,
     ResponseFormat,
+    StructuredOutputs,
     Tool,
     ToolCall,
 )
-from engines.api.rules import check_request
+from engines.api.rules import check_request, decode_request
 from engines.sampling_params import GrammarSpec
 from engines.serving import OpenAIServing
 from engines.tokenizer import Tokenizer
@@ -546,3 +550,62 @@ def test_a_history_whose_tool_turns_do_not_pair_up_is_a_400_naming_the_message(
 def test_a_user_message_without_content_is_a_400() -> None:
     error = refusal(conversation(ChatMessage(role="user")))
     assert (error.param, error.code) == ("messages[0].content", "missing_required_parameter")
+
+
+# -- vLLM's structured_outputs ------------------------------------------------------------------------------
+
+CHOICES = ['say "hi"', "back\\slash", "é ü", "two\nlines"]  # quotes, backslashes, non-ASCII, a newline
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_vllms_structured_outputs_constrain_the_answer_to_a_choice_a_pattern_or_a_schema(
+        serving: OpenAIServing, seed: int) -> None:
+    """What vLLM clients send in `extra_body`: the random model's answer holds to each form whole."""
+    chosen = await serving.chat(ask(structured_outputs=StructuredOutputs(choice=CHOICES), seed=seed, max_tokens=40))
+    assert chosen.choices[0].message.content in CHOICES and chosen.choices[0].finish_reason == "stop"
+    regex = "[0-9]{3}-[a-z]{2,4}"
+    pattern = await serving.chat(ask(structured_outputs=StructuredOutputs(regex=regex), seed=seed, max_tokens=40))
+    assert re.fullmatch(regex, pattern.choices[0].message.content or "")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    for form in (schema, json.dumps(schema)):  # an object, or its text
+        answer = await serving.chat(ask(structured_outputs=StructuredOutputs(json=form), seed=seed, max_tokens=40))
+        jsonschema.validate(json.loads(answer.choices[0].message.content or ""), schema)
+    grammar = await serving.chat(ask(structured_outputs=StructuredOutputs(grammar='start: "yes" | "no"'), seed=seed))
+    assert grammar.choices[0].message.content in ("yes", "no")
+
+
+async def test_structured_outputs_hold_on_the_completions_endpoint_too(serving: OpenAIServing) -> None:
+    request = CompletionRequest(model=MODEL_NAME, prompt="Pick:", max_tokens=20, seed=1,
+                                structured_outputs=StructuredOutputs(choice=["red", "green"]))
+    assert (await serving.complete(request)).choices[0].text in ("red", "green")
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"structured_outputs": {"choice": ["a"], "regex": "b"}}, "structured_outputs"),  # two kinds
+    ({"structured_outputs": {}}, "structured_outputs"),  # none
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+    ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": ["a"], "guided": 1}}, "structured_outputs"),  # unknown to vLLM too
+    ({"structured_outputs": {"choice": ["a", 3]}}, "structured_outputs.choice[1]"),
+])
+def test_unusable_structured_outputs_are_400s_naming_the_field(
+        serving: OpenAIServing, fields: dict, param: str) -> None:
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], **fields}
+    with pytest.raises(APIError) as raised:
+        request = decode_request(json.dumps(body).encode(), ChatCompletionRequest)
+        check_request(request)
+        serving.prepare_chat(request)
+    assert (raised.value.status_code, raised.value.detail.param) == (400, param)
+
+
+def test_structured_outputs_reach_an_http_tier_as_sent() -> None:
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}],
+            "structured_outputs": {"choice": ["a", "b"], "disable_any_whitespace": True}}
+    request = decode_request(json.dumps(body).encode(), ChatCompletionRequest)
+    assert json.loads(to_body(request))["structured_outputs"] == body["structured_outputs"]
