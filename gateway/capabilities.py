@@ -1,4 +1,5 @@
-"""Which tiers can serve a request that uses tools or a response format (`engines.api.fields.capabilities`).
+"""Which tiers can serve a request that uses tools or a response format, vLLM's `structured_outputs` among them
+(`engines.api.fields.capabilities`).
 
 A tier's configuration says what it supports (`supports_tools`, `supports_response_format`); a request
 that needs what its routed tier lacks goes to the first allowed tier that has it, and fallback never
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from engines.api.errors import APIError
-from engines.api.fields import Capabilities
+from engines.api.fields import STRUCTURED, Capabilities
 from gateway.config import TierConfig
 
 
@@ -29,8 +30,12 @@ def capable_tier(primary: str, needs: Capabilities, allowed: list[str], tiers: M
     for tier in [primary, *(t for t in tiers if t != primary and t in allowed)]:
         if supports(configs.get(tier), needs):
             return tier
-    need, param = ("tools", "tools") if needs.uses_tools else (f"response_format {needs.response_format}",
-                                                                 "response_format")
+    if needs.uses_tools:
+        need, param = "tools", "tools"
+    elif needs.response_format == STRUCTURED:
+        need, param = "structured_outputs", "structured_outputs"
+    else:
+        need, param = f"response_format {needs.response_format}", "response_format"
     raise APIError(400, f"No tier this key may use supports {need} (tried {primary}"
                    f"{''.join(', ' + t for t in allowed if t != primary)}).", code="unsupported_capability",
                    param=param)

@@ -163,10 +163,13 @@ def canonical_request(request: ChatCompletionRequest | CompletionRequest) -> byt
 # ---------------------------------------------------------------------------------------------
 
 
+STRUCTURED = "structured"  # the response format a request with vLLM's `structured_outputs` needs and records
+
+
 @dataclass(frozen=True, slots=True)
 class Capabilities:
     uses_tools: bool
-    response_format: str | None  # json_object | json_schema; None for plain text
+    response_format: str | None  # json_object | json_schema | structured; None for plain text
 
     @property
     def plain_text(self) -> bool:
@@ -178,6 +181,8 @@ NO_NEEDS = Capabilities(uses_tools=False, response_format=None)
 
 
 def capabilities(request: ChatCompletionRequest | CompletionRequest) -> Capabilities:
+    if request.structured_outputs is not None:  # not beside tools or response_format (our engines refuse that)
+        return Capabilities(uses_tools=False, response_format=STRUCTURED)
     if not isinstance(request, ChatCompletionRequest):
         return NO_NEEDS
     uses_tools = bool(request.tools) and request.tool_choice != "none"

@@ -13,6 +13,7 @@ from engines.api.protocol import (
     FunctionDefinition,
     JSONSchemaFormat,
     ResponseFormat,
+    StructuredOutputs,
     Tool,
 )
 from tests.gateway.conftest import chat, make_settings, start
@@ -54,6 +55,20 @@ async def test_a_request_no_allowed_tier_can_serve_is_refused_naming_the_capabil
     assert tiers["large"].requests == []
     await gateway.drain()
     assert [(r.status, r.response_format) for r in records] == [(400, "json_schema")]
+
+
+async def test_vllms_structured_outputs_need_a_tier_that_constrains_output(make_gateway, tiers, records):
+    gateway = make_gateway(settings_where("small", supports_response_format=False))
+    choice = StructuredOutputs(choice=["yes", "no"])
+    reply = await gateway.chat(await start(gateway), chat(model="sluice-small", structured_outputs=choice))
+    assert reply.headers["x-sluice-tier"] == "large" and tiers["small"].requests == []
+    alone = make_gateway(settings_where("small", ("small",), supports_response_format=False))
+    with pytest.raises(APIError) as refused:
+        await alone.chat(await start(alone), chat(model="sluice-small", structured_outputs=choice))
+    assert (refused.value.code, refused.value.param) == ("unsupported_capability", "structured_outputs")
+    await gateway.drain()
+    await alone.drain()
+    assert [(r.tier, r.response_format) for r in records] == [("large", "structured"), (None, "structured")]
 
 
 async def test_fallback_never_lands_on_a_tier_without_the_capability(make_gateway, tiers):
