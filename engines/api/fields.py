@@ -171,11 +171,6 @@ class Capabilities:
     uses_tools: bool
     response_format: str | None  # json_object | json_schema | structured; None for plain text
 
-    @property
-    def plain_text(self) -> bool:
-        """A request whose answer is free text (the only kind a semantic cache may answer)."""
-        return not self.uses_tools and self.response_format is None
-
 
 NO_NEEDS = Capabilities(uses_tools=False, response_format=None)
 

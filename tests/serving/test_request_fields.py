@@ -104,9 +104,9 @@ def test_a_request_without_unknown_fields_carries_none() -> None:
 def test_capabilities_name_tools_and_the_response_format() -> None:
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     plain = fields.capabilities(_decode(BASE_CHAT, ChatCompletionRequest))
-    assert plain == fields.Capabilities(uses_tools=False, response_format=None) and plain.plain_text
+    assert plain == fields.Capabilities(uses_tools=False, response_format=None)
     tools = fields.capabilities(_decode({**BASE_CHAT, "tools": [tool]}, ChatCompletionRequest))
-    assert tools.uses_tools and not tools.plain_text
+    assert tools == fields.Capabilities(uses_tools=True, response_format=None)
     none = fields.capabilities(_decode({**BASE_CHAT, "tools": [tool], "tool_choice": "none"}, ChatCompletionRequest))
     assert not none.uses_tools
     schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
