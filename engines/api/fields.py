@@ -176,11 +176,12 @@ NO_NEEDS = Capabilities(uses_tools=False, response_format=None)
 
 
 def capabilities(request: ChatCompletionRequest | CompletionRequest) -> Capabilities:
-    if request.structured_outputs is not None:  # not beside tools or response_format (our engines refuse that)
-        return Capabilities(uses_tools=False, response_format=STRUCTURED)
+    # `structured_outputs` beside a response format names the stronger need (our engines refuse the pair; an HTTP
+    # tier answers for itself); tools are a need of their own either way.
+    structured = STRUCTURED if request.structured_outputs is not None else None
     if not isinstance(request, ChatCompletionRequest):
-        return NO_NEEDS
+        return Capabilities(uses_tools=False, response_format=structured)
     uses_tools = bool(request.tools) and request.tool_choice != "none"
     response_format = request.response_format
     kind = response_format.type if response_format is not None and response_format.type != "text" else None
-    return Capabilities(uses_tools=uses_tools, response_format=kind)
+    return Capabilities(uses_tools=uses_tools, response_format=structured or kind)

@@ -114,3 +114,9 @@ def test_capabilities_name_tools_and_the_response_format() -> None:
     assert structured.response_format == "json_schema"
     text = fields.capabilities(_decode({**BASE_CHAT, "response_format": {"type": "text"}}, ChatCompletionRequest))
     assert text.response_format is None
+    both = fields.capabilities(_decode({**BASE_CHAT, "tools": [tool], "structured_outputs": {"regex": "a"}},
+                                       ChatCompletionRequest))
+    assert both == fields.Capabilities(uses_tools=True, response_format=fields.STRUCTURED)  # neither need lost
+    completion = fields.capabilities(_decode({"model": "m", "prompt": "p", "structured_outputs": {"regex": "a"}},
+                                             CompletionRequest))
+    assert completion == fields.Capabilities(uses_tools=False, response_format=fields.STRUCTURED)
