@@ -9,11 +9,13 @@ configuration runs the same prompts at batch 1 (one after another) and batch 4 (
 interleaved group by group so that the machine's drift during the run weighs on each alike:
 
   plain            the target alone, one token per sequence per step;
-  speculative      the drafter proposes k tokens, the target verifies them in one forward, every round
-                   drafting the k the running acceptance rate suggests (at most
-                   `--num-speculative-tokens`; the shipped rule, under the JSON's `speculative_*` keys);
-  adaptive_drafts  the same with `speculative_adaptive_drafts`: each round drafts while one more draft
-                   pays, judged by the drafter's probability for its own tokens (`adaptive_drafts_*` keys).
+  speculative      as shipped: the drafter proposes tokens, the target verifies them in one forward; a round of
+                   one sequence drafts while one more draft pays, judged by the drafter's probability for its own
+                   tokens, a batch's round the k the running acceptance rate suggests (at most
+                   `--num-speculative-tokens`; under the JSON's `speculative_*` keys);
+  the other rule   whichever of the two rules the shipped one does not use at this batch size, for every round:
+                   `alpha_rule_*` keys at batch 1 (the k the acceptance rate suggests), `adaptive_drafts_*` above
+                   (drafting while one more draft pays).
 
 Reported per batch size: decode tokens/s (output tokens after each request's first, over the time
 after its first token; with the drafter that time includes its pass over the prompt, which it makes at
@@ -87,24 +89,32 @@ def run(engine: LLMEngine, prompts: list[list[int]], batch: int, output_tokens: 
     }
 
 
-CONFIGURATIONS = ("plain", "speculative", "adaptive_drafts")
+RULES = {"alpha_rule": False, "adaptive_drafts": True}  # the rules a configuration can force on every round
+
+
+def other_rule(speculator: Speculator, batch: int) -> str:
+    """The rule that the shipped one does not use for rounds of `batch` sequences."""
+    shipped = speculator.adaptive_drafts if speculator.adaptive_drafts is not None else batch == 1
+    return "alpha_rule" if shipped else "adaptive_drafts"
 
 
 def run_interleaved(engine: LLMEngine, speculator: Speculator, prompts: list[list[int]], batch: int,
                     output_tokens: int) -> tuple[dict[str, dict[str, Any]], dict[str, SpeculativeStats]]:
-    """Each group of `batch` prompts under every configuration in turn, the order rotating from group to group,
-    so that a drift of this machine's speed during the run weighs on all three alike instead of on whichever ran
-    last."""
-    stats = {"speculative": SpeculativeStats(), "adaptive_drafts": SpeculativeStats()}
-    parts: dict[str, list[dict[str, Any]]] = {name: [] for name in CONFIGURATIONS}
+    """Each group of `batch` prompts under every configuration in turn (plain, speculative as shipped, the other
+    rule), the order rotating from group to group, so that a drift of this machine's speed during the run weighs on
+    all three alike instead of on whichever ran last."""
+    shipped, other = speculator.adaptive_drafts, other_rule(speculator, batch)
+    configurations = ("plain", "speculative", other)
+    stats = {"speculative": SpeculativeStats(), other: SpeculativeStats()}
+    parts: dict[str, list[dict[str, Any]]] = {name: [] for name in configurations}
     for index, first in enumerate(range(0, len(prompts), batch)):
-        shift = index % len(CONFIGURATIONS)
-        for name in CONFIGURATIONS[shift:] + CONFIGURATIONS[:shift]:
+        shift = index % len(configurations)
+        for name in configurations[shift:] + configurations[:shift]:
             engine.speculator = None if name == "plain" else speculator
             if name != "plain":
-                speculator.adaptive_drafts, speculator.stats = name == "adaptive_drafts", stats[name]
+                speculator.adaptive_drafts, speculator.stats = RULES.get(name, shipped), stats[name]
             parts[name].append(run(engine, prompts[first:first + batch], batch, output_tokens))
-    engine.speculator = speculator
+    engine.speculator, speculator.adaptive_drafts = speculator, shipped
     merged = {}
     for name, runs in parts.items():
         decode_seconds = sum(part["decode_seconds"] for part in runs)
@@ -165,12 +175,12 @@ def main() -> None:
         figures = {"plain_decode_tokens_per_s": plain["decode_tokens_per_s"],
                    "plain_end_to_end_tokens_per_s": plain["end_to_end_tokens_per_s"],
                    "plain_ms_per_step": 1000 * batch / plain["decode_tokens_per_s"]}
-        # The shipped rule under the historic keys (speculative_*, acceptance_rate, ...), the option beside it.
+        # The shipped rule under the historic keys (speculative_*, acceptance_rate, ...), the other one beside it.
+        other = other_rule(speculator, batch)
         figures |= configuration_figures(measured["speculative"], stats["speculative"], plain, batch, "")
-        figures |= configuration_figures(measured["adaptive_drafts"], stats["adaptive_drafts"], plain, batch,
-                                         "adaptive_drafts_")
-        # Does the drafter's probability for its own token predict acceptance (what adaptive drafts rely on)?
-        adaptive = stats["adaptive_drafts"]
+        figures |= configuration_figures(measured[other], stats[other], plain, batch, f"{other}_")
+        # Does the drafter's probability for its own token predict acceptance (what adaptive rounds rely on)?
+        adaptive = stats["speculative" if other == "alpha_rule" else other]
         figures["adaptive_drafts_acceptance_by_drafter_probability"] = [
             {"drafter_probability_from": edge, "judged": judged, "accepted": accepted,
              "acceptance_rate": accepted / judged if judged else None}
@@ -184,13 +194,13 @@ def main() -> None:
                      f"{figures['speculative_over_plain_decode']:.2f}x",
                      f"{figures['median_paired_speculative_over_plain_decode']:.2f}x",
                      f"{figures['acceptance_rate']:.0%}", figures["mean_drafts_per_round"],
-                     figures["tokens_per_target_forward"], figures["greedy_outputs_identical"],
-                     f"{figures['adaptive_drafts_speculative_over_plain_decode']:.2f}x",
-                     f"{figures['adaptive_drafts_median_paired_speculative_over_plain_decode']:.2f}x"])
+                     figures["tokens_per_target_forward"], figures["greedy_outputs_identical"], other,
+                     f"{figures[f'{other}_speculative_over_plain_decode']:.2f}x",
+                     f"{figures[f'{other}_median_paired_speculative_over_plain_decode']:.2f}x"])
     print_table(f"Speculative decoding: {args.target} with drafter {args.drafter}, GSM8K prompts, greedy, "
                 f"{args.output_tokens} tokens",
                 ["batch", "plain tok/s", "speculative tok/s", "ratio", "median paired ratio", "acceptance",
-                 "drafts/round", "tokens/target fwd", "identical", "adaptive drafts: ratio", "median paired"], rows)
+                 "drafts/round", "tokens/target fwd", "identical", "other rule", "its ratio", "median paired"], rows)
     write_results("speculative", {
         "cpu": _cpu_model(), "load_average_at_end": os.getloadavg(), "torch_threads": torch.get_num_threads(),
         "target": args.target, "drafter": args.drafter, "precision": engine.precision(),

@@ -69,10 +69,10 @@ class EngineConfig:
     speculative_model: str | None = None
     num_speculative_tokens: int = 6
     # True: a round stops drafting where another draft no longer pays, judged by the drafter's probability for
-    # its own tokens (engines.speculative.worth_another_draft). Off by default: on GSM8K with the demo pair it
-    # measured within noise of the default, every round drafting the k the running acceptance rate suggests
-    # (BENCHMARKS.md, 2026-12-04 late).
-    speculative_adaptive_drafts: bool = False
+    # its own tokens (engines.speculative.worth_another_draft); False: every round drafts the k the running
+    # acceptance rate suggests. None: rounds of one sequence adapt, a batch's follow the acceptance rate — adaptive
+    # rounds led at batch 1 on every CPU measured since 2026-12-05 and lost at batch 4 on several (BENCHMARKS.md).
+    speculative_adaptive_drafts: bool | None = None
     # The drafter scores only the first this many token ids (byte-level BPE numbers tokens in merge order, so
     # these are the common ones: 99 % of GSM8K's tokens for the demo models' 151,936): a smaller head to
     # stream per draft. Verification keeps the output exact whatever the drafter proposes. None: all.

@@ -29,12 +29,14 @@ are bound by arithmetic beyond a row or take more than one pass over the weights
 `best_num_drafts`). When no k beats plain decoding by a margin that grows with the batch
 (`MIN_MODELLED_GAIN_PER_SEQUENCE`) — a batch too large, drafts rejected too often — the round is declined: a plain
 step. While rounds are declined the drafter computes nothing, and α drifts back towards its optimistic
-prior, so rounds are tried again. A round that runs drafts the best k for α. With `speculative_adaptive_drafts` it
-drafts instead while one more draft pays (`worth_another_draft`), up to num_speculative_tokens: the drafter's
-probability for its own token predicts the target's acceptance (`SpeculativeStats.accepted_by_confidence`;
-`bench.speculative` reports it), so rounds run long through confident stretches and stop at a guess. That emits
-more tokens per target forward for a few more drafts, which on the Zen 3 measured within noise of the α rule (ahead
-on a Zen 2: BENCHMARKS.md), hence off by default. r is the ratio of the models' weight bytes (a decode forward
+prior, so rounds are tried again. A round that runs drafts the best k for α, or, adaptive, while one more draft
+pays (`worth_another_draft`), up to num_speculative_tokens: the drafter's probability for its own token predicts
+the target's acceptance (`SpeculativeStats.accepted_by_confidence`; `bench.speculative` reports it), so rounds run
+long through confident stretches and stop at a guess. A lone sequence's rounds adapt: that emits more tokens per
+target forward for a few more drafts, and led the α rule at batch 1 on every CPU measured since 2026-12-05. A
+batch's rounds follow α: every sequence drafts the same k, which adaptive rounds set by the batch's pooled
+confidence, and at batch 4 they lost on several CPUs (BENCHMARKS.md). `speculative_adaptive_drafts` forces either
+rule. r is the ratio of the models' weight bytes (a decode forward
 streams its weights), not a timing, so that k, and with it a seeded sampled request's draws, depends only on tokens
 and the configuration. It does depend on the other requests in the engine (α and the batch are shared): with
 speculation on, a seed reproduces a request's samples for the same sequence of requests, no longer whatever the
@@ -196,13 +198,13 @@ class Speculator:
     """The drafter of one engine: its model runner (own KV cache, the target's block tables) and k's adaptation."""
 
     def __init__(self, runner: ModelRunner, max_drafts: int, cost_ratio: float, forward_cost: ForwardCost = FREE_ROWS,
-                 adaptive_drafts: bool = False) -> None:
+                 adaptive_drafts: bool | None = None) -> None:
         if max_drafts < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
         self.runner = runner
         self.max_drafts = max_drafts
         # True: a round drafts up to max_drafts while another draft pays (`worth_another_draft`); False: each
-        # round drafts the k that `best_num_drafts` expects from α alone.
+        # round drafts the k that `best_num_drafts` expects from α alone; None: True for a round of one sequence.
         self.adaptive_drafts = adaptive_drafts
         self.cost_ratio = cost_ratio  # drafter forward / target forward, in weight bytes streamed
         self.forward_cost = forward_cost  # the target's, see best_num_drafts
@@ -233,6 +235,10 @@ class Speculator:
         for seq in seqs:
             block_manager.mark_drafted_blocks(seq)
 
+    def adapts(self, seqs: list[Sequence]) -> bool:
+        """Whether a round of `seqs` drafts while another draft pays, rather than the k that α suggests."""
+        return self.adaptive_drafts if self.adaptive_drafts is not None else len(seqs) == 1
+
     def num_drafts(self, seqs: list[Sequence], max_model_len: int) -> int:
         """This round's most drafts, capped so that no sequence runs past its length limits (0: no round): the
         adapted k, or with adaptive drafts `max_drafts` (the round itself stops where drafts stop paying)."""
@@ -240,7 +246,7 @@ class Speculator:
         if k == 0:
             self._alpha += _DECLINED_WEIGHT * (_ALPHA_PRIOR - self._alpha)
             return 0
-        if self.adaptive_drafts:
+        if self.adapts(seqs):
             k = self.max_drafts
         for seq in seqs:
             # The round computes positions up to num_tokens - 1 + k and emits up to k + 1 tokens.
@@ -279,26 +285,27 @@ class Speculator:
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         survival, expected_tokens = [1.0] * len(seqs), float(len(seqs))
         confidence: list[list[float]] = [[] for _ in seqs]
+        adaptive = self.adapts(seqs)
         # The drafter is one or two tokens behind (a fully accepted round's last draft was never fed back): decode
         # rows; at a sequence's first round or after declined ones, the prompt or tokens decoded meanwhile: a chunk.
         behind = [seq.token_ids[seq.num_draft_computed_tokens:] for seq in seqs]
         spans = [TokenSpan(tokens, seq.num_draft_computed_tokens, seq.block_table, as_decode_rows=len(tokens) <= 2)
                  for seq, tokens in zip(seqs, behind, strict=True)]
         for j in range(k):
-            if j and self.adaptive_drafts and not worth_another_draft(
+            if j and adaptive and not worth_another_draft(
                     survival, expected_tokens, j, self._alpha, self.cost_ratio, self.forward_cost):
                 break
             logits = _for_sampling(self.runner.forward(spans), seqs)
             for i, seq in enumerate(seqs):
                 if seq.params.greedy:
-                    row = torch.softmax(logits[i].float(), dim=-1) if self.adaptive_drafts else logits[i]
+                    row = torch.softmax(logits[i].float(), dim=-1) if adaptive else logits[i]
                     token_id = int(argmax_ids(row))
                 else:
                     row = filtered_probs(logits[i:i + 1], [seq.params])[0]
                     token_id = int(torch.multinomial(row, 1, generator=seq.generator))
                     probs[i].append(row)
                 drafts[i].append(token_id)
-                if self.adaptive_drafts:
+                if adaptive:
                     confidence[i].append(float(row[token_id]))
                     survival[i] *= confidence[i][-1]
             expected_tokens += sum(survival)

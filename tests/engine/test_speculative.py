@@ -95,6 +95,20 @@ def test_adaptive_rounds_run_long_behind_a_sure_drafter_and_stop_at_its_first_gu
     assert drafts_per_round["guessing"] == 1
 
 
+def test_by_default_a_lone_sequence_adapts_its_rounds_and_a_batch_follows_the_acceptance_rate(
+        tiny_qwen2: TinyModel) -> None:
+    # A guessing drafter whose guesses are all kept: adaptive rounds stop at its first guess, the acceptance
+    # rate's rule (α near 1) drafts the most it may.
+    drafts_per_round = {}
+    for batch in (1, 3):
+        engine = speculative_engine(tiny_qwen2, sharpened(tiny_qwen2, 1e-3), speculative_adaptive_drafts=None)
+        generate_all(engine, PROMPTS[:batch], GREEDY)
+        stats = engine.speculator.stats  # type: ignore[union-attr]
+        drafts_per_round[batch] = stats.num_draft_tokens / (stats.num_rounds * batch)
+    assert drafts_per_round[1] == 1
+    assert drafts_per_round[3] > 2
+
+
 def test_one_more_draft_pays_while_the_drafts_are_likely_kept_and_verification_rows_are_cheap() -> None:
     sure, unsure = [0.99], [0.3]
     assert worth_another_draft(sure, expected_tokens=1 + 0.99, num_drafts=1, alpha=0.87, cost_ratio=0.3,
