@@ -3,11 +3,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engines.api.rules import decodes_greedily
-
-MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty: [-2, 2]
-MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
-MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI accepts at most 300 biased tokens
+from engines.api.rules import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_PENALTY,
+    MAX_TOP_LOGPROBS_CHAT,
+    decodes_greedily,
+)
 
 
 @dataclass(frozen=True)
@@ -56,12 +58,14 @@ class SamplingParams:
         assert self.repetition_penalty > 0, "repetition_penalty must be > 0"
         assert self.max_tokens >= 1, "max_tokens must be >= 1"
         assert 0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"
-        assert 0 <= self.top_logprobs <= 20, "top_logprobs must be between 0 and 20"
+        assert 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS_CHAT, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS_CHAT}]"
         for name in ("presence_penalty", "frequency_penalty"):
-            assert -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY, f"{name} must be in [-2, 2]"
-        assert len(self.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES, "logit_bias takes at most 300 tokens"
+            assert -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY, \
+                f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}]"
+        assert len(self.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES, \
+            f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} tokens"
         assert all(-MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for b in self.logit_bias.values()), \
-            "logit_bias values must be in [-100, 100]"
+            f"logit_bias values must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]"
 
     @property
     def greedy(self) -> bool:
