@@ -25,6 +25,14 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 # Ends a document in raw completion mode; instruct models trained from a base model still emit it.
 END_OF_TEXT_TOKEN = "<|endoftext|>"
+# Fill-in-the-middle tokens (prefix, suffix, middle) as code models spell them. Each family trained the same layout:
+# prefix token, the text before the gap, suffix token, the text after it, middle token; the model writes the gap.
+FIM_TOKENS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, StarCoder2
+    ("<fim-prefix>", "<fim-suffix>", "<fim-middle>"),  # SantaCoder
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),  # DeepSeek-Coder
+)
 # Texts longer than this are encoded through `encode_batch`, which lets go of the GIL while it works; `encode`
 # holds it throughout. The gateway counts a long prompt on a worker thread, and with `encode` that thread still
 # stopped the event loop, every other request with it, for as long as the count took (seconds for a few MB).
@@ -56,6 +64,7 @@ class Tokenizer:
             token_id for token_id, added in backend.get_added_tokens_decoder().items() if added.special
         )
         self.eos_token_ids: list[int] = _eos_token_ids(backend, chat_template, eos_token_id, extra_eos_token_ids)
+        self.fim_token_ids: tuple[int, int, int] | None = _fim_token_ids(backend)
         self._byte_level = "ByteLevel" in repr(backend.decoder)
         self._compiled_template: jinja2.Template | None = None
         self._control_text: re.Pattern[str] | None = None  # built on first use
@@ -248,6 +257,15 @@ def _eos_token_ids(
     candidates.append(backend.token_to_id(END_OF_TEXT_TOKEN))
     candidates.extend(extra)
     return list(dict.fromkeys(token_id for token_id in candidates if token_id is not None))
+
+
+def _fim_token_ids(backend: tokenizers.Tokenizer) -> tuple[int, int, int] | None:
+    """The vocabulary's fill-in-the-middle tokens (prefix, suffix, middle), or None if it has no complete set."""
+    for spellings in FIM_TOKENS:
+        prefix, suffix, middle = (backend.token_to_id(token) for token in spellings)
+        if prefix is not None and suffix is not None and middle is not None:
+            return prefix, suffix, middle
+    return None
 
 
 def _raise_exception(message: str) -> NoReturn:

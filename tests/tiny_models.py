@@ -28,7 +28,8 @@ MAX_POSITIONS = 512
 TARGET_VOCAB_SIZE = 512
 SEED = 0
 
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Qwen2.5-Coder's ChatML and fill-in-the-middle tokens.
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>")
 # The usual ChatML template (as shipped by Qwen2 / SmolLM2 instruct models), minus the default system prompt.
 CHATML_TEMPLATE = (
     "{% for message in messages %}"

@@ -62,8 +62,8 @@ CHAT: dict[str, Fate] = {
 
 COMPLETIONS: dict[str, Fate] = {
     **_COMMON,
-    "prompt": HONOURED, "echo": HONOURED,
-    "best_of": FORWARDED, "suffix": FORWARDED,
+    "prompt": HONOURED, "echo": HONOURED, "suffix": HONOURED,
+    "best_of": FORWARDED,
 }
 
 # Values that ask for nothing: accepted wherever the field's fate would refuse it.
@@ -74,7 +74,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "reasoning_effort": ("none",),  # what a model without reasoning does
     "verbosity": ("medium",),  # OpenAI's default
     "best_of": (1,),
-    "suffix": ("",),
 }
 
 _REFUSAL_HINTS = {

@@ -18,6 +18,7 @@ class PromptTokenizer(Protocol):
     """What the contract needs from a tier's tokenizer (`engines.tokenizer.Tokenizer` is one)."""
 
     vocab_size: int
+    fim_token_ids: tuple[int, int, int] | None  # (prefix, suffix, middle): the model fills in the middle
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -78,8 +79,21 @@ def chat_prompt_token_ids(tokenizer: PromptTokenizer, request: ChatCompletionReq
 
 
 def completion_prompts(tokenizer: PromptTokenizer, request: CompletionRequest) -> list[list[int]]:
-    """One token-id list per prompt: a string, strings, token ids, or lists of token ids."""
-    prompt = request.prompt
+    """One token-id list per prompt (a string, strings, token ids, or lists of token ids); with a `suffix`, each
+    prompt is the text before a gap and the suffix the text after it, in the model's fill-in-the-middle layout
+    (prefix token, prompt, suffix token, suffix, middle token), and the completion is what fills the gap."""
+    prompts = _prompt_token_ids(tokenizer, request.prompt)
+    if not request.suffix:
+        return prompts
+    if tokenizer.fim_token_ids is None:
+        raise invalid("`suffix` asks the model to fill in the middle, and this tier's model has no fill-in-the-middle "
+                      "tokens (code models such as Qwen2.5-Coder have them)", "suffix", "unsupported_parameter")
+    prefix, suffix, middle = tokenizer.fim_token_ids
+    after = [suffix, *tokenizer.encode(request.suffix), middle]
+    return [[prefix, *ids, *after] for ids in prompts]
+
+
+def _prompt_token_ids(tokenizer: PromptTokenizer, prompt: str | list[str | int | list[int]]) -> list[list[int]]:
     if isinstance(prompt, str):
         return [tokenizer.encode(prompt)]
     if all(isinstance(p, int) for p in prompt):
@@ -88,7 +102,11 @@ def completion_prompts(tokenizer: PromptTokenizer, request: CompletionRequest) -
 
 
 def count_prompt_tokens(tokenizer: PromptTokenizer, request: ChatCompletionRequest | CompletionRequest) -> int:
-    """Prompt tokens as the tier counts them (chat template applied), over all prompts of a batch."""
+    """Prompt tokens as the tier counts them (chat template applied; a suffix in the fill-in-the-middle layout, or
+    beside the prompts where the tokenizer has none: an HTTP tier fills in for itself), over all prompts of a batch."""
     if isinstance(request, ChatCompletionRequest):
         return len(chat_prompt_token_ids(tokenizer, request))
+    if request.suffix and tokenizer.fim_token_ids is None:
+        prompts = _prompt_token_ids(tokenizer, request.prompt)
+        return sum(len(ids) for ids in prompts) + len(prompts) * len(tokenizer.encode(request.suffix))
     return sum(len(ids) for ids in completion_prompts(tokenizer, request))

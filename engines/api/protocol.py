@@ -196,9 +196,10 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # The text after the completion: fill in the middle (`engines.api.prompts.completion_prompts`).
+    suffix: str | None = None
     # Forwarded untouched to HTTP tiers; refused by our engines unless neutral (see engines.api.fields).
     best_of: Any = None
-    suffix: Any = None
     extra_fields: dict[str, Any] | None = None  # as in ChatCompletionRequest
 
     def output_limit(self) -> int | None:

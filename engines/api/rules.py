@@ -243,6 +243,8 @@ def check_chat_fields(request: ChatCompletionRequest) -> None:
 
 
 def check_completion_fields(request: CompletionRequest) -> None:
+    if request.suffix and request.echo:  # which text would the answer echo: the prompt, or prompt, gap and suffix?
+        raise invalid("`echo` together with `suffix` is not supported", "suffix", "unsupported_parameter")
     if request.logprobs is not None:
         check_range(request.logprobs, 0, MAX_LOGPROBS_COMPLETION, "logprobs")
         if request.echo:

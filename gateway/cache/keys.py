@@ -76,7 +76,8 @@ def cache_key(
         request = msgspec.structs.replace(request, messages=[*request.messages[:-1], without_query])
     elif isinstance(request.prompt, str):
         query = request.prompt
-        semantic = bool(query.strip())
+        # A gap's filling depends on every character around it: a suffix keeps the key exact.
+        semantic = bool(query.strip()) and not request.suffix
         request = msgspec.structs.replace(request, prompt=_QUERY_PLACEHOLDER)
     else:
         return None

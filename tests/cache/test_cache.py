@@ -15,6 +15,7 @@ from engines.api.protocol import (
     ChatCompletion,
     ChatCompletionRequest,
     ChatMessage,
+    CompletionRequest,
     JSONSchemaFormat,
     ResponseFormat,
     Usage,
@@ -106,6 +107,21 @@ async def test_nothing_is_ever_served_across_scopes(store, make_cache, change, w
         else:
             request = ask(question, **fields)
         assert (await get(cache, request, **who)).status == "miss"
+
+
+async def test_a_gap_to_fill_is_served_only_to_the_same_prompt_and_suffix(store, make_cache):
+    """Fill in the middle: the gap's text depends on every character around it, so no semantic match."""
+    def fill(prompt: str, suffix: str | None) -> CompletionRequest:
+        return CompletionRequest(model="sluice", prompt=prompt, suffix=suffix, temperature=0)
+
+    cache, completions = make_cache(store), {"endpoint": "completions"}
+    question, paraphrase = "How do I learn Python quickly?", "What is the fastest way to learn Python?"
+    await put(cache, fill(question, None), "Practice daily.", **completions)
+    assert (await get(cache, fill(paraphrase, None), **completions)).status == "semantic"  # without a suffix
+    await put(cache, fill(question, "\nThat is all."), "Practice daily.", **completions)
+    assert (await get(cache, fill(question, "\nThat is all."), **completions)).status == "exact"
+    assert (await get(cache, fill(question, "\nThat is it."), **completions)).status == "miss"
+    assert (await get(cache, fill(paraphrase, "\nThat is all."), **completions)).status == "miss"
 
 
 async def test_a_schema_with_its_properties_in_another_order_asks_for_another_answer(store, make_cache):

@@ -136,6 +136,17 @@ def test_sentencepiece_token_bytes() -> None:
     assert sentencepiece.token_bytes(2) == b" hi"
 
 
+def test_fill_in_the_middle_tokens_are_found_by_their_spelling(tiny: Tokenizer) -> None:
+    ids = tuple(tiny.backend.token_to_id(t) for t in ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"))
+    assert tiny.fim_token_ids == ids  # Qwen2.5-Coder's, (prefix, suffix, middle)
+    vocab = {"<unk>": 0, "<fim_prefix>": 1, "<fim_middle>": 2, "<fim_suffix>": 3, "<fim-prefix>": 4}
+    starcoder = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    assert Tokenizer(starcoder, None, bos_token_id=None, eos_token_id=None).fim_token_ids == (1, 3, 2)
+    incomplete = {"<unk>": 0, "<fim_prefix>": 1, "<fim_suffix>": 2, "<fim-middle>": 3}
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=incomplete, merges=[], unk_token="<unk>"))
+    assert Tokenizer(backend, None, bos_token_id=None, eos_token_id=None).fim_token_ids is None
+
+
 # -- demo GGUF models ------------------------------------------------------------------------------
 
 
@@ -164,6 +175,9 @@ def test_gguf_tokenizer_matches_transformers(filename: str) -> None:
     assert ours.apply_chat_template(MESSAGES) == reference.encode(text, add_special_tokens=False)
     assert ours.backend.token_to_id("<|im_end|>") in ours.eos_token_ids
     assert ours.eos_token_ids[0] == reference.eos_token_id
+    if filename.startswith("qwen"):  # a code model: it fills in the middle
+        assert ours.fim_token_ids == tuple(reference.convert_tokens_to_ids(["<|fim_prefix|>", "<|fim_suffix|>",
+                                                                            "<|fim_middle|>"]))
 
 
 def test_a_long_text_encodes_as_the_backend_does_without_holding_the_caller(tiny: Tokenizer) -> None:

@@ -7,8 +7,10 @@ import asyncio
 from dataclasses import replace
 
 import pytest
+import tokenizers
 
 from engines.api.errors import APIError
+from engines.api.prompts import completion_prompts, count_prompt_tokens
 from engines.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -19,6 +21,7 @@ from engines.api.protocol import (
 from engines.api.rules import check_request, decode_request
 from engines.llm_engine import LLMEngine
 from engines.serving import OpenAIServing, backend_fingerprint, is_usage_chunk
+from engines.tokenizer import Tokenizer
 from tests.serving.conftest import (
     BLOCK_SIZE,
     MAX_MODEL_LEN,
@@ -89,6 +92,31 @@ def test_completion_prompt_forms_and_integer_logprobs(serving: OpenAIServing) ->
     assert (call.params.logprobs, call.params.top_logprobs, call.params.max_tokens) == (True, 3, 16)
 
 
+def test_a_suffix_asks_for_the_gap_in_the_models_fill_in_the_middle_layout(serving: OpenAIServing) -> None:
+    prefix, suffix, middle = serving.tokenizer.fim_token_ids
+    before, after = serving.tokenizer.encode("def add(a, b):"), serving.tokenizer.encode("\n    return total")
+    calls = serving.prepare_completion(completion(["def add(a, b):", before], suffix="\n    return total"))
+    assert [c.prompt_token_ids for c in calls] == [[prefix, *before, suffix, *after, middle]] * 2
+    request = completion("def add(a, b):", suffix="\n    return total")
+    assert serving.count_prompt_tokens(request) == len(before) + len(after) + 3  # what the engine bills
+    # An empty suffix asks for nothing: a plain completion.
+    assert serving.prepare_completion(completion("def add(a, b):", suffix=""))[0].prompt_token_ids == before
+
+
+def test_a_model_without_fill_in_the_middle_tokens_refuses_a_suffix_and_still_counts_it() -> None:
+    vocab = {"<unk>": 0, "def": 1, "add": 2, "return": 3}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    plain = Tokenizer(backend, None, bos_token_id=None, eos_token_id=None)
+    request = completion(["def add", "def"], suffix="return")
+    with pytest.raises(APIError) as raised:
+        completion_prompts(plain, request)
+    assert (raised.value.status_code, raised.value.detail.param) == (400, "suffix")
+    assert raised.value.detail.code == "unsupported_parameter"
+    # An HTTP tier with this tokenizer fills in for itself: the gateway counts the prompts and the suffix.
+    assert count_prompt_tokens(plain, request) == 2 + 1 + 2 * 1
+
+
 # -- errors --------------------------------------------------------------------------------------
 
 
@@ -130,6 +158,7 @@ def test_completion_prompt_forms_and_integer_logprobs(serving: OpenAIServing) ->
             "messages[0].content[0].type",
         ),
         (completion("Hi", logprobs=6), "logprobs"),
+        (completion("Hi", suffix="!", echo=True), "suffix"),
         (completion([1, 2, 10**6]), "prompt"),
         (completion(""), "prompt"),
     ],
@@ -230,7 +259,9 @@ async def test_a_repetition_penalty_keeps_a_greedy_answer_off_the_tokens_it_has_
 
     plain, penalised = await tokens(), await tokens(repetition_penalty=10.0)
     assert len(set(plain)) < len(plain) or set(plain) & seen  # what the penalty is there to prevent
-    assert len(set(penalised)) == len(penalised) and not set(penalised) & seen
+    # Tokens are told apart by their text here, and byte pieces of characters all read "\ufffd": those aside.
+    whole = [token for token in penalised if token != "\ufffd"]
+    assert len(set(whole)) == len(whole) and not set(penalised) & seen
 
 
 async def test_vllms_min_tokens_holds_the_answer_open_past_eos_and_stop_tokens(serving: OpenAIServing) -> None:
