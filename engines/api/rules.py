@@ -23,7 +23,9 @@ from engines.api.protocol import ChatCompletionRequest, ChatMessage, CompletionR
 RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest)
 
 MAX_N = 16
-MAX_STOP_STRINGS = 4
+# OpenAI takes 4 stop sequences, vLLM any number; code editors' fill-in-the-middle templates send 9 or more (one per
+# special token of the model's, e.g. Continue's for Qwen2.5-Coder). Bounded: each is matched at every token.
+MAX_STOP_STRINGS = 64
 MAX_STOP_TOKEN_IDS = 256
 MAX_REPETITION_PENALTY = 10.0  # vLLM sets no bound; past a few it only garbles the answer
 MAX_TOP_LOGPROBS_CHAT = 20

@@ -99,6 +99,11 @@ def test_a_suffix_asks_for_the_gap_in_the_models_fill_in_the_middle_layout(servi
     assert [c.prompt_token_ids for c in calls] == [[prefix, *before, suffix, *after, middle]] * 2
     request = completion("def add(a, b):", suffix="\n    return total")
     assert serving.count_prompt_tokens(request) == len(before) + len(after) + 3  # what the engine bills
+    # The stop sequences an editor's fill-in-the-middle template sends (Continue's for Qwen2.5-Coder): more than 4.
+    editor_stops = ["<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+                    "<|repo_name|>", "<|file_sep|>", "<|im_start|>", "<|im_end|>"]
+    check_request(request := completion("def add(a, b):", suffix="\n    return total", stop=editor_stops))
+    assert serving.prepare_completion(request)[0].params.stop == editor_stops
     # An empty suffix asks for nothing: a plain completion.
     assert serving.prepare_completion(completion("def add(a, b):", suffix=""))[0].prompt_token_ids == before
 
@@ -136,7 +141,7 @@ def test_a_model_without_fill_in_the_middle_tokens_refuses_a_suffix_and_still_co
         (chat("Hi", n=0), "n"),
         (chat("Hi", max_tokens=0), "max_tokens"),
         (chat("Hi", max_completion_tokens=-1), "max_completion_tokens"),
-        (chat("Hi", stop=["a", "b", "c", "d", "e"]), "stop"),
+        (chat("Hi", stop=[str(i) for i in range(65)]), "stop"),
         (chat("Hi", top_logprobs=2), "top_logprobs"),
         (chat("Hi", logprobs=True, top_logprobs=21), "top_logprobs"),
         (chat("Hi", presence_penalty=2.5), "presence_penalty"),
