@@ -73,9 +73,9 @@ class BlockManager:
         """Ids of the cached blocks holding the longest cached prefix of `seq`.
 
         At most `num_tokens - 1` tokens come from the cache: the last token is always computed so
-        that the step produces logits for it.
+        that the step produces logits for it; a request scoring its prompt takes none (every position's logits).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         size = self.block_size
         hashes = self.block_hashes(seq)

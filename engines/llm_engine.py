@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import functools
 import logging
 import os
@@ -28,7 +29,7 @@ from engines.config import EngineConfig, ModelConfig
 from engines.cpu import has_native_bf16, keep_freed_memory, release_free_memory
 from engines.detokenizer import IncrementalDetokenizer
 from engines.loader import Checkpoint, load_checkpoint
-from engines.model_runner import ModelRunner, kv_block_bytes
+from engines.model_runner import ModelRunner, ScoredChunk, kv_block_bytes
 from engines.models import model_class
 from engines.outputs import EngineOverloaded, EngineStepFailed, RequestOutput, TokenLogprob
 from engines.quantization import (
@@ -38,7 +39,7 @@ from engines.quantization import (
     quantize_model,
     resolve_quantization,
 )
-from engines.sampler import greedy_only, sample
+from engines.sampler import greedy_only, sample, token_logprobs
 from engines.sampling_params import SamplingParams
 from engines.scheduler import ScheduledBatch, Scheduler
 from engines.sequence import Sequence
@@ -362,17 +363,20 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        if self.speculator is not None:
+        if self.speculator is not None and not batch.scores_prompt:
             outputs = self._speculative_step(batch, self.speculator)
             if outputs is not None:
                 return outputs
         should_yield = self.interactive_waiting if batch.yields_to_interactive else None
-        greedy = greedy_only([s.params for s in batch.sampled], [s.grammar for s in batch.sampled])
+        greedy = greedy_only([s.params for s in batch.sampled], [s.grammar for s in batch.sampled]) \
+            and not batch.scores_prompt
         try:
-            result, seqs = self.runner.execute(batch, should_yield, greedy)
+            result, seqs, scored = self.runner.execute(batch, should_yield, greedy)
         except StepYielded:
             self._num_yielded_steps_total += 1
             return []
+        for chunk in scored:
+            score_prompt(chunk)
         if greedy:  # the argmax ids `sample` would choose, from the LM head's own pass
             token_ids, logprobs = result.tolist(), [None] * len(seqs)
         else:
@@ -454,6 +458,24 @@ class LLMEngine:
         )
 
 
+SCORED_ROWS_AT_ONCE = 64  # a 512-row chunk's log-softmax over a 152k vocabulary at once would be another 311 MB
+
+
+def score_prompt(chunk: ScoredChunk) -> None:
+    """Append to `seq.prompt_logprobs` the prompt tokens this chunk's rows predict (position p's row, token p + 1),
+    from the first not yet scored on (a preempted sequence computes its chunks again)."""
+    seq = chunk.seq
+    if not seq.prompt_logprobs:
+        seq.prompt_logprobs.append(None)  # the first token: nothing comes before it
+    first, end = len(seq.prompt_logprobs) - 1, min(chunk.start + len(chunk.logits), seq.num_prompt_tokens - 1)
+    assert first >= chunk.start, f"{seq.request_id}: positions {chunk.start}..{first} of its prompt were never scored"
+    params = dataclasses.replace(seq.params, logprobs=True, top_logprobs=seq.params.prompt_logprobs or 0)
+    for begin in range(first, end, SCORED_ROWS_AT_ONCE):
+        stop = min(begin + SCORED_ROWS_AT_ONCE, end)
+        rows = chunk.logits[begin - chunk.start:stop - chunk.start]
+        seq.prompt_logprobs += token_logprobs(rows, seq.token_ids[begin + 1:stop + 1], [params] * len(rows))
+
+
 def _speculable(seq: Sequence) -> bool:
     """Whether a round's acceptance test is exact for `seq`: it judges drafts by the target's raw
     (filtered) distribution, and a grammar mask, penalties, a logit bias or `min_tokens` not yet reached would
@@ -474,6 +496,9 @@ def _delta(seq: Sequence, token_ids: list[int], text: str, logprobs: list[TokenL
         num_prompt_tokens=seq.num_prompt_tokens,
         num_cached_tokens=seq.num_cached_tokens,
         num_output_tokens=seq.num_output_tokens,
+        # The first delta carries the prompt's logprobs, when asked for (a one-token prompt's: [None]).
+        prompt_logprobs=(seq.prompt_logprobs or [None])
+        if seq.params.prompt_logprobs is not None and seq.num_output_tokens == len(token_ids) else None,
     )
 
 

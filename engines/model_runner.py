@@ -33,6 +33,29 @@ class TokenSpan:
     as_decode_rows: bool = False
 
 
+@dataclass
+class ScoredChunk:
+    """The logits of every row of a prompt chunk whose request asked for its prompt's logprobs."""
+
+    seq: Sequence
+    start: int  # the chunk's first position
+    logits: torch.Tensor  # [chunk rows, V] float32
+
+
+def _split_scored(logits: torch.Tensor, batch: ScheduledBatch, spans: list[TokenSpan]
+                  ) -> tuple[torch.Tensor, list[Sequence], list[ScoredChunk]]:  # fmt: skip
+    """`forward`'s rows, span by span, as the sampled sequences' last rows and the scored chunks' rows."""
+    row, sampled_rows, scored = 0, [], []
+    for seq, span, samples in zip(batch.seqs, spans, batch.samples, strict=True):
+        num_rows = {"all": len(span.token_ids), "last": 1, "none": 0}[span.logits]
+        if span.logits == "all":
+            scored.append(ScoredChunk(seq, span.start, logits[row:row + num_rows]))
+        if samples:
+            sampled_rows.append(row + num_rows - 1)
+        row += num_rows
+    return logits[sampled_rows], batch.sampled, scored
+
+
 def _decodes(span: TokenSpan) -> bool:
     return len(span.token_ids) == 1 or span.as_decode_rows
 
@@ -104,18 +127,22 @@ class ModelRunner:
         return self.native_decoder.forward_cost if self.native_decoder is not None else ForwardCost()
 
     def execute(self, batch: ScheduledBatch, should_yield: Callable[[], bool] | None = None, greedy: bool = False
-                ) -> tuple[torch.Tensor, list[Sequence]]:  # fmt: skip
+                ) -> tuple[torch.Tensor, list[Sequence], list[ScoredChunk]]:  # fmt: skip
         """Compute the batch; return float32 logits [S, V] for the S sequences that sample this step
-        (`batch.sampled`, in that order), or with `greedy` (`sampler.greedy_only`) their argmax token ids [S].
-        Only their last row goes through the LM head. `should_yield` is asked before each layer: True gives the
-        step up (raises `StepYielded`; nothing is recorded).
+        (`batch.sampled`, in that order), or with `greedy` (`sampler.greedy_only`) their argmax token ids [S],
+        and the logits of every row of the chunks that score their prompt (`Sequence.scores_prompt`; not with
+        `greedy`). Only the sampled sequences' last row goes through the LM head otherwise. `should_yield` is asked
+        before each layer: True gives the step up (raises `StepYielded`; nothing is recorded).
         """
         spans = []
         for seq, num_new, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples, strict=True):
             start = seq.num_computed_tokens
-            spans.append(TokenSpan(seq.token_ids[start:start + num_new], start, seq.block_table,
-                                   "last" if samples else "none"))
-        return self.forward(spans, should_yield, greedy), batch.sampled
+            rows = "all" if seq.scores_prompt else "last" if samples else "none"
+            spans.append(TokenSpan(seq.token_ids[start:start + num_new], start, seq.block_table, rows))
+        result = self.forward(spans, should_yield, greedy)
+        if not batch.scores_prompt:
+            return result, batch.sampled, []
+        return _split_scored(result, batch, spans)
 
     @torch.inference_mode()
     def forward(self, spans: list[TokenSpan], should_yield: Callable[[], bool] | None = None,

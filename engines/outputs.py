@@ -33,3 +33,6 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     num_output_tokens: int  # generated so far, this delta included
+    # The first delta of a request that asked for them (`SamplingParams.prompt_logprobs`): one per prompt token,
+    # the first None.
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -40,6 +40,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # vLLM's: each prompt token's logprob after the tokens before it, with this many top alternatives (None: off).
+    # Every prompt position is computed for it: no prefix-cache hits.
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0  # subtracted once from every token already generated
     frequency_penalty: float = 0.0  # subtracted per occurrence of a token already generated
     repetition_penalty: float = 1.0  # vLLM's: a token already in the prompt or the answer has its logit divided
@@ -59,6 +62,8 @@ class SamplingParams:
         assert self.max_tokens >= 1, "max_tokens must be >= 1"
         assert 0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"
         assert 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS_CHAT, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS_CHAT}]"
+        assert self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS_CHAT, \
+            f"prompt_logprobs must be None or in [0, {MAX_TOP_LOGPROBS_CHAT}]"
         for name in ("presence_penalty", "frequency_penalty"):
             assert -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY, \
                 f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}]"

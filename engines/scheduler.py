@@ -65,6 +65,11 @@ class ScheduledBatch:
         return bool(self.seqs) and all(is_batch(seq) for seq in self.seqs)
 
     @property
+    def scores_prompt(self) -> bool:
+        """Some sequence's chunk scores its prompt (`Sequence.scores_prompt`): the step needs logits, not ids."""
+        return any(seq.scores_prompt for seq in self.seqs)
+
+    @property
     def sampled(self) -> list[Sequence]:
         """The sequences that sample a token this step, in batch order."""
         return [seq for seq, samples in zip(self.seqs, self.samples, strict=True) if samples]

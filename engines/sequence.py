@@ -11,6 +11,7 @@ from engines.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engines.detokenizer import IncrementalDetokenizer
+    from engines.outputs import TokenLogprob
     from engines.structured import GrammarState
 
 
@@ -50,6 +51,8 @@ class Sequence:
         self.grammar: GrammarState | None = None  # constrained decoding: where the output is in its grammar
         self.finish_reason: str | None = None
         self.was_admitted = False  # prefix-cache statistics are counted on the first admission only
+        # With `params.prompt_logprobs`: one per prompt token scored so far, the first None (nothing comes before it).
+        self.prompt_logprobs: list[TokenLogprob | None] = []
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -61,6 +64,12 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """The next chunk's rows go through the LM head to score the prompt: its logprobs were asked for, and
+        positions whose next token is a prompt token are yet to compute (position p's logits score token p + 1)."""
+        return self.params.prompt_logprobs is not None and self.num_computed_tokens < self.num_prompt_tokens - 1
 
     @property
     def num_output_tokens(self) -> int:

@@ -80,6 +80,7 @@ def sampling_params(d: Decoding, max_tokens: int, choice: int, grammar: GrammarS
         stop=d.stop,
         logprobs=d.logprobs,
         top_logprobs=d.top_logprobs,
+        prompt_logprobs=d.prompt_logprobs,
         presence_penalty=d.presence_penalty,
         frequency_penalty=d.frequency_penalty,
         logit_bias=d.logit_bias,
@@ -263,6 +264,7 @@ class _ChoiceState:
 
     text: list[str] = field(default_factory=list)
     logprobs: list[EngineTokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[EngineTokenLogprob | None] = field(default_factory=list)  # echo with logprobs
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -447,6 +449,8 @@ class OpenAIServing:
     def _record(self, state: _ChoiceState, output: RequestOutput, started: float) -> None:
         state.text.append(output.new_text)
         state.logprobs.extend(output.logprobs)
+        if output.prompt_logprobs is not None:
+            state.prompt_logprobs = output.prompt_logprobs
         state.num_prompt_tokens = output.num_prompt_tokens
         state.num_cached_tokens = output.num_cached_tokens
         state.num_output_tokens = output.num_output_tokens
@@ -488,17 +492,28 @@ class OpenAIServing:
         ]
 
     def _completion_logprobs(
-        self, logprobs: Sequence[EngineTokenLogprob], top: int, text_offset: int
+        self, logprobs: Sequence[EngineTokenLogprob], top: int, text_offset: int,
+        prompt: tuple[Sequence[int], Sequence[EngineTokenLogprob | None]] = ((), ()),
     ) -> CompletionLogprobs:
+        """The legacy shape, from `text_offset` on; an echoed `prompt` (token ids, their logprobs: the first None)
+        comes first, as OpenAI's `echo` with `logprobs` gives it."""
         result = CompletionLogprobs()
-        for lp in logprobs:
-            token = self.tokenizer.token_text(lp.token_id)
+        for token_id, lp in [*zip(*prompt, strict=True), *((lp.token_id, lp) for lp in logprobs)]:
+            token = self.tokenizer.token_text(token_id)
             result.tokens.append(token)
-            result.token_logprobs.append(lp.logprob)
-            result.top_logprobs.append({self.tokenizer.token_text(t): v for t, v in lp.top[:top]} if top else None)
+            result.token_logprobs.append(lp.logprob if lp else None)
+            top_texts = {self.tokenizer.token_text(t): v for t, v in lp.top[:top]} if lp and top else None
+            result.top_logprobs.append(top_texts)
             result.text_offset.append(text_offset)
             text_offset += len(token)
         return result
+
+    def _echoed_logprobs(self, request: CompletionRequest, call: EngineCall, state: _ChoiceState
+                         ) -> tuple[Sequence[int], Sequence[EngineTokenLogprob | None]]:  # fmt: skip
+        """The echoed prompt's tokens and logprobs where `echo` comes with `logprobs`, else none."""
+        if not (request.echo and request.logprobs is not None and state.prompt_logprobs):
+            return (), ()
+        return call.prompt_token_ids, state.prompt_logprobs
 
     # -- chat -------------------------------------------------------------------------------
 
@@ -627,8 +642,9 @@ class OpenAIServing:
         choices = []
         for call, state in zip(calls, states, strict=True):
             echo = self._echo(request, call)
+            prompt = self._echoed_logprobs(request, call, state)
             logprobs = (
-                self._completion_logprobs(state.logprobs, request.logprobs, len(echo))
+                self._completion_logprobs(state.logprobs, request.logprobs, 0 if prompt[0] else len(echo), prompt)
                 if request.logprobs is not None
                 else None
             )
@@ -661,14 +677,14 @@ class OpenAIServing:
         async for call, output in self._run(calls, states):
             if not (output.new_text or output.finished or (request.logprobs is not None and output.logprobs)):
                 continue
-            echo = ""
+            echo, prompt = "", ((), ())
             if call.index not in echoed:
                 echoed.add(call.index)
-                echo = self._echo(request, call)
+                echo, prompt = self._echo(request, call), self._echoed_logprobs(request, call, states[call.index])
             logprobs = None
             if request.logprobs is not None:
-                offset = text_offsets[call.index] + len(echo)
-                logprobs = self._completion_logprobs(output.logprobs, request.logprobs, offset)
+                offset = text_offsets[call.index] + (0 if prompt[0] else len(echo))
+                logprobs = self._completion_logprobs(output.logprobs, request.logprobs, offset, prompt)
             text = echo + output.new_text
             text_offsets[call.index] += len(text)
             choice = CompletionChoice(

@@ -66,8 +66,8 @@ def client_wants_logprobs(request: Request) -> bool:
 
 
 def with_logprobs(request: Request) -> Request | None:
-    """The request asking for the chosen tokens' logprobs, or None when it cannot (completions with
-    `echo`, which the engines refuse together with logprobs)."""
+    """The request asking for the chosen tokens' logprobs, or None when it cannot (completions with `echo`: there
+    logprobs score the whole prompt too, a cost the answer's confidence does not need, and mix it into the answer's)."""
     if isinstance(request, ChatCompletionRequest):
         return request if request.logprobs else msgspec.structs.replace(request, logprobs=True)
     if request.echo:

@@ -76,6 +76,8 @@ class Decoding:
     ignore_eos: bool = False
     repetition_penalty: float | None = None
     min_tokens: int = 0
+    # The completions endpoint's `echo` with `logprobs`: the echoed prompt's logprobs, with this many alternatives.
+    prompt_logprobs: int | None = None
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
@@ -111,6 +113,7 @@ def decoding(request: Request) -> Decoding:
         ignore_eos=bool(request.ignore_eos),
         repetition_penalty=request.repetition_penalty,
         min_tokens=request.min_tokens or 0,
+        prompt_logprobs=request.logprobs if isinstance(request, CompletionRequest) and request.echo else None,
     )
 
 
@@ -249,10 +252,6 @@ def check_completion_fields(request: CompletionRequest) -> None:
         raise invalid("`echo` together with `suffix` is not supported", "suffix", "unsupported_parameter")
     if request.logprobs is not None:
         check_range(request.logprobs, 0, MAX_LOGPROBS_COMPLETION, "logprobs")
-        if request.echo:
-            raise invalid(
-                "`echo` together with `logprobs` (prompt logprobs) is not supported", "echo", "unsupported_parameter"
-            )
     check_prompt_shape(request.prompt)
 
 

@@ -212,6 +212,29 @@ def test_logprobs_come_from_the_model_distribution(tiny_llama: TinyModel) -> Non
     assert [value for _, value in logprob.top] == pytest.approx(top_values.tolist(), abs=1e-4)
 
 
+def test_prompt_logprobs_score_every_prompt_token_across_chunks_and_cached_prefixes(tiny_llama: TinyModel) -> None:
+    engine = make_engine(tiny_llama)  # 64-token chunks: this prompt takes three
+    prompt = [(7 * i) % 400 + 10 for i in range(150)]
+    with torch.no_grad():
+        expected = torch.log_softmax(tiny_llama.hf_model(torch.tensor([prompt])).logits[0], dim=-1)
+    engine.add_request("plain", prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    plain = generated_ids(run_to_completion(engine)["plain"])
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=3)
+    for request_id in ("scored", "again"):  # the prompt is in the prefix cache now: it is computed again all the same
+        engine.add_request(request_id, prompt, params)
+        outputs = run_to_completion(engine)[request_id]
+        assert generated_ids(outputs) == plain
+        scored = outputs[0].prompt_logprobs
+        assert all(output.prompt_logprobs is None for output in outputs[1:])
+        assert scored[0] is None and len(scored) == len(prompt)
+        for position, logprob in enumerate(scored[1:]):  # position p's logits score token p + 1
+            assert logprob.token_id == prompt[position + 1]
+            assert logprob.logprob == pytest.approx(expected[position, prompt[position + 1]].item(), abs=1e-4)
+            assert [token_id for token_id, _ in logprob.top] == expected[position].topk(3).indices.tolist()
+    engine.add_request("one", prompt[:1], params)
+    assert run_to_completion(engine)["one"][0].prompt_logprobs == [None]
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "message"),
     [

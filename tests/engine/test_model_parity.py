@@ -33,7 +33,7 @@ def test_logits_match_hf_for_prefill_chunked_prefill_and_decode(tiny_model: Tiny
     first_chunk = [len(PROMPTS[0]), len(PROMPTS[1]), 6]
     for seq, num_new in zip(seqs, first_chunk, strict=True):
         manager.allocate(seq, [], num_new)
-    logits, sampled = runner.execute(ScheduledBatch(seqs, first_chunk))
+    logits, sampled, _ = runner.execute(ScheduledBatch(seqs, first_chunk))
     for seq, num_new in zip(seqs, first_chunk, strict=True):
         seq.num_computed_tokens += num_new
     assert sampled == seqs[:2]
@@ -46,7 +46,7 @@ def test_logits_match_hf_for_prefill_chunked_prefill_and_decode(tiny_model: Tiny
     second = [1, 1, len(PROMPTS[2]) - 6]
     for seq, num_new in zip(seqs, second, strict=True):
         manager.may_append(seq, num_new)
-    logits, sampled = runner.execute(ScheduledBatch(seqs, second))
+    logits, sampled, _ = runner.execute(ScheduledBatch(seqs, second))
     assert sampled == seqs
     for row, seq in enumerate(sampled):
         torch.testing.assert_close(logits[row], hf_last_logits(tiny_model.hf_model, seq.token_ids), atol=1e-4, rtol=0)

@@ -228,7 +228,7 @@ def test_float32_model_with_row_dispatch_stays_close_to_hf_in_prefill_and_decode
             manager.allocate(seq, [], num_new)
         else:
             manager.may_append(seq, num_new)
-        logits, _ = runner.execute(ScheduledBatch([seq], [num_new]))
+        logits, _, _ = runner.execute(ScheduledBatch([seq], [num_new]))
         seq.num_computed_tokens += num_new
         with torch.no_grad():
             expected = tiny_model.hf_model(torch.tensor([seq.token_ids])).logits[0, -1]

@@ -318,6 +318,28 @@ async def test_chat_logprobs_have_one_entry_per_token_with_sorted_alternatives(s
     assert "".join(e.token for e in entries).startswith(choice.message.content or "")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_echo_with_logprobs_scores_the_prompt_as_lm_evaluation_harness_reads_it(serving: OpenAIServing,
+                                                                                     stream: bool) -> None:
+    """lm-eval's loglikelihood requests: token ids, echo, logprobs 1, one new token; it sums the prompt's logprobs
+    after its context and checks each against the top one."""
+    prompt = serving.tokenizer.encode("The weather is nice today")
+    request = completion(prompt, echo=True, logprobs=1, max_tokens=1, temperature=0, stream=stream)
+    if stream:
+        chunks = [chunk async for chunk in serving.complete_stream(request)]
+        (choice,) = chunks[0].choices
+    else:
+        (choice,) = (await serving.complete(request)).choices
+    logprobs = choice.logprobs
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert len(logprobs.token_logprobs) == len(prompt) + 1  # the prompt's tokens, then the new one
+    assert logprobs.tokens[:len(prompt)] == [serving.tokenizer.token_text(t) for t in prompt]
+    for value, top in zip(logprobs.token_logprobs[1:], logprobs.top_logprobs[1:], strict=True):
+        assert value <= 0 and len(top) == 1 and value <= max(top.values()) + 1e-6
+    assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[0] == 0
+    assert choice.text.startswith(serving.tokenizer.decode(prompt))
+
+
 async def test_completion_logprobs_follow_the_legacy_shape(serving: OpenAIServing) -> None:
     response = await serving.complete(completion("The weather is", temperature=0, max_tokens=4, logprobs=2))
     logprobs = response.choices[0].logprobs
