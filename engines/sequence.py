@@ -67,9 +67,11 @@ class Sequence:
 
     @property
     def scores_prompt(self) -> bool:
-        """The next chunk's rows go through the LM head to score the prompt: its logprobs were asked for, and
-        positions whose next token is a prompt token are yet to compute (position p's logits score token p + 1)."""
-        return self.params.prompt_logprobs is not None and self.num_computed_tokens < self.num_prompt_tokens - 1
+        """The next chunk's rows go through the LM head to score the prompt: its logprobs were asked for, not all
+        scored yet (a preempted sequence computes its prompt again), and positions whose next token is a prompt
+        token are yet to compute (position p's logits score token p + 1)."""
+        return (self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+                and self.num_computed_tokens < self.num_prompt_tokens - 1)
 
     @property
     def num_output_tokens(self) -> int:
