@@ -94,8 +94,7 @@ RULES = {"alpha_rule": False, "adaptive_drafts": True}  # the rules a configurat
 
 def other_rule(speculator: Speculator, batch: int) -> str:
     """The rule that the shipped one does not use for rounds of `batch` sequences."""
-    shipped = speculator.adaptive_drafts if speculator.adaptive_drafts is not None else batch == 1
-    return "alpha_rule" if shipped else "adaptive_drafts"
+    return "alpha_rule" if speculator.adapts(batch) else "adaptive_drafts"
 
 
 def run_interleaved(engine: LLMEngine, speculator: Speculator, prompts: list[list[int]], batch: int,

@@ -235,9 +235,9 @@ class Speculator:
         for seq in seqs:
             block_manager.mark_drafted_blocks(seq)
 
-    def adapts(self, seqs: list[Sequence]) -> bool:
-        """Whether a round of `seqs` drafts while another draft pays, rather than the k that α suggests."""
-        return self.adaptive_drafts if self.adaptive_drafts is not None else len(seqs) == 1
+    def adapts(self, num_seqs: int) -> bool:
+        """Whether a round of `num_seqs` sequences drafts while another draft pays, rather than the k α suggests."""
+        return self.adaptive_drafts if self.adaptive_drafts is not None else num_seqs == 1
 
     def num_drafts(self, seqs: list[Sequence], max_model_len: int) -> int:
         """This round's most drafts, capped so that no sequence runs past its length limits (0: no round): the
@@ -246,7 +246,7 @@ class Speculator:
         if k == 0:
             self._alpha += _DECLINED_WEIGHT * (_ALPHA_PRIOR - self._alpha)
             return 0
-        if self.adapts(seqs):
+        if self.adapts(len(seqs)):
             k = self.max_drafts
         for seq in seqs:
             # The round computes positions up to num_tokens - 1 + k and emits up to k + 1 tokens.
@@ -285,7 +285,7 @@ class Speculator:
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         survival, expected_tokens = [1.0] * len(seqs), float(len(seqs))
         confidence: list[list[float]] = [[] for _ in seqs]
-        adaptive = self.adapts(seqs)
+        adaptive = self.adapts(len(seqs))
         # The drafter is one or two tokens behind (a fully accepted round's last draft was never fed back): decode
         # rows; at a sequence's first round or after declined ones, the prompt or tokens decoded meanwhile: a chunk.
         behind = [seq.token_ids[seq.num_draft_computed_tokens:] for seq in seqs]
