@@ -73,7 +73,7 @@ def sampling_params(d: Decoding, max_tokens: int, choice: int, grammar: GrammarS
         stop_token_ids=d.stop_token_ids,
         ignore_eos=d.ignore_eos,
         repetition_penalty=1.0 if d.repetition_penalty is None else d.repetition_penalty,
-        max_tokens=max_tokens,
+        max_tokens=max(max_tokens, 1),  # `echo_only`: the token sampled after the prompt is dropped (`_run`)
         min_tokens=min(d.min_tokens, max_tokens),  # a key's output cap may have lowered max_tokens below it
         # Siblings of an `n` > 1 request must differ, yet stay reproducible under a seed.
         seed=None if d.seed is None else d.seed + choice,
@@ -256,6 +256,7 @@ class EngineCall:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    echo_only: bool = False  # `Decoding.echo_only`: the engine samples one token, which the response leaves out
 
 
 @dataclass
@@ -271,6 +272,13 @@ class _ChoiceState:
     num_output_tokens: int = 0
     started: bool = False
     last_token_time: float = 0.0
+
+
+def _prompt_only(output: RequestOutput) -> RequestOutput:
+    """An `echo_only` call's one delta without the token sampled after the prompt: the prompt's logprobs, no
+    answer, nothing generated, finished for its length of 0."""
+    return replace(output, new_token_ids=[], new_text="", logprobs=[], finished=True, finish_reason="length",
+                   num_output_tokens=0)
 
 
 def _response_id(calls: Sequence[EngineCall]) -> str:
@@ -401,7 +409,7 @@ class OpenAIServing:
             for i in range(d.n):
                 index = prompt_index * d.n + i
                 params = sampling_params(d, max_tokens, i, grammar)
-                calls.append(EngineCall(index, prompt_index, f"{request_id}-{index}", prompt, params))
+                calls.append(EngineCall(index, prompt_index, f"{request_id}-{index}", prompt, params, d.echo_only))
         return calls
 
     def prepare_chat(self, request: ChatCompletionRequest) -> list[EngineCall]:
@@ -437,6 +445,8 @@ class OpenAIServing:
         outputs = _interleave(streams)
         try:
             async for position, output in outputs:
+                if calls[position].echo_only:
+                    output = _prompt_only(output)
                 self._record(states[position], output, started)
                 yield calls[position], output
         except ValueError as exc:  # the engine refuses requests it can never schedule

@@ -78,6 +78,9 @@ class Decoding:
     min_tokens: int = 0
     # The completions endpoint's `echo` with `logprobs`: the echoed prompt's logprobs, with this many alternatives.
     prompt_logprobs: int | None = None
+    # `echo` with `max_tokens: 0`: the prompt back (scored, with `logprobs`) and nothing generated, as OpenAI's
+    # legacy scoring calls and vLLM take it.
+    echo_only: bool = False
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
@@ -114,6 +117,7 @@ def decoding(request: Request) -> Decoding:
         repetition_penalty=request.repetition_penalty,
         min_tokens=request.min_tokens or 0,
         prompt_logprobs=request.logprobs if isinstance(request, CompletionRequest) and request.echo else None,
+        echo_only=isinstance(request, CompletionRequest) and request.echo and request.max_tokens == 0,
     )
 
 
@@ -298,7 +302,7 @@ def check_decoding(d: Decoding) -> None:
         raise invalid(f"`n` must be between 1 and {MAX_N}; got {d.n}", "n")
     if len(d.stop) > MAX_STOP_STRINGS:
         raise invalid(f"`stop` takes at most {MAX_STOP_STRINGS} sequences; got {len(d.stop)}", "stop")
-    if d.output_limit is not None and d.output_limit < 1:
+    if d.output_limit is not None and d.output_limit < 1 and not d.echo_only:
         raise invalid(f"`{d.output_limit_param}` must be at least 1; got {d.output_limit}", d.output_limit_param)
     if d.min_tokens < 0 or (d.output_limit is not None and d.min_tokens > d.output_limit):
         raise invalid(f"`min_tokens` must be between 0 and `{d.output_limit_param}`; got {d.min_tokens}", "min_tokens")

@@ -164,6 +164,7 @@ def test_a_model_without_fill_in_the_middle_tokens_refuses_a_suffix_and_still_co
         ),
         (completion("Hi", logprobs=6), "logprobs"),
         (completion("Hi", suffix="!", echo=True), "suffix"),
+        (completion("Hi", max_tokens=0), "max_tokens"),  # nothing to generate and nothing to echo
         (completion([1, 2, 10**6]), "prompt"),
         (completion(""), "prompt"),
     ],
@@ -338,6 +339,28 @@ async def test_echo_with_logprobs_scores_the_prompt_as_lm_evaluation_harness_rea
         assert value <= 0 and len(top) == 1 and value <= max(top.values()) + 1e-6
     assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[0] == 0
     assert choice.text.startswith(serving.tokenizer.decode(prompt))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(serving: OpenAIServing,
+                                                                              stream: bool) -> None:
+    """OpenAI's legacy scoring call (and vLLM's): the prompt back with its logprobs, no answer, no output tokens."""
+    prompt = "The weather is nice today"
+    scored = await serving.complete(completion(prompt, echo=True, logprobs=2, max_tokens=1, temperature=0))
+    request = completion(prompt, echo=True, logprobs=2, max_tokens=0, temperature=0, stream=stream)
+    check_request(request)  # the gateway's rules let it through
+    if stream:
+        chunks = [chunk async for chunk in serving.complete_stream(request)]
+        (choice,), usage = chunks[0].choices, chunks[-1].usage
+        assert len(chunks) == 2 and is_usage_chunk(chunks[-1])
+    else:
+        response = await serving.complete(request)
+        (choice,), usage = response.choices, response.usage
+    num_prompt_tokens = len(serving.tokenizer.encode(prompt))
+    assert (choice.text, choice.finish_reason) == (prompt, "length")
+    assert choice.logprobs.token_logprobs == scored.choices[0].logprobs.token_logprobs[:num_prompt_tokens]
+    assert len(choice.logprobs.tokens) == num_prompt_tokens
+    assert (usage.prompt_tokens, usage.completion_tokens) == (num_prompt_tokens, 0)
 
 
 async def test_completion_logprobs_follow_the_legacy_shape(serving: OpenAIServing) -> None:
