@@ -155,8 +155,8 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int],
     wanted = [i for i, p in enumerate(params) if p.logprobs]
     if not wanted:
         return logprobs
-    rows = torch.tensor(wanted)
-    log_probs = torch.log_softmax(logits[rows], dim=-1)
+    # Every row asks when a prompt is scored: no gathered copy of the rows then.
+    log_probs = torch.log_softmax(logits if len(wanted) == len(params) else logits[torch.tensor(wanted)], dim=-1)
     chosen = torch.tensor([token_ids[i] for i in wanted], device=logits.device)
     chosen_lp = log_probs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
     num_top = max(params[i].top_logprobs for i in wanted)
