@@ -206,6 +206,7 @@ BENCHMARKS = {
     "speculative": "bench.speculative",
     "memory": "bench.memory",
     "router_cascade": "bench.router_cascade",
+    "scoring": "bench.scoring",
 }
 
 
