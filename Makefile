@@ -11,7 +11,7 @@ TEST_REDIS_URL ?= redis://127.0.0.1:6379/0
 TEST_REDIS8_URL ?= redis://127.0.0.1:6380/0
 PYTEST_ARGS ?=
 
-.PHONY: run test venv models models-test services browser lint bench-engine bench-gateway bench-kernels gpu-wheels bench-step-thread bench-dashboard bench-structured bench-router router-labels router-default bench-semcache bench-quant-quality bench-prefill bench-scoring bench-speculative bench-memory cache-matcher clean
+.PHONY: run test venv models models-test services browser lint bench-engine bench-gateway bench-kernels gpu-wheels bench-step-thread bench-dashboard bench-structured bench-router router-labels router-default bench-semcache bench-quant-quality bench-prefill bench-sampler bench-scoring bench-speculative bench-memory cache-matcher clean
 
 run: venv models
 	SLUICE_SERVER__ALLOW_ANONYMOUS=$${SLUICE_SERVER__ALLOW_ANONYMOUS:-true} $(BIN)/sluice serve
@@ -81,6 +81,10 @@ bench-quant-quality: venv models
 
 bench-prefill: venv models
 	$(BIN)/sluice bench prefill --data ../shared/data/gsm8k
+
+# Sampling per decode step (temperature, top-k, top-p) against sorting whole rows + torch.multinomial.
+bench-sampler: venv models
+	$(BIN)/sluice bench sampler --data ../shared/data/gsm8k
 
 # Prompt scoring (echo + logprobs, lm-eval's loglikelihood) per tier against transformers' forward pass.
 bench-scoring: venv models

@@ -54,6 +54,7 @@ from engines.api.protocol import (
 from engines.api.rules import Decoding, check_token_ids, decoding, max_tokens_for
 from engines.outputs import EngineOverloaded, EngineStepFailed, RequestOutput
 from engines.outputs import TokenLogprob as EngineTokenLogprob
+from engines.sampler import SAMPLER_VERSION
 from engines.sampling_params import GrammarSpec, SamplingParams
 from engines.structured import GrammarError
 
@@ -715,7 +716,8 @@ def backend_fingerprint(engine: LLMEngine) -> str:
     weights file and the precision, device and kernels its steps run with (`LLMEngine.precision`). A client that
     pins `seed` sees it change when the backend does: another CPU's int8 kernels, for one, give other bits."""
     model = Path(engine.config.model)
-    identity = {"model": model.name, "bytes": model.stat().st_size if model.is_file() else None, **engine.precision()}
+    identity = {"model": model.name, "bytes": model.stat().st_size if model.is_file() else None, **engine.precision(),
+                "sampler": SAMPLER_VERSION}
     return "fp_" + hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
 
 

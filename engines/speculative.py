@@ -56,7 +56,7 @@ from engines.cpu_kernels import ForwardCost
 from engines.model_runner import ModelRunner, TokenSpan
 from engines.outputs import TokenLogprob
 from engines.quantization import tensor_key
-from engines.sampler import argmax_ids, filtered_probs, token_logprobs
+from engines.sampler import argmax_ids, draw, filtered_probs, token_logprobs
 from engines.sequence import Sequence
 
 _EMA_WEIGHT = 0.1  # weight of the newest round in the running average of α
@@ -135,9 +135,9 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor, draf
         residual = (target_probs[i] - draft_probs[i]).clamp_(min=0)
         if float(residual.sum()) <= 0:  # p == q up to rounding: the rejection had probability ~0
             residual = target_probs[i]
-        emitted.append(int(torch.multinomial(residual, 1, generator=generator)))
+        emitted.append(draw(residual, generator))
         return emitted
-    emitted.append(int(torch.multinomial(target_probs[len(draft_token_ids)], 1, generator=generator)))
+    emitted.append(draw(target_probs[len(draft_token_ids)], generator))
     return emitted
 
 
@@ -302,7 +302,7 @@ class Speculator:
                     token_id = int(argmax_ids(row))
                 else:
                     row = filtered_probs(logits[i:i + 1], [seq.params])[0]
-                    token_id = int(torch.multinomial(row, 1, generator=seq.generator))
+                    token_id = draw(row, seq.generator)
                     probs[i].append(row)
                 drafts[i].append(token_id)
                 if adaptive:

@@ -207,6 +207,7 @@ BENCHMARKS = {
     "memory": "bench.memory",
     "router_cascade": "bench.router_cascade",
     "scoring": "bench.scoring",
+    "sampler": "bench.sampler",
 }
 
 

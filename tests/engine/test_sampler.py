@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.sampler import argmax_ids, filtered_probs, sample
+from engines.sampler import NUCLEUS_CANDIDATES, argmax_ids, draw, filtered_probs, sample, top_k_top_p
 from engines.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([[1.0, 3.0, 2.0, 0.5, -1.0], [0.0, 0.1, 0.2, 5.0, 0.3]])
@@ -50,6 +50,50 @@ def test_top_p_keeps_the_smallest_set_reaching_the_mass() -> None:
     assert draw_many(SamplingParams(temperature=5.0, top_p=0.0)) == {1}  # OpenAI takes 0: the most likely alone
     assert filtered_probs(LOGITS, [SamplingParams(temperature=5.0, top_p=0.0)] * 2).tolist() == [
         [0.0, 1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0, 0.0]]
+
+
+def top_k_top_p_by_sorting(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    """The definition: sort each whole row, keep its top k, then the smallest prefix whose renormalised mass reaches
+    top p (the most likely id always)."""
+    values, ids = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1]).unsqueeze(0)
+    values = values.masked_fill(ranks >= torch.tensor(top_ks).unsqueeze(1), float("-inf"))
+    probs = values.softmax(dim=-1)
+    drop = probs.cumsum(dim=-1) - probs >= torch.tensor(top_ps).unsqueeze(1)
+    drop[:, 0] = False
+    return torch.full_like(logits, float("-inf")).scatter(1, ids, values.masked_fill(drop, float("-inf")))
+
+
+def test_top_k_and_top_p_keep_what_sorting_the_whole_row_keeps_whether_or_not_the_candidates_hold_it() -> None:
+    vocab = 40_000
+    generator = torch.Generator().manual_seed(0)
+    peaked = torch.randn(3, vocab, generator=generator) * 6  # the nucleus lies among the first candidates
+    flat = torch.randn(4, vocab, generator=generator) * 0.1  # it lies among the next, or only a sort finds it
+    masked = torch.randn(2, vocab, generator=generator)
+    masked[:, 500:] = float("-inf")  # a grammar's or min-p's mask: fewer finite ids than candidates
+    logits = torch.cat([peaked, flat, masked])
+    top_ks = [vocab, 50, 3000, vocab, 2000, 10, vocab, vocab, 700]
+    top_ps = [0.9, 1.0, 0.95, 0.9, 0.5, 0.3, 0.4, 0.8, 0.99]
+    expected = top_k_top_p_by_sorting(logits, top_ks, top_ps)
+    kept = top_k_top_p(logits, torch.tensor(top_ks), torch.tensor(top_ps))
+    assert torch.equal(kept.isfinite(), expected.isfinite())
+    assert torch.equal(kept[kept.isfinite()], logits[kept.isfinite()])
+    num_kept = kept.isfinite().sum(dim=-1).tolist()
+    assert num_kept[0] < NUCLEUS_CANDIDATES[0] < num_kept[6] < NUCLEUS_CANDIDATES[1] < num_kept[3]  # every stage ran
+
+
+def test_a_draw_follows_the_weights_never_picks_a_zero_and_repeats_under_a_seed() -> None:
+    weights = torch.zeros(5_000)
+    weights[[3, 1023, 1024, 2500, 4999]] = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25]) * 7  # unnormalised, 5 blocks
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.tensor([draw(weights, generator) for _ in range(20_000)]), minlength=5_000)
+    assert set(counts.nonzero().squeeze(1).tolist()) == {3, 1023, 1024, 2500, 4999}
+    shares = counts[[3, 1023, 1024, 2500, 4999]] / 20_000
+    assert shares.tolist() == pytest.approx([0.1, 0.2, 0.3, 0.15, 0.25], abs=0.015)  # ~5 standard errors
+    def draws(seed: int) -> list[int]:
+        seeded = torch.Generator().manual_seed(seed)
+        return [draw(weights, seeded) for _ in range(30)]
+    assert draws(1) == draws(1) != draws(2)
 
 
 def test_min_p_keeps_the_tokens_at_least_that_share_of_the_most_likely_ones_probability() -> None:

@@ -1,0 +1,150 @@
+"""Sampling per decode step: our sampler against sorting whole rows and drawing with `torch.multinomial`.
+
+`python -m bench.sampler [--model small] [--batch-sizes 1 8 32 64] [--decode-batch-sizes 1 16] [--data DIR]`
+
+Part 1, the sampler alone: one `engines.sampler.sample` call over B rows of real next-token logits (the tier's model
+over GSM8K train text, prefilled through its engine as `make run` builds it: each row a position of that text), per
+setting — OpenAI's default (temperature 1), temperature 0.7 with top_p 0.95, top_k 50 with top_p 0.9 — against the
+baseline in this file: the same filters by sorting each whole row and a draw by `torch.multinomial` over it, which
+races an exponential variate per id (vLLM's CPU sampler draws the same way; ours did both before 2026-12-07).
+Part 2, what a user sees: the tier's decode tokens/s at each of `--decode-batch-sizes` concurrent requests, sampled
+(temperature 1, top_p 0.95) against greedy in the same run. Writes bench/results/sampler.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import cpu_model, print_table, write_results
+from bench.engine import GSM8K_DIR, token_stream
+from engines.llm_engine import LLMEngine
+from engines.model_runner import TokenSpan
+from engines.sampler import sample
+from engines.sampling_params import SamplingParams
+from engines.tiers import tier_spec
+
+SETTINGS = {
+    "temperature 1 (default)": SamplingParams(temperature=1.0),
+    "temperature 0.7, top_p 0.95": SamplingParams(temperature=0.7, top_p=0.95),
+    "top_k 50, top_p 0.9": SamplingParams(temperature=1.0, top_k=50, top_p=0.9),
+}
+DECODE_TOKENS = 48
+
+
+def sort_and_multinomial(logits: torch.Tensor, params: list[SamplingParams],
+                         generators: list[torch.Generator | None]) -> list[int]:
+    """The baseline: temperature, then top-k and top-p (where asked) by sorting each whole row, then
+    `torch.multinomial` per row."""
+    logits = logits / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    vocab = logits.shape[-1]
+    if all(p.top_k in (0, -1) and p.top_p == 1.0 for p in params):
+        probs = logits.softmax(dim=-1)
+        return [int(torch.multinomial(row, 1, generator=g)) for row, g in zip(probs, generators, strict=True)]
+    values, ids = logits.sort(dim=-1, descending=True)
+    ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params]).unsqueeze(1)
+    values = values.masked_fill(torch.arange(vocab).unsqueeze(0) >= ks, float("-inf"))
+    probs = values.softmax(dim=-1)
+    drop = probs.cumsum(dim=-1) - probs >= torch.tensor([p.top_p for p in params]).unsqueeze(1)
+    drop[:, 0] = False
+    probs = torch.full_like(logits, float("-inf")).scatter(1, ids, values.masked_fill(drop, float("-inf")))
+    probs = probs.softmax(dim=-1)
+    return [int(torch.multinomial(row, 1, generator=g)) for row, g in zip(probs, generators, strict=True)]
+
+
+def gsm8k_texts(data: Path, start: int, count: int) -> list[str]:
+    """GSM8K train questions `start`.. with their worked answers."""
+    lines = (data / "train.jsonl").read_text().splitlines()[start:start + count]
+    return [f"{row['question']}\n{row['answer']}" for row in map(json.loads, lines)]
+
+
+def real_logits(engine: LLMEngine, data: Path, rows: int) -> torch.Tensor:
+    """`rows` next-token logit rows of the tier's model over GSM8K train text (the engine's cache blocks reused)."""
+    token_ids = token_stream(engine.tokenizer, gsm8k_texts(data, 0, 64), rows + 1)[:rows + 1]
+    runner, chunks = engine.runner, []
+    for start in range(0, rows, 256):
+        chunk = token_ids[start:start + 256]
+        blocks = list(range(-(-len(chunk) // runner.block_size)))
+        chunks.append(runner.forward([TokenSpan(chunk, 0, blocks, "all")]))
+    return torch.cat(chunks)[:rows]
+
+
+def time_call(call: Any, repeats: int) -> float:
+    call()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        call()
+    return (time.perf_counter() - started) / repeats * 1e3
+
+
+def sampler_alone(logits: torch.Tensor, batch_sizes: list[int]) -> list[dict[str, Any]]:
+    rows = []
+    for name, params in SETTINGS.items():
+        for size in batch_sizes:
+            batch = logits[:size]
+            generators = [torch.Generator().manual_seed(i) for i in range(size)]
+            repeats = max(3, 64 // size)
+            ours = time_call(lambda: sample(batch, [params] * size, generators), repeats)  # noqa: B023
+            baseline = time_call(lambda: sort_and_multinomial(batch, [params] * size, generators), repeats)  # noqa: B023
+            rows.append({"setting": name, "batch_size": size, "ours_ms": ours, "sort_and_multinomial_ms": baseline,
+                         "speedup": baseline / ours})
+    return rows
+
+
+def decode_tokens_per_s(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, tag: str) -> float:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", prompt, params)
+    while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in engine.scheduler.running) or \
+            engine.scheduler.waiting:
+        engine.step()  # prefill first: the figure is decode alone
+    started, generated = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        generated += sum(len(output.new_token_ids) for output in engine.step())
+    return generated / (time.perf_counter() - started)
+
+
+def decode(engine: LLMEngine, data: Path, batch_sizes: list[int]) -> list[dict[str, Any]]:
+    prompts = [engine.tokenizer.encode(text)[:64] for text in gsm8k_texts(data, 100, max(batch_sizes))]
+    sampled = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=DECODE_TOKENS, ignore_eos=True, seed=0)
+    greedy = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
+    rows = []
+    for size in batch_sizes:
+        figures = {name: decode_tokens_per_s(engine, prompts[:size], params, f"{name}{size}")
+                   for name, params in (("greedy", greedy), ("sampled", sampled))}
+        rows.append({"batch_size": size, "greedy_tokens_per_s": figures["greedy"],
+                     "sampled_tokens_per_s": figures["sampled"], "sampled_vs_greedy": figures["sampled"] /
+                     figures["greedy"]})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--decode-batch-sizes", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--data", type=Path, default=GSM8K_DIR, help="directory of GSM8K train.jsonl")
+    args = parser.parse_args(argv)
+    if not (args.data / "train.jsonl").exists():
+        raise SystemExit(f"GSM8K train.jsonl not found in {args.data}: pass its directory with --data")
+    engine = LLMEngine(tier_spec(args.model, args.model).engine_config())
+    alone = sampler_alone(real_logits(engine, args.data, max(args.batch_sizes)), args.batch_sizes)
+    print_table(f"One sample() call, ms ({args.model}, {cpu_model()})",
+                ["setting", "batch", "ours", "sort + multinomial", "speedup"],
+                [[r["setting"], r["batch_size"], r["ours_ms"], r["sort_and_multinomial_ms"], r["speedup"]]
+                 for r in alone])
+    decoded = decode(engine, args.data, args.decode_batch_sizes)
+    print_table(f"Decode tokens/s, temperature 1 + top_p 0.95 against greedy ({args.model})",
+                ["batch", "greedy", "sampled", "sampled / greedy"],
+                [[r["batch_size"], r["greedy_tokens_per_s"], r["sampled_tokens_per_s"], r["sampled_vs_greedy"]]
+                 for r in decoded])
+    write_results("sampler", {"cpu": cpu_model(), "model": args.model, "precision": engine.precision(),
+                              "sampler_alone": alone, "decode": decoded})
+
+
+if __name__ == "__main__":
+    main()
