@@ -125,9 +125,10 @@ def _choose(logits: torch.Tensor, params: Sequence[SamplingParams],
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     for start in range(0, len(random_rows), SAMPLED_ROWS_AT_ONCE):
         rows = random_rows[start:start + SAMPLED_ROWS_AT_ONCE]
-        probs = filtered_probs(logits[torch.tensor(rows)], [params[i] for i in rows])
-        for row, row_probs in zip(rows, probs, strict=True):
-            token_ids[row] = draw(row_probs, generators[row])
+        drawn = candidates(logits[torch.tensor(rows)], [params[i] for i in rows])
+        for row, (weights, ids) in zip(rows, drawn, strict=True):
+            token = draw(weights, generators[row])
+            token_ids[row] = token if ids is None else ids[token]
     return token_ids
 
 
@@ -200,6 +201,21 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int],
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """The distribution each row samples from: softmax after temperature, min-p, top-k and top-p (rows: random
     params)."""
+    probs = torch.zeros_like(logits)
+    for row, (weights, ids) in enumerate(candidates(logits, params)):
+        if ids is None:
+            probs[row] = weights
+        else:
+            probs[row, ids] = weights
+    return probs
+
+
+Candidates = tuple[torch.Tensor, torch.Tensor | None]  # probabilities, and the ids they belong to (None: every id)
+
+
+def candidates(logits: torch.Tensor, params: Sequence[SamplingParams]) -> list[Candidates]:
+    """Each row's distribution after temperature, min-p, top-k and top-p, as (probabilities, the ids they belong to):
+    over the whole vocabulary (ids None), or over the few ids top-k / top-p keep, which a draw then reads alone."""
     temperatures = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
     logits = logits / temperatures
     min_ps = torch.tensor([p.min_p for p in params], dtype=logits.dtype).unsqueeze(1)
@@ -210,32 +226,42 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     top_ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
     top_ps = torch.tensor([p.top_p for p in params])
     truncates = (top_ks < vocab) | (top_ps < 1.0)
+    result: dict[int, Candidates] = {}
     if truncates.any():
         rows = truncates.nonzero().squeeze(1)
-        logits[rows] = top_k_top_p(logits[rows], top_ks[rows], top_ps[rows])
-    return logits.softmax(dim=-1)
+        for row, (values, ids) in zip(rows.tolist(), top_k_top_p(logits[rows], top_ks[rows], top_ps[rows]),
+                                      strict=True):
+            result[row] = (values.softmax(dim=-1), ids)
+    if not truncates.all():
+        rows = (~truncates).nonzero().squeeze(1)
+        whole = logits if not truncates.any() else logits[rows]
+        for row, probs in zip(rows.tolist(), whole.softmax(dim=-1), strict=True):
+            result[row] = (probs, None)
+    return [result[row] for row in range(len(params))]
 
 
-def top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    """`logits` with every id outside each row's top k, then outside the smallest prefix of those whose mass reaches
-    top p, at -inf. The prefix is looked for among the most likely `NUCLEUS_CANDIDATES` ids (or the top k, when more),
+def top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
+                ) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """Each row's logits and ids that its top k, then the smallest prefix of those whose mass reaches top p, keep (most
+    likely first). The prefix is looked for among the most likely `NUCLEUS_CANDIDATES` ids (or the top k, when more),
     then among more, and a row is sorted whole (~12 ms at a 152k vocabulary, where `topk` of 8192 takes ~1 ms) only
     when its prefix is not among those."""
     vocab = logits.shape[-1]
     widest_k = int(top_ks[top_ks < vocab].max()) if (top_ks < vocab).any() else 0
     normaliser = logits.logsumexp(dim=-1)
-    result = torch.full_like(logits, float("-inf"))
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     pending = torch.arange(len(logits))
     for width in sorted({min(vocab, max(candidates, widest_k)) for candidates in (*NUCLEUS_CANDIDATES, vocab)}):
         rows = logits if len(pending) == len(logits) else logits[pending]
         values, ids = rows.sort(dim=-1, descending=True) if width == vocab else rows.topk(width, dim=-1)
         values, complete = _nucleus(values, top_ks[pending], top_ps[pending], normaliser[pending])
-        done = pending[complete]  # every row is complete once sorted whole
-        result[done] = torch.full_like(rows[complete], float("-inf")).scatter(1, ids[complete], values[complete])
+        lengths = values.isfinite().sum(dim=-1).tolist()  # what a row keeps is a prefix of its values
+        for i in complete.nonzero().squeeze(1).tolist():  # every row is complete once sorted whole
+            kept[int(pending[i])] = (values[i, :lengths[i]], ids[i, :lengths[i]])
         pending = pending[~complete]
         if not len(pending):
             break
-    return result
+    return [kept[row] for row in range(len(logits))]
 
 
 def _nucleus(values: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,

@@ -75,7 +75,10 @@ def test_top_k_and_top_p_keep_what_sorting_the_whole_row_keeps_whether_or_not_th
     top_ks = [vocab, 50, 3000, vocab, 2000, 10, vocab, vocab, 700]
     top_ps = [0.9, 1.0, 0.95, 0.9, 0.5, 0.3, 0.4, 0.8, 0.99]
     expected = top_k_top_p_by_sorting(logits, top_ks, top_ps)
-    kept = top_k_top_p(logits, torch.tensor(top_ks), torch.tensor(top_ps))
+    kept = torch.full_like(logits, float("-inf"))
+    for row, (values, ids) in enumerate(top_k_top_p(logits, torch.tensor(top_ks), torch.tensor(top_ps))):
+        assert torch.all(values[:-1] >= values[1:])  # most likely first
+        kept[row, ids] = values
     assert torch.equal(kept.isfinite(), expected.isfinite())
     assert torch.equal(kept[kept.isfinite()], logits[kept.isfinite()])
     num_kept = kept.isfinite().sum(dim=-1).tolist()
