@@ -458,12 +458,6 @@ class LLMEngine:
         )
 
 
-# A slice's log-softmax (32 × 152k float32: 19 MB) stays under the heap's mmap threshold
-# (`engines.cpu.keep_freed_memory`): 64 rows (39 MB) were mapped afresh and page-faulted for every slice, 3× the time
-# of the arithmetic.
-SCORED_ROWS_AT_ONCE = 32
-
-
 def score_prompt(chunk: ScoredChunk) -> None:
     """Append to `seq.prompt_logprobs` the prompt tokens this chunk's rows predict (position p's row, token p + 1),
     from the first not yet scored on (a preempted sequence computes its chunks again)."""
@@ -473,10 +467,8 @@ def score_prompt(chunk: ScoredChunk) -> None:
     first, end = len(seq.prompt_logprobs) - 1, min(chunk.start + len(chunk.logits), seq.num_prompt_tokens - 1)
     assert first >= chunk.start, f"{seq.request_id}: positions {chunk.start}..{first} of its prompt were never scored"
     params = dataclasses.replace(seq.params, logprobs=True, top_logprobs=seq.params.prompt_logprobs or 0)
-    for begin in range(first, end, SCORED_ROWS_AT_ONCE):
-        stop = min(begin + SCORED_ROWS_AT_ONCE, end)
-        rows = chunk.logits[begin - chunk.start:stop - chunk.start]
-        seq.prompt_logprobs += token_logprobs(rows, seq.token_ids[begin + 1:stop + 1], [params] * len(rows))
+    rows = chunk.logits[first - chunk.start:end - chunk.start]
+    seq.prompt_logprobs += token_logprobs(rows, seq.token_ids[first + 1:end + 1], [params] * len(rows))
 
 
 def _speculable(seq: Sequence) -> bool:

@@ -15,8 +15,9 @@ from engines.structured import GrammarState, allocate_bitmask, apply_bitmask
 
 # Part of `system_fingerprint` (`engines.serving.backend_fingerprint`): a seeded request's tokens change with it.
 SAMPLER_VERSION = 2  # 2: draws by block inverse CDF (`draw`), top-p among the most likely ids first
-# [rows, vocabulary] float32 temporaries of a sampling step stay under the heap's mmap threshold at 32 rows of a 152k
-# vocabulary (19 MB; `engines.cpu.keep_freed_memory`): larger ones are mapped and page-faulted afresh every step.
+# [rows, vocabulary] float32 temporaries of sampling and logprobs stay under the heap's mmap threshold at 32 rows of a
+# 152k vocabulary (19 MB; `engines.cpu.keep_freed_memory`): 64 rows (39 MB) were mapped and page-faulted afresh each
+# time, 3× the time of the arithmetic (BENCHMARKS.md, prompt scoring).
 SAMPLED_ROWS_AT_ONCE = 32
 DRAW_BLOCK = 1024
 NUCLEUS_CANDIDATES = (8192, 32768)
@@ -180,23 +181,26 @@ def _constrain(logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[S
 
 def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int],
                    params: Sequence[SamplingParams]) -> list[TokenLogprob | None]:
-    """Each row's chosen token's logprob (and the top ones) under the unmodified distribution, for rows that ask."""
+    """Each row's chosen token's logprob (and the top ones) under the unmodified distribution, for rows that ask;
+    `SAMPLED_ROWS_AT_ONCE` rows at a time (a scored prompt chunk brings hundreds)."""
     logprobs: list[TokenLogprob | None] = [None] * len(params)
     wanted = [i for i, p in enumerate(params) if p.logprobs]
-    if not wanted:
-        return logprobs
-    # Every row asks when a prompt is scored: no gathered copy of the rows then.
-    log_probs = torch.log_softmax(logits if len(wanted) == len(params) else logits[torch.tensor(wanted)], dim=-1)
-    chosen = torch.tensor([token_ids[i] for i in wanted], device=logits.device)
-    chosen_lp = log_probs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-    num_top = max(params[i].top_logprobs for i in wanted)
-    top_values, top_ids = log_probs.topk(num_top, dim=-1) if num_top else (None, None)
-    for j, row in enumerate(wanted):
-        top: list[tuple[int, float]] = []
-        if top_ids is not None and top_values is not None:
-            k = params[row].top_logprobs
-            top = list(zip(top_ids[j, :k].tolist(), top_values[j, :k].tolist(), strict=True))
-        logprobs[row] = TokenLogprob(token_id=token_ids[row], logprob=chosen_lp[j], top=top)
+    for start in range(0, len(wanted), SAMPLED_ROWS_AT_ONCE):
+        rows = wanted[start:start + SAMPLED_ROWS_AT_ONCE]
+        # Consecutive rows (every row of a scored prompt asks) are read in place, not gathered.
+        consecutive = rows[-1] - rows[0] == len(rows) - 1
+        log_probs = torch.log_softmax(logits[rows[0]:rows[-1] + 1] if consecutive else logits[torch.tensor(rows)],
+                                      dim=-1)
+        chosen = torch.tensor([token_ids[i] for i in rows], device=logits.device)
+        chosen_lp = log_probs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+        num_top = max(params[i].top_logprobs for i in rows)
+        top_values, top_ids = log_probs.topk(num_top, dim=-1) if num_top else (None, None)
+        for j, row in enumerate(rows):
+            top: list[tuple[int, float]] = []
+            if top_ids is not None and top_values is not None:
+                k = params[row].top_logprobs
+                top = list(zip(top_ids[j, :k].tolist(), top_values[j, :k].tolist(), strict=True))
+            logprobs[row] = TokenLogprob(token_id=token_ids[row], logprob=chosen_lp[j], top=top)
     return logprobs
 
 
