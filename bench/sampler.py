@@ -8,7 +8,9 @@ setting — OpenAI's default (temperature 1), temperature 0.7 with top_p 0.95, t
 baseline in this file: the same filters by sorting each whole row and a draw by `torch.multinomial` over it, which
 races an exponential variate per id (vLLM's CPU sampler draws the same way; ours did both before 2026-12-07).
 Part 2, what a user sees: the tier's decode tokens/s at each of `--decode-batch-sizes` concurrent requests, sampled
-(temperature 1, top_p 0.95) against greedy in the same run. Writes bench/results/sampler.json.
+(temperature 1, top_p 0.95) against greedy in the same run. Between them, penalties (frequency and presence, or
+repetition; 300 generated and 800 seen ids a row) in one call against applying them densely over the vocabulary.
+Writes bench/results/sampler.json.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ SETTINGS = {
     "top_k 50, top_p 0.9": SamplingParams(temperature=1.0, top_k=50, top_p=0.9),
 }
 DECODE_TOKENS = 48
+PENALTIES = {
+    "frequency 0.5, presence 0.3": SamplingParams(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.3),
+    "repetition 1.1": SamplingParams(temperature=0.0, repetition_penalty=1.1),
+}
 
 
 def sort_and_multinomial(logits: torch.Tensor, params: list[SamplingParams],
@@ -61,6 +67,23 @@ def gsm8k_texts(data: Path, start: int, count: int) -> list[str]:
     """GSM8K train questions `start`.. with their worked answers."""
     lines = (data / "train.jsonl").read_text().splitlines()[start:start + count]
     return [f"{row['question']}\n{row['answer']}" for row in map(json.loads, lines)]
+
+
+def dense_penalties(logits: torch.Tensor, params: list[SamplingParams], generated: list[list[int]],
+                    seen: list[list[int]]) -> torch.Tensor:
+    """The baseline for penalties: per row, over the whole vocabulary (a seen-mask and a count per id), as ours did
+    before 2026-12-07."""
+    logits, vocab = logits.clone(), logits.shape[-1]
+    mask = torch.zeros(len(params), vocab, dtype=torch.bool)
+    for row, ids in enumerate(seen):
+        mask[row, torch.tensor(ids)] = True
+    penalty = torch.tensor([p.repetition_penalty for p in params]).unsqueeze(1)
+    logits = torch.where(mask, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    counts = torch.zeros(len(params), vocab).scatter_add_(1, torch.tensor(generated), torch.ones(len(params),
+                                                                                                 len(generated[0])))
+    frequency = torch.tensor([p.frequency_penalty for p in params]).unsqueeze(1)
+    presence = torch.tensor([p.presence_penalty for p in params]).unsqueeze(1)
+    return logits - frequency * counts - presence * (counts > 0)
 
 
 def real_logits(engine: LLMEngine, data: Path, rows: int) -> torch.Tensor:
@@ -92,6 +115,25 @@ def sampler_alone(logits: torch.Tensor, batch_sizes: list[int]) -> list[dict[str
             ours = time_call(lambda: sample(batch, [params] * size, generators), repeats)  # noqa: B023
             baseline = time_call(lambda: sort_and_multinomial(batch, [params] * size, generators), repeats)  # noqa: B023
             rows.append({"setting": name, "batch_size": size, "ours_ms": ours, "sort_and_multinomial_ms": baseline,
+                         "speedup": baseline / ours})
+    return rows
+
+
+def penalties_alone(logits: torch.Tensor, batch_sizes: list[int]) -> list[dict[str, Any]]:
+    """`sample` with penalties (greedy, 300 generated and 800 seen ids a row) against the dense baseline + argmax."""
+    rows = []
+    history = [int(t) for t in logits.argmax(dim=-1).tolist()] * 16
+    for name, params in PENALTIES.items():
+        for size in batch_sizes:
+            batch = logits[:size]
+            generated = [history[i:i + 300] for i in range(size)]
+            seen = [history[i:i + 800] for i in range(size)]
+            repeats = max(3, 64 // size)
+            ours = time_call(lambda: sample(batch, [params] * size, [None] * size, generated, None, seen),  # noqa: B023
+                             repeats)
+            baseline = time_call(lambda: dense_penalties(batch, [params] * size, generated, seen).argmax(dim=-1),  # noqa: B023
+                                 repeats)
+            rows.append({"setting": name, "batch_size": size, "ours_ms": ours, "dense_penalties_ms": baseline,
                          "speedup": baseline / ours})
     return rows
 
@@ -132,18 +174,24 @@ def main(argv: list[str] | None = None) -> None:
     if not (args.data / "train.jsonl").exists():
         raise SystemExit(f"GSM8K train.jsonl not found in {args.data}: pass its directory with --data")
     engine = LLMEngine(tier_spec(args.model, args.model).engine_config())
-    alone = sampler_alone(real_logits(engine, args.data, max(args.batch_sizes)), args.batch_sizes)
+    logits = real_logits(engine, args.data, max(args.batch_sizes))
+    alone = sampler_alone(logits, args.batch_sizes)
     print_table(f"One sample() call, ms ({args.model}, {cpu_model()})",
                 ["setting", "batch", "ours", "sort + multinomial", "speedup"],
                 [[r["setting"], r["batch_size"], r["ours_ms"], r["sort_and_multinomial_ms"], r["speedup"]]
                  for r in alone])
+    penalties = penalties_alone(logits, args.batch_sizes)
+    print_table(f"Penalties in one sample() call, ms ({args.model}, {cpu_model()})",
+                ["setting", "batch", "ours", "dense over the vocabulary", "speedup"],
+                [[r["setting"], r["batch_size"], r["ours_ms"], r["dense_penalties_ms"], r["speedup"]]
+                 for r in penalties])
     decoded = decode(engine, args.data, args.decode_batch_sizes)
     print_table(f"Decode tokens/s, temperature 1 + top_p 0.95 against greedy ({args.model})",
                 ["batch", "greedy", "sampled", "sampled / greedy"],
                 [[r["batch_size"], r["greedy_tokens_per_s"], r["sampled_tokens_per_s"], r["sampled_vs_greedy"]]
                  for r in decoded])
     write_results("sampler", {"cpu": cpu_model(), "model": args.model, "precision": engine.precision(),
-                              "sampler_alone": alone, "decode": decoded})
+                              "sampler_alone": alone, "penalties": penalties, "decode": decoded})
 
 
 if __name__ == "__main__":

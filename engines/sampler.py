@@ -66,8 +66,9 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
                   output_token_ids: Sequence[Sequence[int]] | None,
                   seen_token_ids: Sequence[Sequence[int]] | None = None,
                   eos_token_ids: Collection[int] = ()) -> torch.Tensor:
-    """The penalties, logit bias and `min_tokens`, vectorised over the rows that ask for them; returns `logits`
-    itself when no row does, else a modified copy.
+    """The penalties, logit bias and `min_tokens`, on the rows that ask for them and, in a row, on the ids they
+    concern (the distinct ids seen or generated, not the whole vocabulary); returns `logits` itself when no row
+    asks, else a modified copy.
 
     First vLLM's repetition penalty over every token seen (prompt and answer): logit[t] /= p where positive, *= p
     where not. Then OpenAI's: logit[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0),
@@ -85,23 +86,14 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
         return logits
     logits = logits.clone()
     vocab = logits.shape[-1]
-    if repeated and seen_token_ids is not None:
-        seen = torch.zeros(len(repeated), vocab, dtype=torch.bool)
-        for row, i in enumerate(repeated):
-            seen[row, torch.tensor([t for t in set(seen_token_ids[i]) if t < vocab], dtype=torch.long)] = True
-        penalty = torch.tensor([params[i].repetition_penalty for i in repeated], dtype=logits.dtype).unsqueeze(1)
-        rows = torch.tensor(repeated)
-        picked = logits[rows]
-        logits[rows] = torch.where(seen, torch.where(picked > 0, picked / penalty, picked * penalty), picked)
-    if penalised and output_token_ids is not None and (longest := max(len(output_token_ids[i]) for i in penalised)):
-        # Pad with an extra column `vocab` that is counted and dropped.
-        ids = torch.tensor([list(output_token_ids[i]) + [vocab] * (longest - len(output_token_ids[i]))
-                            for i in penalised])
-        counts = torch.zeros(len(penalised), vocab + 1).scatter_add_(1, ids, torch.ones(ids.shape))[:, :vocab]
-        frequency = torch.tensor([params[i].frequency_penalty for i in penalised]).unsqueeze(1)
-        presence = torch.tensor([params[i].presence_penalty for i in penalised]).unsqueeze(1)
-        rows = torch.tensor(penalised)
-        logits[rows] -= frequency * counts + presence * (counts > 0)
+    # Only the ids a row has seen or generated change: a few hundred of a 152k vocabulary.
+    for i in repeated if seen_token_ids is not None else []:
+        tokens = _distinct(seen_token_ids[i], vocab)[0]  # type: ignore[index]
+        picked, penalty = logits[i, tokens], params[i].repetition_penalty
+        logits[i, tokens] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    for i in penalised if output_token_ids is not None else []:
+        tokens, counts = _distinct(output_token_ids[i], vocab)  # type: ignore[index]
+        logits[i, tokens] -= params[i].frequency_penalty * counts + params[i].presence_penalty
     if biased:
         entries = [(i, token, bias) for i in biased for token, bias in params[i].logit_bias.items() if token < vocab]
         if entries:
@@ -111,6 +103,13 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
         ends = {*params[i].stop_token_ids, *(() if params[i].ignore_eos else eos_token_ids)}
         logits[i, [t for t in ends if t < vocab]] = float("-inf")
     return logits
+
+
+def _distinct(token_ids: Sequence[int], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct ids below `vocab` among `token_ids`, and how often each occurs."""
+    tokens, counts = np.unique(np.asarray(token_ids, dtype=np.int64), return_counts=True)
+    kept = tokens < vocab
+    return torch.from_numpy(tokens[kept]), torch.from_numpy(counts[kept].astype(np.float32))
 
 
 def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
