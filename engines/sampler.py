@@ -248,48 +248,59 @@ def candidates(logits: torch.Tensor, params: Sequence[SamplingParams]) -> list[C
 def top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
     """Each row's logits and ids that its top k, then the smallest prefix of those whose mass reaches top p, keep (most
-    likely first). A top-p row without top-k looks among its likely ids first (`_nucleus_of_likely_ids`: ~0.1 ms at a
-    152k vocabulary); then the prefix is looked for among the most likely `NUCLEUS_CANDIDATES` ids (or the top k, when
-    more; `topk` of 8192 takes ~1 ms), then among more, and a row is sorted whole (~12 ms) only when its prefix is
-    not among those."""
+    likely first). Top-p rows without top-k look among their likely ids first (`_likely_ids`: a comparison and a gather
+    for all of them); then the prefix is looked for among the most likely `NUCLEUS_CANDIDATES` ids (or the top k, when
+    more; `topk` of 8192 takes ~1 ms at a 152k vocabulary), then among more, and a row is sorted whole (~12 ms) only
+    when its prefix is not among those."""
     vocab = logits.shape[-1]
     widest_k = int(top_ks[top_ks < vocab].max()) if (top_ks < vocab).any() else 0
     normaliser = logits.logsumexp(dim=-1)
     kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for row in (top_ks == vocab).nonzero().squeeze(1).tolist():  # top-p alone: first among the likely ids
-        if (found := _nucleus_of_likely_ids(logits[row], float(top_ps[row]), normaliser[row])) is not None:
-            kept[row] = found
-    pending = torch.tensor([row for row in range(len(logits)) if row not in kept], dtype=torch.long)
-    if not len(pending):
-        return [kept[row] for row in range(len(logits))]
+    pending = torch.arange(len(logits))
+    if (top_p_only := top_ks == vocab).any():
+        rows = top_p_only.nonzero().squeeze(1)
+        values, ids, too_many = _likely_ids(logits if top_p_only.all() else logits[rows])
+        values, complete = _nucleus(values, top_ks[rows], top_ps[rows], normaliser[rows])
+        _keep(kept, rows, values, ids, complete & ~too_many)
+        pending = torch.tensor([row for row in range(len(logits)) if row not in kept], dtype=torch.long)
     for width in sorted({min(vocab, max(candidates, widest_k)) for candidates in (*NUCLEUS_CANDIDATES, vocab)}):
+        if not len(pending):
+            break
         rows = logits if len(pending) == len(logits) else logits[pending]
         values, ids = rows.sort(dim=-1, descending=True) if width == vocab else rows.topk(width, dim=-1)
         values, complete = _nucleus(values, top_ks[pending], top_ps[pending], normaliser[pending])
-        lengths = values.isfinite().sum(dim=-1).tolist()  # what a row keeps is a prefix of its values
-        for i in complete.nonzero().squeeze(1).tolist():  # every row is complete once sorted whole
-            kept[int(pending[i])] = (values[i, :lengths[i]], ids[i, :lengths[i]])
+        _keep(kept, pending, values, ids, complete)  # every row is complete once sorted whole
         pending = pending[~complete]
-        if not len(pending):
-            break
     return [kept[row] for row in range(len(logits))]
 
 
-def _nucleus_of_likely_ids(logits: torch.Tensor, top_p: float, normaliser: torch.Tensor
-                           ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
-    """A top-p row's kept logits and ids found among the ids at least `LIKELY_SHARE` as likely as its most likely
-    one (a comparison and a gather: in a model's distributions a few hundred ids, which hold the nucleus); None when
-    they do not hold it, or are too many to sort cheaply."""
-    ids = (logits >= logits.max() + math.log(LIKELY_SHARE)).nonzero().squeeze(1)
-    if len(ids) > NUCLEUS_CANDIDATES[0]:
-        return None
-    values, order = logits[ids].sort(descending=True)
-    values, complete = _nucleus(values.unsqueeze(0), torch.tensor([logits.shape[-1]]), torch.tensor([top_p]),
-                                normaliser.reshape(1))
-    if not bool(complete):
-        return None
-    length = int(values.isfinite().sum())
-    return values[0, :length], ids[order[:length]]
+def _keep(kept: dict[int, tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor, values: torch.Tensor,
+          ids: torch.Tensor, complete: torch.Tensor) -> None:
+    """Record the complete rows' kept logits and ids: the finite prefix of their values."""
+    lengths = values.isfinite().sum(dim=-1).tolist()
+    for i in complete.nonzero().squeeze(1).tolist():
+        kept[int(rows[i])] = (values[i, :lengths[i]], ids[i, :lengths[i]])
+
+
+def _likely_ids(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's ids at least `LIKELY_SHARE` as likely as its most likely one (in a model's distributions a few
+    hundred, which hold the nucleus), as their logits in descending order and the ids, padded with -inf; and the rows
+    that have too many such ids to sort cheaply (left empty here)."""
+    mask = logits >= logits.max(dim=-1, keepdim=True).values + math.log(LIKELY_SHARE)
+    counts = mask.sum(dim=-1)
+    too_many = counts > NUCLEUS_CANDIDATES[0]
+    if too_many.any():
+        mask[too_many] = False
+        counts = torch.where(too_many, 0, counts)
+    rows, ids = mask.nonzero(as_tuple=True)  # row by row, ids ascending
+    position = torch.arange(len(ids)) - (counts.cumsum(0) - counts)[rows]
+    width = max(1, int(counts.max()))
+    values = torch.full((len(logits), width), float("-inf"), dtype=logits.dtype)
+    values[rows, position] = logits[rows, ids]
+    id_matrix = torch.zeros((len(logits), width), dtype=torch.long)
+    id_matrix[rows, position] = ids
+    values, order = values.sort(dim=-1, descending=True)
+    return values, id_matrix.gather(1, order), too_many
 
 
 def _nucleus(values: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,

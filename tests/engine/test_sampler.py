@@ -71,9 +71,12 @@ def test_top_k_and_top_p_keep_what_sorting_the_whole_row_keeps_whether_or_not_th
     flat = torch.randn(4, vocab, generator=generator) * 0.1  # it lies among the next, or only a sort finds it
     masked = torch.randn(2, vocab, generator=generator)
     masked[:, 500:] = float("-inf")  # a grammar's or min-p's mask: fewer finite ids than candidates
-    logits = torch.cat([peaked, flat, masked])
-    top_ks = [vocab, 50, 3000, vocab, 2000, 10, vocab, vocab, 700]
-    top_ps = [0.9, 1.0, 0.95, 0.9, 0.5, 0.3, 0.4, 0.8, 0.99]
+    beyond_likely = torch.full((1, vocab), -20.0)
+    beyond_likely[0, :2300] = 0.2 + torch.rand(2300, generator=generator) / 2  # under a 1e-4 share of the top ids
+    beyond_likely[0, :300] = 10.0  # 300 likely ids hold 99.95% of the mass: a top p of 0.9998 reaches past them
+    logits = torch.cat([peaked, flat, masked, beyond_likely])
+    top_ks = [vocab, 50, 3000, vocab, 2000, 10, vocab, vocab, 700, vocab]
+    top_ps = [0.9, 1.0, 0.95, 0.9, 0.5, 0.3, 0.4, 0.8, 0.99, 0.9998]
     expected = top_k_top_p_by_sorting(logits, top_ks, top_ps)
     kept = torch.full_like(logits, float("-inf"))
     for row, (values, ids) in enumerate(top_k_top_p(logits, torch.tensor(top_ks), torch.tensor(top_ps))):
@@ -83,6 +86,7 @@ def test_top_k_and_top_p_keep_what_sorting_the_whole_row_keeps_whether_or_not_th
     assert torch.equal(kept[kept.isfinite()], logits[kept.isfinite()])
     num_kept = kept.isfinite().sum(dim=-1).tolist()
     assert num_kept[0] < NUCLEUS_CANDIDATES[0] < num_kept[6] < NUCLEUS_CANDIDATES[1] < num_kept[3]  # every stage ran
+    assert 300 < num_kept[9] < NUCLEUS_CANDIDATES[0]
 
 
 def test_a_draw_follows_the_weights_never_picks_a_zero_and_repeats_under_a_seed() -> None:
