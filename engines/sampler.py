@@ -127,7 +127,7 @@ def _choose(logits: torch.Tensor, params: Sequence[SamplingParams],
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     for start in range(0, len(random_rows), SAMPLED_ROWS_AT_ONCE):
         rows = random_rows[start:start + SAMPLED_ROWS_AT_ONCE]
-        drawn = candidates(logits[torch.tensor(rows)], [params[i] for i in rows])
+        drawn = candidates(take_rows(logits, rows), [params[i] for i in rows])
         for row, (weights, ids) in zip(rows, drawn, strict=True):
             token = draw(weights, generators[row])
             token_ids[row] = token if ids is None else ids[token]
@@ -186,10 +186,7 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int],
     wanted = [i for i, p in enumerate(params) if p.logprobs]
     for start in range(0, len(wanted), SAMPLED_ROWS_AT_ONCE):
         rows = wanted[start:start + SAMPLED_ROWS_AT_ONCE]
-        # Consecutive rows (every row of a scored prompt asks) are read in place, not gathered.
-        consecutive = rows[-1] - rows[0] == len(rows) - 1
-        log_probs = torch.log_softmax(logits[rows[0]:rows[-1] + 1] if consecutive else logits[torch.tensor(rows)],
-                                      dim=-1)
+        log_probs = torch.log_softmax(take_rows(logits, rows), dim=-1)  # every row of a scored prompt asks
         chosen = torch.tensor([token_ids[i] for i in rows], device=logits.device)
         chosen_lp = log_probs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
         num_top = max(params[i].top_logprobs for i in rows)
@@ -234,13 +231,12 @@ def candidates(logits: torch.Tensor, params: Sequence[SamplingParams]) -> list[C
     result: dict[int, Candidates] = {}
     if truncates.any():
         rows = truncates.nonzero().squeeze(1)
-        for row, (values, ids) in zip(rows.tolist(), top_k_top_p(logits[rows], top_ks[rows], top_ps[rows]),
+        for row, (values, ids) in zip(rows.tolist(), top_k_top_p(take_rows(logits, rows), top_ks[rows], top_ps[rows]),
                                       strict=True):
             result[row] = (values.softmax(dim=-1), ids)
     if not truncates.all():
         rows = (~truncates).nonzero().squeeze(1)
-        whole = logits if not truncates.any() else logits[rows]
-        for row, probs in zip(rows.tolist(), whole.softmax(dim=-1), strict=True):
+        for row, probs in zip(rows.tolist(), take_rows(logits, rows).softmax(dim=-1), strict=True):
             result[row] = (probs, None)
     return [result[row] for row in range(len(params))]
 
@@ -254,24 +250,35 @@ def top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
     when its prefix is not among those."""
     vocab = logits.shape[-1]
     widest_k = int(top_ks[top_ks < vocab].max()) if (top_ks < vocab).any() else 0
-    normaliser = logits.logsumexp(dim=-1)
+    top_p_only = top_ks == vocab
+    # A top-p row's candidates are normalised by its whole row's logsumexp; a top-k row's by their own (`_nucleus`).
+    normaliser = logits.logsumexp(dim=-1) if top_p_only.any() else torch.zeros(len(logits), dtype=logits.dtype)
     kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     pending = torch.arange(len(logits))
-    if (top_p_only := top_ks == vocab).any():
+    if top_p_only.any():
         rows = top_p_only.nonzero().squeeze(1)
-        values, ids, too_many = _likely_ids(logits if top_p_only.all() else logits[rows])
+        values, ids, too_many = _likely_ids(take_rows(logits, rows))
         values, complete = _nucleus(values, top_ks[rows], top_ps[rows], normaliser[rows])
         _keep(kept, rows, values, ids, complete & ~too_many)
         pending = torch.tensor([row for row in range(len(logits)) if row not in kept], dtype=torch.long)
     for width in sorted({min(vocab, max(candidates, widest_k)) for candidates in (*NUCLEUS_CANDIDATES, vocab)}):
         if not len(pending):
             break
-        rows = logits if len(pending) == len(logits) else logits[pending]
+        rows = take_rows(logits, pending)
         values, ids = rows.sort(dim=-1, descending=True) if width == vocab else rows.topk(width, dim=-1)
         values, complete = _nucleus(values, top_ks[pending], top_ps[pending], normaliser[pending])
         _keep(kept, pending, values, ids, complete)  # every row is complete once sorted whole
         pending = pending[~complete]
     return [kept[row] for row in range(len(logits))]
+
+
+def take_rows(tensor: torch.Tensor, rows: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """`tensor[rows]` for ascending, distinct `rows`: a view, not a copy of [rows, vocabulary], when they are
+    consecutive (most often: every row of the step)."""
+    rows = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
+    if rows and rows[-1] - rows[0] == len(rows) - 1:
+        return tensor[rows[0]:rows[-1] + 1]
+    return tensor[torch.tensor(rows, dtype=torch.long)]
 
 
 def _keep(kept: dict[int, tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor, values: torch.Tensor,
