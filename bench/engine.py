@@ -55,6 +55,7 @@ import asyncio
 import dataclasses
 import functools
 import gc
+import itertools
 import json
 import math
 import random
@@ -113,6 +114,13 @@ def _corpus_texts() -> tuple[list[str], list[str], str]:
         for d in range(4000)
     ]
     return synthetic[:2000], synthetic[2000:], "synthetic arithmetic text"
+
+
+def gsm8k_worked_answers(directory: Path, start: int, count: int) -> list[str]:
+    """GSM8K train questions `start` to `start + count`, each followed by its worked answer."""
+    with (directory / "train.jsonl").open() as f:
+        lines = itertools.islice(f, start, start + count)
+        return [f"{raw['question']}\n{raw['answer']}" for raw in map(json.loads, lines)]
 
 
 def token_stream(tokenizer: Any, texts: Sequence[str], min_tokens: int) -> list[int]:

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -49,7 +48,14 @@ from typing import Any
 import torch
 
 from bench.common import cpu_model, mean, print_table, write_results
-from bench.engine import GSM8K_DIR, batch1_decode, decode_weight_bytes, teacher_forced, token_stream
+from bench.engine import (
+    GSM8K_DIR,
+    batch1_decode,
+    decode_weight_bytes,
+    gsm8k_worked_answers,
+    teacher_forced,
+    token_stream,
+)
 from bench.speculative import first_divergences, gsm8k_prompts, run
 from engines.config import EngineConfig
 from engines.cpu import release_free_memory
@@ -97,13 +103,7 @@ def check_data(directory: Path) -> None:
 
 def train_tokens(tokenizer: Tokenizer, directory: Path, count: int) -> list[int]:
     """The first `count` tokens of GSM8K train questions, each followed by its worked answer."""
-    texts = []
-    with (directory / "train.jsonl").open() as f:
-        for line in f:
-            raw = json.loads(line)
-            texts.append(f"{raw['question']}\n{raw['answer']}")
-            if len(texts) * 64 >= count:  # no GSM8K example is shorter than 64 tokens
-                break
+    texts = gsm8k_worked_answers(directory, 0, -(-count // 64))  # no GSM8K example is shorter than 64 tokens
     ids = token_stream(tokenizer, texts, count)[:count]
     if len(ids) < count:
         raise ValueError(f"only {len(ids)} tokens of GSM8K train text; asked for {count}")

@@ -16,7 +16,6 @@ Writes bench/results/sampler.json.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import torch
 
 from bench.common import cpu_model, print_table, write_results
-from bench.engine import GSM8K_DIR, token_stream
+from bench.engine import GSM8K_DIR, gsm8k_worked_answers, token_stream
 from engines.llm_engine import LLMEngine
 from engines.model_runner import TokenSpan
 from engines.sampler import sample
@@ -63,12 +62,6 @@ def sort_and_multinomial(logits: torch.Tensor, params: list[SamplingParams],
     return [int(torch.multinomial(row, 1, generator=g)) for row, g in zip(probs, generators, strict=True)]
 
 
-def gsm8k_texts(data: Path, start: int, count: int) -> list[str]:
-    """GSM8K train questions `start`.. with their worked answers."""
-    lines = (data / "train.jsonl").read_text().splitlines()[start:start + count]
-    return [f"{row['question']}\n{row['answer']}" for row in map(json.loads, lines)]
-
-
 def dense_penalties(logits: torch.Tensor, params: list[SamplingParams], generated: list[list[int]],
                     seen: list[list[int]]) -> torch.Tensor:
     """The baseline for penalties: per row, over the whole vocabulary (a seen-mask and a count per id), as ours did
@@ -88,7 +81,7 @@ def dense_penalties(logits: torch.Tensor, params: list[SamplingParams], generate
 
 def real_logits(engine: LLMEngine, data: Path, rows: int) -> torch.Tensor:
     """`rows` next-token logit rows of the tier's model over GSM8K train text (the engine's cache blocks reused)."""
-    token_ids = token_stream(engine.tokenizer, gsm8k_texts(data, 0, 64), rows + 1)[:rows + 1]
+    token_ids = token_stream(engine.tokenizer, gsm8k_worked_answers(data, 0, 64), rows + 1)[:rows + 1]
     runner, chunks = engine.runner, []
     for start in range(0, rows, 256):
         chunk = token_ids[start:start + 256]
@@ -151,7 +144,7 @@ def decode_tokens_per_s(engine: LLMEngine, prompts: list[list[int]], params: Sam
 
 
 def decode(engine: LLMEngine, data: Path, batch_sizes: list[int]) -> list[dict[str, Any]]:
-    prompts = [engine.tokenizer.encode(text)[:64] for text in gsm8k_texts(data, 100, max(batch_sizes))]
+    prompts = [engine.tokenizer.encode(text)[:64] for text in gsm8k_worked_answers(data, 100, max(batch_sizes))]
     sampled = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=DECODE_TOKENS, ignore_eos=True, seed=0)
     greedy = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
     rows = []

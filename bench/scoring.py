@@ -27,7 +27,6 @@ import argparse
 import dataclasses
 import gc
 import itertools
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -35,23 +34,12 @@ from typing import Any
 import torch
 
 from bench.common import cpu_model, print_table, write_results
-from bench.engine import GSM8K_DIR, hf_model
+from bench.engine import GSM8K_DIR, gsm8k_worked_answers, hf_model
 from engines.cpu import has_native_bf16
 from engines.llm_engine import LLMEngine
 from engines.loader import load_checkpoint
 from engines.sampling_params import SamplingParams
 from engines.tiers import tier_spec
-from engines.tokenizer import Tokenizer
-
-
-def scoring_prompts(tokenizer: Tokenizer, directory: Path, count: int) -> list[list[int]]:
-    """The first `count` GSM8K train questions, each followed by its worked answer, as token ids."""
-    prompts = []
-    with (directory / "train.jsonl").open() as f:
-        for line in itertools.islice(f, count):
-            raw = json.loads(line)
-            prompts.append(tokenizer.encode(f"{raw['question']}\n{raw['answer']}"))
-    return prompts
 
 
 def ours(engine: LLMEngine, prompts: list[list[int]], scored: bool, tag: str) -> tuple[float, list[list[float]]]:
@@ -102,7 +90,7 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     spec = tier_spec(name, name)
     config = spec.engine_config()
     checkpoint = load_checkpoint(Path(config.model))
-    prompts = scoring_prompts(checkpoint.tokenizer, args.data, args.prompts)
+    prompts = [checkpoint.tokenizer.encode(text) for text in gsm8k_worked_answers(args.data, 0, args.prompts)]
     num_tokens = sum(len(p) for p in prompts)
     print(f"\n== {name}: {len(prompts)} prompts, {num_tokens} tokens", flush=True)
     engine = LLMEngine(dataclasses.replace(config, enable_prefix_caching=False))
