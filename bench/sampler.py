@@ -115,7 +115,8 @@ def sampler_alone(logits: torch.Tensor, batch_sizes: list[int]) -> list[dict[str
 def penalties_alone(logits: torch.Tensor, batch_sizes: list[int]) -> list[dict[str, Any]]:
     """`sample` with penalties (greedy, 300 generated and 800 seen ids a row) against the dense baseline + argmax."""
     rows = []
-    history = [int(t) for t in logits.argmax(dim=-1).tolist()] * 16
+    argmaxes = [int(t) for t in logits.argmax(dim=-1).tolist()]
+    history = argmaxes * -(-(max(batch_sizes) + 800) // len(argmaxes))  # long enough for every row's 800 ids
     for name, params in PENALTIES.items():
         for size in batch_sizes:
             batch = logits[:size]

@@ -9,12 +9,14 @@ from collections.abc import Collection, Sequence
 import numpy as np
 import torch
 
+from engines.cpu_kernels import sample_rows
 from engines.outputs import TokenLogprob
 from engines.sampling_params import SamplingParams
 from engines.structured import GrammarState, allocate_bitmask, apply_bitmask
 
 # Part of `system_fingerprint` (`engines.serving.backend_fingerprint`): a seeded request's tokens change with it.
-SAMPLER_VERSION = 2  # 2: draws by block inverse CDF (`draw`), top-p among the most likely ids first
+SAMPLER_VERSION = 3  # 2: draws by block inverse CDF (`draw`), top-p among the most likely ids first; 3: one uniform
+# variate a draw, the id within its block by inverse CDF too (`inverse_cdf`), the same rule in C (`draw_native`)
 # [rows, vocabulary] float32 temporaries of sampling and logprobs stay under the heap's mmap threshold at 32 rows of a
 # 152k vocabulary (19 MB; `engines.cpu.keep_freed_memory`): 64 rows (39 MB) were mapped and page-faulted afresh each
 # time, 3× the time of the arithmetic (BENCHMARKS.md, prompt scoring).
@@ -123,34 +125,73 @@ def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
 
 def _choose(logits: torch.Tensor, params: Sequence[SamplingParams],
             generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    token_ids = argmax_ids(logits)
+    token_ids = torch.zeros(len(params), dtype=torch.long)
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    if greedy_rows:
+        token_ids[greedy_rows] = argmax_ids(take_rows(logits, greedy_rows))
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
-    for start in range(0, len(random_rows), SAMPLED_ROWS_AT_ONCE):
-        rows = random_rows[start:start + SAMPLED_ROWS_AT_ONCE]
-        drawn = candidates(take_rows(logits, rows), [params[i] for i in rows])
-        for row, (weights, ids) in zip(rows, drawn, strict=True):
-            token = draw(weights, generators[row])
-            token_ids[row] = token if ids is None else ids[token]
+    uniforms = {row: _uniform(generators[row]) for row in random_rows}
+    drawn = draw_native(logits, random_rows, params, uniforms)
+    rest = [row for row in random_rows if row not in drawn]
+    for start in range(0, len(rest), SAMPLED_ROWS_AT_ONCE):
+        rows = rest[start:start + SAMPLED_ROWS_AT_ONCE]
+        for row, (weights, ids) in zip(rows, candidates(take_rows(logits, rows), [params[i] for i in rows]),
+                                       strict=True):
+            token = inverse_cdf(weights, uniforms[row])
+            drawn[row] = token if ids is None else int(ids[token])
+    if drawn:
+        token_ids[list(drawn)] = torch.tensor(list(drawn.values()))
     return token_ids
 
 
-def draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One id drawn from a row of non-negative `weights` (not necessarily normalised): its block of `DRAW_BLOCK` ids
-    by the inverse CDF of the blocks' masses in float64, then an id within the block by `torch.multinomial`.
+def draw_native(logits: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams],
+                uniforms: dict[int, float]) -> dict[int, int]:
+    """The draws of `rows` by the CPU kernel (`engines.cpu_kernels.sample_rows`): `inverse_cdf` over `candidates`'
+    distribution at the same variates, in two passes over a row where PyTorch makes six or so. Rows with min-p, rows
+    the kernel leaves (what top-k or top-p keep not among the row's likely ids), and every row where the kernel
+    cannot run are not in the result."""
+    vocab = logits.shape[-1]
+    native = [row for row in rows if not params[row].min_p]
+    kernel = sample_rows()
+    if kernel is None or not native or not kernel.supports(logits):
+        return {}
+    ids = kernel(take_rows(logits, native), [params[row].temperature for row in native],
+                 [params[row].top_k if 0 < params[row].top_k < vocab else 0 for row in native],
+                 [params[row].top_p for row in native], [uniforms[row] for row in native], math.log(LIKELY_SHARE),
+                 NUCLEUS_CANDIDATES[0])
+    return {row: token for row, token in zip(native, ids, strict=True) if token >= 0}
 
-    `torch.multinomial` over a whole row draws an exponential variate for every id (~3 ms a row at a 152k vocabulary);
-    this reads the row once and draws 1 + `DRAW_BLOCK` variates."""
+
+def _uniform(generator: torch.Generator | None) -> float:
+    return float(torch.rand((), dtype=torch.float64, generator=generator))
+
+
+def draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One id drawn from a row of non-negative `weights` (not necessarily normalised): `inverse_cdf` at a uniform
+    variate from `generator`."""
+    return inverse_cdf(weights, _uniform(generator))
+
+
+def inverse_cdf(weights: torch.Tensor, u: float) -> int:
+    """The id at which the cumulative sum of `weights` (non-negative, not necessarily normalised) first exceeds
+    u · their total, u in [0, 1): the block of `DRAW_BLOCK` ids by the blocks' cumulative masses in float64, then the
+    id within it by its ids'. With u uniform that is a draw from `weights` that reads the row once, where
+    `torch.multinomial` draws an exponential variate for every id (~3 ms a row at a 152k vocabulary). An id of
+    weight 0 is never chosen."""
     num_ids = weights.shape[-1]
     whole = num_ids - num_ids % DRAW_BLOCK
     masses = weights[:whole].reshape(-1, DRAW_BLOCK).sum(dim=1, dtype=torch.float64)
     if whole < num_ids:
         masses = torch.cat([masses, weights[whole:].sum(dtype=torch.float64).reshape(1)])
     cdf = masses.cumsum(0)
-    u = torch.rand((), dtype=torch.float64, generator=generator)
-    block = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
+    target = u * float(cdf[-1])
+    block = int(torch.searchsorted(cdf, target, right=True))
     block = min(block, int(masses.nonzero()[-1]))  # u · total may round up to the total
     start = block * DRAW_BLOCK
-    return start + int(torch.multinomial(weights[start:start + DRAW_BLOCK], 1, generator=generator))
+    within = weights[start:start + DRAW_BLOCK]
+    residual = target - (float(cdf[block - 1]) if block else 0.0)
+    index = int(torch.searchsorted(within.to(torch.float64).cumsum(0), residual, right=True))
+    return start + min(index, int(within.nonzero()[-1]))
 
 
 def _constrain(logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams],
@@ -244,12 +285,11 @@ def candidates(logits: torch.Tensor, params: Sequence[SamplingParams]) -> list[C
 def top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
     """Each row's logits and ids that its top k, then the smallest prefix of those whose mass reaches top p, keep (most
-    likely first). Top-p rows without top-k look among their likely ids first (`_likely_ids`: a comparison and a gather
-    for all of them); then the prefix is looked for among the most likely `NUCLEUS_CANDIDATES` ids (or the top k, when
-    more; `topk` of 8192 takes ~1 ms at a 152k vocabulary), then among more, and a row is sorted whole (~12 ms) only
-    when its prefix is not among those."""
+    likely first). Top-k rows take their k most likely ids (`topk`). Top-p rows without top-k look among their likely
+    ids first (`_likely_ids`: a comparison and a gather for all of them); then the prefix is looked for among the most
+    likely `NUCLEUS_CANDIDATES` ids (`topk` of 8192 takes ~1 ms at a 152k vocabulary), then among more, and a row is
+    sorted whole (~12 ms) only when its prefix is not among those."""
     vocab = logits.shape[-1]
-    widest_k = int(top_ks[top_ks < vocab].max()) if (top_ks < vocab).any() else 0
     top_p_only = top_ks == vocab
     # A top-p row's candidates are normalised by its whole row's logsumexp; a top-k row's by their own (`_nucleus`).
     normaliser = logits.logsumexp(dim=-1) if top_p_only.any() else torch.zeros(len(logits), dtype=logits.dtype)
@@ -261,7 +301,13 @@ def top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
         values, complete = _nucleus(values, top_ks[rows], top_ps[rows], normaliser[rows])
         _keep(kept, rows, values, ids, complete & ~too_many)
         pending = torch.tensor([row for row in range(len(logits)) if row not in kept], dtype=torch.long)
-    for width in sorted({min(vocab, max(candidates, widest_k)) for candidates in (*NUCLEUS_CANDIDATES, vocab)}):
+    if (top_ks < vocab).any():  # a top-k row's kept ids are among its k most likely
+        rows = (top_ks < vocab).nonzero().squeeze(1)
+        values, ids = take_rows(logits, rows).topk(int(top_ks[rows].max()), dim=-1)
+        values, _ = _nucleus(values, top_ks[rows], top_ps[rows], normaliser[rows])
+        _keep(kept, rows, values, ids, torch.ones(len(rows), dtype=torch.bool))
+        pending = pending[top_ks[pending] == vocab]
+    for width in sorted({min(vocab, candidates) for candidates in (*NUCLEUS_CANDIDATES, vocab)}):
         if not len(pending):
             break
         rows = take_rows(logits, pending)

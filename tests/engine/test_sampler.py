@@ -5,7 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.sampler import NUCLEUS_CANDIDATES, argmax_ids, draw, filtered_probs, sample, top_k_top_p
+from engines.cpu_kernels import sample_rows
+from engines.sampler import (
+    NUCLEUS_CANDIDATES,
+    argmax_ids,
+    candidates,
+    draw,
+    draw_native,
+    filtered_probs,
+    inverse_cdf,
+    sample,
+    top_k_top_p,
+)
 from engines.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([[1.0, 3.0, 2.0, 0.5, -1.0], [0.0, 0.1, 0.2, 5.0, 0.3]])
@@ -101,6 +112,34 @@ def test_a_draw_follows_the_weights_never_picks_a_zero_and_repeats_under_a_seed(
         seeded = torch.Generator().manual_seed(seed)
         return [draw(weights, seeded) for _ in range(30)]
     assert draws(1) == draws(1) != draws(2)
+
+
+@pytest.mark.skipif(sample_rows() is None, reason="the CPU sampling kernel needs a C compiler and AVX2")
+def test_the_kernel_draws_the_token_the_python_rule_draws_at_the_same_variate() -> None:
+    vocab = 40_000
+    generator = torch.Generator().manual_seed(0)
+    peaked = torch.randn(3, vocab, generator=generator) * 6  # a model's confident rows: few likely ids
+    masked = torch.randn(2, vocab, generator=generator)
+    masked[:, 500:] = float("-inf")  # a grammar's or min_tokens' mask: fewer finite ids than a top k of 3000
+    flat = torch.randn(1, vocab, generator=generator) * 0.1  # every id likely: a nucleus only a sort finds
+    logits = torch.cat([peaked, masked, flat])
+    # At the ends of [0, 1) the two may part by a rounding (their sums add in different orders): only finite there.
+    extremes = {0.0, 1.0 - 2.0 ** -53}
+    variates = [*extremes, *torch.rand(40, dtype=torch.float64, generator=generator).tolist()]
+    for temperature in (0.7, 1.3):
+        for top_k in (0, 5, 3000):
+            for top_p in (1.0, 0.9):
+                params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)] * len(logits)
+                expected = candidates(logits, params)
+                for u in variates:
+                    drawn = draw_native(logits, range(len(logits)), params, dict.fromkeys(range(len(logits)), u))
+                    left_to_python = top_k == 0 and top_p < 1.0
+                    assert set(drawn) == set(range(5 if left_to_python else 6))
+                    for row, token in drawn.items():
+                        weights, ids = expected[row]
+                        index = inverse_cdf(weights, u)
+                        assert token == (index if ids is None else int(ids[index])) or u in extremes
+                        assert logits[row, token].isfinite()
 
 
 def test_min_p_keeps_the_tokens_at_least_that_share_of_the_most_likely_ones_probability() -> None:
