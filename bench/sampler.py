@@ -4,9 +4,10 @@
 
 Part 1, the sampler alone: one `engines.sampler.sample` call over B rows of real next-token logits (the tier's model
 over GSM8K train text, prefilled through its engine as `make run` builds it: each row a position of that text), per
-setting — OpenAI's default (temperature 1), temperature 0.7 with top_p 0.95, top_k 50 with top_p 0.9 — against the
-baseline in this file: the same filters by sorting each whole row and a draw by `torch.multinomial` over it, which
-races an exponential variate per id (vLLM's CPU sampler draws the same way; ours did both before 2026-12-07).
+setting — OpenAI's default (temperature 1), temperature 0.7 with top_p 0.95, top_k 50 with top_p 0.9, temperature 1.3
+with top_p 0.99 — against the baseline in this file: the same filters by sorting each whole row and a draw by
+`torch.multinomial` over it, which races an exponential variate per id (vLLM's CPU sampler draws the same way; ours
+did both before 2026-12-07).
 Part 2, what a user sees: the tier's decode tokens/s at each of `--decode-batch-sizes` concurrent requests, sampled
 (temperature 1, top_p 0.95) against greedy in the same run. Between them, penalties (frequency and presence, or
 repetition; 300 generated and 800 seen ids a row) in one call against applying them densely over the vocabulary.
@@ -34,6 +35,8 @@ SETTINGS = {
     "temperature 1 (default)": SamplingParams(temperature=1.0),
     "temperature 0.7, top_p 0.95": SamplingParams(temperature=0.7, top_p=0.95),
     "top_k 50, top_p 0.9": SamplingParams(temperature=1.0, top_k=50, top_p=0.9),
+    # High-entropy rows: most nuclei reach past the ids 10⁻⁴ as likely as the top one.
+    "temperature 1.3, top_p 0.99": SamplingParams(temperature=1.3, top_p=0.99),
 }
 DECODE_TOKENS = 48
 PENALTIES = {

@@ -802,29 +802,46 @@ int decode_layer_int8(const struct decoder_layer *layer, const struct decoder_sh
 }
 
 /* -- sample_rows -----------------------------------------------------------------------------------------
- * One draw per row of logits [rows, vocab] float32 from softmax(logits / temperature), within the row's top k
- * (top_k > 0) and top-p nucleus (top_p < 1): engines/sampler.py's `draw_native`, the rule its `draw` and `top_k_top_p` follow, in two
- * passes over the row instead of the six or so PyTorch makes (a sampled decode step's sampling took a third of
- * its time at 16 requests).
+ * One draw per row of logits [rows, vocab] float32 from softmax(logits / temperature) restricted to what the row's
+ * min-p (min_p > 0), top k (top_k > 0) and top-p nucleus (top_p < 1) keep — engines/sampler.py's `candidates` —
+ * in two or three passes over the row where PyTorch makes six or more (a sampled decode step's sampling took a
+ * third of its time at 16 requests). `draw_native` there states the rule; its PyTorch path draws the same ids.
  *
- * Per row: pass 1, the maximum; pass 2, the weights e^((x - max) / T) summed per block of SAMPLE_BLOCK ids
- * (float32 lanes, each block's sum in double) and, for a truncated row, its likely ids — those at least e^log_share
- * as likely as the most likely one, at most max_likely of them. A plain row draws u · total among the blocks'
- * cumulative sums, then within its block by the ids' cumulative sum. A truncated row sorts its likely ids (most
- * likely first, lower id first among equals; a top-k row short of k likely ids collects again with a lower floor,
- * `collect_top_k`), keeps its first top_k, renormalised by their own mass, then the
- * smallest prefix whose mass reaches top_p (a token is dropped when the mass before it already does; the first
- * always stays), and draws u · (kept mass) among it.
- * -inf logits weigh exactly 0. ids[r] is the drawn id, or -1 where the row is left to the caller: a truncated
- * row whose kept ids are not certainly among its likely ones (more than max_likely of those, or their mass short
- * of top_p without top_k), or a row with no finite maximum. Returns 0, or -1 where scratch memory could not be had (nothing drawn then). */
+ * Per row: pass 1, the maximum; pass 2, the weights e^((x - max) / T) summed per block of SAMPLE_BLOCK ids (float32
+ * lanes, each block's sum in double; -inf and NaN weigh 0) and, for a truncated row, its likely ids: those at least
+ * min_p as likely as the most likely one (min-p), else at least e^log_share as likely, at most `max_likely` of them
+ * (a top-k row short of k such ids, or with too many, moves that bound: `collect_top_k`). A truncated row sorts
+ * them (most likely first, lower id first among equals) to find its cut: the last id it keeps. What it keeps is the
+ * k most likely (of the min-p set), then the smallest prefix of those whose mass — over the row's, or over the top
+ * k's or the min-p set's own where the row has one — reaches top_p (an id is dropped when the mass before it
+ * already does; the first always stays). A top-p row whose nucleus goes on past its likely ids finds the cut from
+ * a histogram of its mass by distance from the maximum (`nucleus_cut`).
+ *
+ * The draw, with one uniform variate u: the id at which the kept weights' cumulative sum, in id order, first exceeds
+ * u · their total (the blocks' sums first, then within the block; kept ids few enough to be listed are walked
+ * directly). ids[r] is that id, or -1 where the row is left to the caller: no finite maximum, or a cut not found
+ * among at most `max_likely` ids. Returns 0, or -1 where scratch memory could not be had (nothing drawn then). */
 #define SAMPLE_BLOCK 1024
+#define GAP_BINS 2048  /* `nucleus_cut`'s histogram: 1/32 nat a bin, 64 nats (ids beyond weigh < 1.7e-28 each) */
+#define GAP_BINS_PER_NAT 32.f
 
 struct likely_id { float logit; int32_t id; };
+
+struct sample_scratch {
+    double *block_sums;        /* [blocks] */
+    double *bins;              /* [GAP_BINS] */
+    float *w;                  /* [SAMPLE_BLOCK] */
+    struct likely_id *likely;  /* [max_likely] */
+};
 
 static int more_likely_first(const void *a, const void *b) {
     const struct likely_id *x = a, *y = b;
     if (x->logit != y->logit) return x->logit > y->logit ? -1 : 1;
+    return (x->id > y->id) - (x->id < y->id);
+}
+
+static int lower_id_first(const void *a, const void *b) {
+    const struct likely_id *x = a, *y = b;
     return (x->id > y->id) - (x->id < y->id);
 }
 
@@ -842,23 +859,40 @@ static float row_max(const float *x, const int64_t vocab) {
     return best;
 }
 
-/* e^((x[i] - max) · inverse_t) for i in [0, n) into w (n ≤ SAMPLE_BLOCK), 0 where x[i] is -inf; returns their sum. */
-static double block_weights(const float *x, const int64_t n, const float max, const float inverse_t, float *w) {
-    const __m256 top = _mm256_set1_ps(max), scale = _mm256_set1_ps(inverse_t), none = _mm256_set1_ps(-INFINITY);
+static inline float weight_of(const float x, const float max, const float inverse_t) {
+    return x > -INFINITY ? expf((x - max) * inverse_t) : 0.f;  /* NaN compares false too */
+}
+
+/* What a truncated row keeps: the ids whose logit is above `logit`, and those equal to it up to `id` (the last kept
+ * one in the order most likely first, lower id first among equals). */
+struct cut { float logit; int64_t id; };
+static const struct cut NO_CUT = {-FLT_MAX, INT64_MAX};  /* every finite logit */
+
+/* e^((x[i] - max) · inverse_t) for the ids i in [begin, begin + n) (n ≤ SAMPLE_BLOCK) into w[i - begin], 0 where x[i]
+ * is -inf or NaN or not kept by `cut`; returns their sum. */
+static double block_weights(const float *x, const int64_t begin, const int64_t n, const float max,
+                            const float inverse_t, const struct cut cut, float *w) {
+    const __m256 top = _mm256_set1_ps(max), scale = _mm256_set1_ps(inverse_t), floor = _mm256_set1_ps(cut.logit);
     __m256 sum = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        const __m256 v = _mm256_loadu_ps(x + i);
-        const __m256 e = _mm256_and_ps(exp256(_mm256_mul_ps(_mm256_sub_ps(v, top), scale)),
-                                       _mm256_cmp_ps(v, none, _CMP_NEQ_OQ));
+        const __m256 v = _mm256_loadu_ps(x + begin + i);
+        const __m256 kept = _mm256_cmp_ps(v, floor, _CMP_GE_OQ);  /* -inf and NaN fail it */
+        const __m256 e = _mm256_and_ps(exp256(_mm256_mul_ps(_mm256_sub_ps(v, top), scale)), kept);
         _mm256_storeu_ps(w + i, e);
         sum = _mm256_add_ps(sum, e);
     }
     double total = hsum8(sum);
     for (; i < n; i++) {
-        w[i] = x[i] == -INFINITY ? 0.f : expf((x[i] - max) * inverse_t);
+        w[i] = x[begin + i] >= cut.logit ? expf((x[begin + i] - max) * inverse_t) : 0.f;
         total += w[i];
     }
+    if (cut.id < begin + n - 1)  /* ties with the cut's logit past its id are not kept */
+        for (int64_t j = cut.id + 1 > begin ? cut.id + 1 - begin : 0; j < n; j++)
+            if (x[begin + j] == cut.logit) {
+                total -= w[j];
+                w[j] = 0.f;
+            }
     return total;
 }
 
@@ -906,73 +940,171 @@ static int64_t collect_top_k(const float *x, const int64_t vocab, const float ma
     return found;
 }
 
-/* The draw among a truncated row's likely ids (see above), or -1 when what it keeps is not certainly among them. */
-static int64_t draw_nucleus(struct likely_id *likely, const int64_t found, const int64_t capacity,
-                            const float max, const float inverse_t, double total, const int64_t top_k,
-                            const float top_p, const double u) {
-    if (found > capacity || (top_k && found < top_k)) return -1;
-    qsort(likely, (size_t)found, sizeof *likely, more_likely_first);
-    const int64_t width = top_k ? top_k : found;
-    if (top_k) {  /* the top k's own mass normalises them */
-        total = 0.;
-        for (int64_t i = 0; i < width; i++) total += expf((likely[i].logit - max) * inverse_t);
-    }
+/* How many of `likely` (sorted, most likely first; `width` of them) the top-p rule keeps with the mass over `total`,
+ * or 0 where their whole mass stays short of top_p and the list is not `closed` (holds all the row may keep). */
+static int64_t nucleus_length(const struct likely_id *likely, const int64_t width, const float max,
+                              const float inverse_t, const double total, const float top_p, const int closed) {
     double before = 0.;
-    int64_t kept = 0;
-    for (; kept < width; kept++) {
-        if (kept > 0 && before >= top_p) break;
-        before += expf((likely[kept].logit - max) * inverse_t) / total;
+    for (int64_t kept = 0; kept < width; kept++) {
+        if (kept > 0 && before >= top_p) return kept;
+        before += weight_of(likely[kept].logit, max, inverse_t) / total;
     }
-    if (!top_k && kept == found && before < top_p) return -1;  /* the nucleus may go on past the likely ids */
-    const double target = u * before;
-    double mass = 0.;
-    for (int64_t i = 0; i < kept; i++) {
-        mass += expf((likely[i].logit - max) * inverse_t) / total;
-        if (target < mass) return likely[i].id;
-    }
-    return likely[kept - 1].id;
+    return closed ? width : 0;
 }
 
-/* The draw of a plain row: its block by the blocks' cumulative masses, then the id within it. */
+/* The cut of a top-p row whose nucleus goes on past its likely ids: the mass per bin of distance from the maximum
+ * (1/32 nat, tempered) gives the bin in which the kept mass reaches top_p of `total`; that bin's ids, sorted, give
+ * the cut. Returns 0, or -1 where that bin holds more than `capacity` ids. */
+static int nucleus_cut(const float *x, const int64_t vocab, const float max, const float inverse_t,
+                       const double total, const float top_p, struct sample_scratch *s, const int64_t capacity,
+                       struct cut *cut) {
+    memset(s->bins, 0, GAP_BINS * sizeof *s->bins);
+    const float scale = inverse_t * GAP_BINS_PER_NAT;
+    for (int64_t begin = 0; begin < vocab; begin += SAMPLE_BLOCK) {
+        const int64_t n = vocab - begin < SAMPLE_BLOCK ? vocab - begin : SAMPLE_BLOCK;
+        block_weights(x, begin, n, max, inverse_t, NO_CUT, s->w);
+        for (int64_t i = 0; i < n; i++) {
+            const float bin = (max - x[begin + i]) * scale;  /* NaN and -inf weigh 0 wherever they land */
+            s->bins[bin < GAP_BINS - 1 ? (int64_t)bin : GAP_BINS - 1] += s->w[i];
+        }
+    }
+    double before = 0.;
+    int64_t last = 0;
+    for (int64_t b = 0; b < GAP_BINS; b++) {
+        if (s->bins[b] <= 0.) continue;
+        last = b;
+        if ((before + s->bins[b]) / total >= top_p) break;
+        before += s->bins[b];
+    }
+    int64_t found = 0;  /* the ids of bin `last`, most likely first */
+    for (int64_t i = 0; i < vocab; i++) {
+        const float bin = (max - x[i]) * scale;
+        if (x[i] > -INFINITY && (bin < GAP_BINS - 1 ? (int64_t)bin : GAP_BINS - 1) == last) {
+            if (found < capacity) s->likely[found] = (struct likely_id){x[i], (int32_t)i};
+            found++;
+        }
+    }
+    if (found > capacity || found == 0) return -1;
+    qsort(s->likely, (size_t)found, sizeof *s->likely, more_likely_first);
+    int64_t i = 0;
+    for (; i + 1 < found; i++) {
+        before += weight_of(s->likely[i].logit, max, inverse_t);
+        if (before / total >= top_p) break;
+    }
+    *cut = (struct cut){s->likely[i].logit, s->likely[i].id};
+    return 0;
+}
+
+/* The draw among `n` listed kept ids (any order; sorted by id here): u · their mass along their cumulative sum. */
+static int64_t draw_listed(struct likely_id *kept, const int64_t n, const float max, const float inverse_t,
+                           const double u) {
+    qsort(kept, (size_t)n, sizeof *kept, lower_id_first);
+    double mass = 0.;
+    for (int64_t i = 0; i < n; i++) mass += weight_of(kept[i].logit, max, inverse_t);
+    const double target = u * mass;
+    double sum = 0.;
+    int64_t last = kept[0].id;
+    for (int64_t i = 0; i < n; i++) {
+        const float w = weight_of(kept[i].logit, max, inverse_t);
+        if (w <= 0.f) continue;
+        sum += w;
+        last = kept[i].id;
+        if (target < sum) return last;
+    }
+    return last;
+}
+
+/* The draw over what `cut` keeps of the row: its block by the blocks' cumulative masses, then the id within it. */
 static int64_t draw_row(const float *x, const int64_t vocab, const float max, const float inverse_t,
-                        const double *block_sums, const int64_t blocks, const double total, const double u,
-                        float *w) {
+                        const struct cut cut, const double u, struct sample_scratch *s) {
+    const int64_t blocks = (vocab + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+    double total = 0.;
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t begin = b * SAMPLE_BLOCK, n = vocab - begin < SAMPLE_BLOCK ? vocab - begin : SAMPLE_BLOCK;
+        s->block_sums[b] = block_weights(x, begin, n, max, inverse_t, cut, s->w);
+        total += s->block_sums[b];
+    }
     const double target = u * total;
     double before = 0., block_before = 0.;
     int64_t block = 0;
     for (int64_t b = 0; b < blocks; b++) {
-        if (block_sums[b] > 0.) {  /* else the last block with mass, should u · total round up to the total */
+        if (s->block_sums[b] > 0.) {  /* else the last block with mass, should u · total round up to the total */
             block = b;
             block_before = before;
-            if (target < before + block_sums[b]) break;
+            if (target < before + s->block_sums[b]) break;
         }
-        before += block_sums[b];
+        before += s->block_sums[b];
     }
     const int64_t begin = block * SAMPLE_BLOCK, n = vocab - begin < SAMPLE_BLOCK ? vocab - begin : SAMPLE_BLOCK;
-    block_weights(x + begin, n, max, inverse_t, w);
+    block_weights(x, begin, n, max, inverse_t, cut, s->w);
     const double residual = target - block_before;
     double mass = 0.;
     int64_t last = begin;
     for (int64_t i = 0; i < n; i++) {
-        if (w[i] <= 0.f) continue;
-        mass += w[i];
+        if (s->w[i] <= 0.f) continue;
+        mass += s->w[i];
         last = begin + i;
         if (residual < mass) return last;
     }
     return last;
 }
 
+struct sample_options { float temperature, top_p, min_p; int64_t top_k; double u; };
+
+/* The draw of a truncated row among its `found` likely ids (collected up to `capacity`), or -2 where what it keeps
+ * goes on past them (a top-p nucleus, or a min-p set too large to list), or -1 where it cannot be drawn here. */
+static int64_t draw_likely(const struct sample_options o, const float max, const float inverse_t, const double total,
+                           int64_t found, const int64_t capacity, struct likely_id *likely) {
+    const int closed = o.top_k > 0 || o.min_p > 0.f;  /* the list holds every id the row may keep */
+    if (found > capacity) return closed && o.top_k ? -1 : -2;
+    qsort(likely, (size_t)found, sizeof *likely, more_likely_first);
+    const int64_t width = o.top_k > 0 && o.top_k < found ? o.top_k : found;
+    double mass = total;
+    if (closed) {  /* the top k's or the min-p set's own mass normalises them */
+        mass = 0.;
+        for (int64_t i = 0; i < width; i++) mass += weight_of(likely[i].logit, max, inverse_t);
+    }
+    const int64_t kept = o.top_p < 1.f ? nucleus_length(likely, width, max, inverse_t, mass, o.top_p, closed) : width;
+    return kept > 0 ? draw_listed(likely, kept, max, inverse_t, o.u) : -2;
+}
+
+/* One row's draw (see above), or -1. */
+static int64_t sample_row(const float *x, const int64_t vocab, struct sample_options o, const float log_share,
+                          const int64_t capacity, struct sample_scratch *s) {
+    const float max = row_max(x, vocab), inverse_t = 1.f / o.temperature;
+    if (!isfinite(max)) return -1;
+    if (!(o.top_k > 0 || o.top_p < 1.f || o.min_p > 0.f)) return draw_row(x, vocab, max, inverse_t, NO_CUT, o.u, s);
+    /* The likely ids, and the row's mass: the min-p set's where the row has one (its floor is a cut). */
+    const struct cut floor = {max + (o.min_p > 0.f ? logf(o.min_p) : log_share) / inverse_t, INT64_MAX};
+    double total = 0.;
+    int64_t found = 0;
+    for (int64_t begin = 0; begin < vocab; begin += SAMPLE_BLOCK) {
+        const int64_t n = vocab - begin < SAMPLE_BLOCK ? vocab - begin : SAMPLE_BLOCK;
+        total += block_weights(x, begin, n, max, inverse_t, o.min_p > 0.f ? floor : NO_CUT, s->w);
+        collect_likely(x, begin, n, floor.logit, s->likely, capacity, &found);
+    }
+    if (o.top_k && o.min_p <= 0.f && (found < o.top_k || found > capacity))
+        found = collect_top_k(x, vocab, max, inverse_t, -log_share, found, s->likely, capacity, &o.top_k);
+    const int64_t id = draw_likely(o, max, inverse_t, total, found, capacity, s->likely);
+    if (id != -2) return id;
+    struct cut cut = o.min_p > 0.f ? floor : NO_CUT;  /* a min-p set too large to list is cut by its floor */
+    if (o.top_p < 1.f) {  /* and then by its nucleus, never below the floor */
+        if (nucleus_cut(x, vocab, max, inverse_t, total, o.top_p, s, capacity, &cut) != 0) return -1;
+        if (o.min_p > 0.f && cut.logit < floor.logit) cut = floor;
+    }
+    return draw_row(x, vocab, max, inverse_t, cut, o.u, s);
+}
+
 int sample_rows(const float *logits, const int64_t rows, const int64_t vocab, const float *temperature,
-                const int64_t *top_k, const float *top_p, const double *u, const float log_share,
-                const int64_t max_likely, int64_t *ids, const int threads) {
+                const int64_t *top_k, const float *top_p, const float *min_p, const double *u,
+                const float log_share, const int64_t max_likely, int64_t *ids, const int threads) {
     const int64_t blocks = (vocab + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
     int status = 0;
     #pragma omp parallel num_threads(threads)
     {
-        double *block_sums = malloc((size_t)blocks * sizeof *block_sums);
-        float *w = malloc(SAMPLE_BLOCK * sizeof *w);
-        struct likely_id *likely = malloc((size_t)max_likely * sizeof *likely);
-        if (!block_sums || !w || !likely) {
+        struct sample_scratch s = {malloc((size_t)blocks * sizeof *s.block_sums), malloc(GAP_BINS * sizeof *s.bins),
+                                   malloc(SAMPLE_BLOCK * sizeof *s.w), malloc((size_t)max_likely * sizeof *s.likely)};
+        if (!s.block_sums || !s.bins || !s.w || !s.likely) {
             #pragma omp atomic write
             status = -1;
         }
@@ -980,30 +1112,13 @@ int sample_rows(const float *logits, const int64_t rows, const int64_t vocab, co
         #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < rows; r++) {
             if (status) continue;
-            const float *x = logits + r * vocab, max = row_max(x, vocab), inverse_t = 1.f / temperature[r];
-            if (!isfinite(max)) {
-                ids[r] = -1;
-                continue;
-            }
-            const int nucleus = top_k[r] > 0 || top_p[r] < 1.f;
-            const float floor = max + log_share / inverse_t;
-            double total = 0.;
-            int64_t found = 0;
-            for (int64_t b = 0; b < blocks; b++) {
-                const int64_t begin = b * SAMPLE_BLOCK, n = vocab - begin < SAMPLE_BLOCK ? vocab - begin : SAMPLE_BLOCK;
-                block_sums[b] = block_weights(x + begin, n, max, inverse_t, w);
-                total += block_sums[b];
-                if (nucleus) collect_likely(x, begin, n, floor, likely, max_likely, &found);
-            }
-            int64_t k = top_k[r];
-            if (k && (found < k || found > max_likely))
-                found = collect_top_k(x, vocab, max, inverse_t, -log_share, found, likely, max_likely, &k);
-            ids[r] = nucleus ? draw_nucleus(likely, found, max_likely, max, inverse_t, total, k, top_p[r], u[r])
-                             : draw_row(x, vocab, max, inverse_t, block_sums, blocks, total, u[r], w);
+            const struct sample_options o = {temperature[r], top_p[r], min_p[r], top_k[r], u[r]};
+            ids[r] = sample_row(logits + r * vocab, vocab, o, log_share, max_likely, &s);
         }
-        free(block_sums);
-        free(w);
-        free(likely);
+        free(s.block_sums);
+        free(s.bins);
+        free(s.w);
+        free(s.likely);
     }
     return status;
 }

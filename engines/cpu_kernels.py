@@ -17,7 +17,7 @@ kernels' arithmetic (`engines.models.llama.NativeDecoder`, where every product i
 or w8a8: on AMX tiles, or through VNNI dot products). Prefill rows run through the PyTorch modules, where a
 tiled gate_up product applies SiLU · up itself (`TiledW8A8Kernel.silu_mul`); on AMX their attention runs on tiles
 (`PagedPrefillAttention`), and a greedy step's LM head gives its argmax without writing logits (`W8A8Amx.argmax`).
-A sampled step's rows are drawn by `sample_rows` (temperature, top-k, top-p: `engines.sampler.draw_native`).
+A sampled step's rows are drawn by `sample_rows` (temperature, min-p, top-k, top-p: `engines.sampler.draw_native`).
 `python -m bench.kernels` times the GEMVs against the PyTorch ops, `python -m bench.engine --batch1-only`
 a decode step with the kernels against the PyTorch ops; BENCHMARKS.md has the figures.
 
@@ -280,30 +280,33 @@ class RopeRows:
 
 
 class SampleRows:
-    """One draw per row of float32 logits from softmax(logits / temperature) within its top k (0: all) and top-p
-    nucleus (`sample_rows`): `engines.sampler.draw_native` calls it. -1 marks a row left to the caller."""
+    """One draw per row of float32 logits from softmax(logits / temperature) within what its min-p, top k (0: all)
+    and top-p nucleus keep (`sample_rows`): `engines.sampler.draw_native` calls it. -1 marks a row left to the
+    caller."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._sample = library.sample_rows
         self._sample.restype = ctypes.c_int
-        self._sample.argtypes = [_POINTER, _INT64, _INT64, _POINTER, _POINTER, _POINTER, _POINTER, ctypes.c_float,
-                                 _INT64, _POINTER, ctypes.c_int]
+        self._sample.argtypes = [_POINTER, _INT64, _INT64, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER,
+                                 ctypes.c_float, _INT64, _POINTER, ctypes.c_int]
 
     @staticmethod
     def supports(logits: torch.Tensor) -> bool:
         return logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.dim() == 2
 
     def __call__(self, logits: torch.Tensor, temperatures: Sequence[float], top_ks: Sequence[int],
-                 top_ps: Sequence[float], uniforms: Sequence[float], log_share: float, max_likely: int) -> list[int]:
+                 top_ps: Sequence[float], min_ps: Sequence[float], uniforms: Sequence[float], log_share: float,
+                 max_likely: int) -> list[int]:
         logits = logits.contiguous()
         temperature = torch.tensor(temperatures, dtype=torch.float32)
         top_k = torch.tensor(top_ks, dtype=torch.int64)
         top_p = torch.tensor(top_ps, dtype=torch.float32)
+        min_p = torch.tensor(min_ps, dtype=torch.float32)
         u = torch.tensor(uniforms, dtype=torch.float64)
         ids = torch.empty(len(logits), dtype=torch.int64)
         status = self._sample(logits.data_ptr(), len(logits), logits.shape[-1], temperature.data_ptr(),
-                              top_k.data_ptr(), top_p.data_ptr(), u.data_ptr(), log_share, max_likely, ids.data_ptr(),
-                              torch.get_num_threads())
+                              top_k.data_ptr(), top_p.data_ptr(), min_p.data_ptr(), u.data_ptr(), log_share,
+                              max_likely, ids.data_ptr(), torch.get_num_threads())
         if status != 0:
             raise MemoryError("sample_rows found no scratch memory")
         return ids.tolist()

@@ -16,7 +16,8 @@ from engines.structured import GrammarState, allocate_bitmask, apply_bitmask
 
 # Part of `system_fingerprint` (`engines.serving.backend_fingerprint`): a seeded request's tokens change with it.
 SAMPLER_VERSION = 3  # 2: draws by block inverse CDF (`draw`), top-p among the most likely ids first; 3: one uniform
-# variate a draw, the id within its block by inverse CDF too (`inverse_cdf`), the same rule in C (`draw_native`)
+# variate a draw, the id within its block by inverse CDF too (`inverse_cdf`), kept ids in id order (`draw_kept`), the
+# same rule in C (`draw_native`)
 # [rows, vocabulary] float32 temporaries of sampling and logprobs stay under the heap's mmap threshold at 32 rows of a
 # 152k vocabulary (19 MB; `engines.cpu.keep_freed_memory`): 64 rows (39 MB) were mapped and page-faulted afresh each
 # time, 3× the time of the arithmetic (BENCHMARKS.md, prompt scoring).
@@ -137,29 +138,37 @@ def _choose(logits: torch.Tensor, params: Sequence[SamplingParams],
         rows = rest[start:start + SAMPLED_ROWS_AT_ONCE]
         for row, (weights, ids) in zip(rows, candidates(take_rows(logits, rows), [params[i] for i in rows]),
                                        strict=True):
-            token = inverse_cdf(weights, uniforms[row])
-            drawn[row] = token if ids is None else int(ids[token])
+            drawn[row] = draw_kept(weights, ids, uniforms[row])
     if drawn:
         token_ids[list(drawn)] = torch.tensor(list(drawn.values()))
     return token_ids
 
 
+def draw_kept(weights: torch.Tensor, ids: torch.Tensor | None, u: float) -> int:
+    """The id `inverse_cdf` picks at `u` from one of `candidates`' rows, the kept ids taken in id order (whatever
+    order they came in), as `draw_native` takes them."""
+    if ids is None:
+        return inverse_cdf(weights, u)
+    ids, order = ids.sort()
+    return int(ids[inverse_cdf(weights[order], u)])
+
+
 def draw_native(logits: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams],
                 uniforms: dict[int, float]) -> dict[int, int]:
-    """The draws of `rows` by the CPU kernel (`engines.cpu_kernels.sample_rows`): `inverse_cdf` over `candidates`'
-    distribution at the same variates, in two passes over a row where PyTorch makes six or so. Rows with min-p, rows
-    the kernel leaves (what top-k or top-p keep not among the row's likely ids), and every row where the kernel
-    cannot run are not in the result."""
+    """The draws of `rows` by the CPU kernel (`engines.cpu_kernels.sample_rows`), each the id `draw_kept` picks at
+    the row's variate from `candidates`' distribution: the ids min-p, top-k and top-p keep, found among the row's
+    likely ids (or, for a nucleus beyond them, from a histogram of its mass), and the draw in id order, in two or
+    three passes over a row where PyTorch makes six or more. Rows the kernel leaves (what they keep not found among
+    `NUCLEUS_CANDIDATES[0]` ids), and every row where it cannot run, are not in the result."""
     vocab = logits.shape[-1]
-    native = [row for row in rows if not params[row].min_p]
     kernel = sample_rows()
-    if kernel is None or not native or not kernel.supports(logits):
+    if kernel is None or not rows or not kernel.supports(logits):
         return {}
-    ids = kernel(take_rows(logits, native), [params[row].temperature for row in native],
-                 [params[row].top_k if 0 < params[row].top_k < vocab else 0 for row in native],
-                 [params[row].top_p for row in native], [uniforms[row] for row in native], math.log(LIKELY_SHARE),
-                 NUCLEUS_CANDIDATES[0])
-    return {row: token for row, token in zip(native, ids, strict=True) if token >= 0}
+    ids = kernel(take_rows(logits, rows), [params[row].temperature for row in rows],
+                 [params[row].top_k if 0 < params[row].top_k < vocab else 0 for row in rows],
+                 [params[row].top_p for row in rows], [params[row].min_p for row in rows],
+                 [uniforms[row] for row in rows], math.log(LIKELY_SHARE), NUCLEUS_CANDIDATES[0])
+    return {row: token for row, token in zip(rows, ids, strict=True) if token >= 0}
 
 
 def _uniform(generator: torch.Generator | None) -> float:
