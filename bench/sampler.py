@@ -10,7 +10,8 @@ with top_p 0.99 — against the baseline in this file: the same filters by sorti
 did both before 2026-12-07).
 Part 2, what a user sees: the tier's decode tokens/s at each of `--decode-batch-sizes` concurrent requests, sampled
 (temperature 1, top_p 0.95) against greedy in the same run. Between them, penalties (frequency and presence, or
-repetition; 300 generated and 800 seen ids a row) in one call against applying them densely over the vocabulary.
+repetition; 300 generated and 800 seen ids a row) in one call against applying them densely over the vocabulary, and
+logprobs (the chosen tokens', and the top 5) against a log-softmax of the whole rows and `topk`.
 Writes bench/results/sampler.json.
 """
 
@@ -27,7 +28,7 @@ from bench.common import cpu_model, print_table, write_results
 from bench.engine import GSM8K_DIR, gsm8k_worked_answers, token_stream
 from engines.llm_engine import LLMEngine
 from engines.model_runner import TokenSpan
-from engines.sampler import sample
+from engines.sampler import argmax_ids, sample
 from engines.sampling_params import SamplingParams
 from engines.tiers import tier_spec
 
@@ -39,6 +40,10 @@ SETTINGS = {
     "temperature 1.3, top_p 0.99": SamplingParams(temperature=1.3, top_p=0.99),
 }
 DECODE_TOKENS = 48
+LOGPROBS = {
+    "logprobs": SamplingParams(temperature=0.0, logprobs=True),
+    "logprobs, top_logprobs 5": SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5),
+}
 PENALTIES = {
     "frequency 0.5, presence 0.3": SamplingParams(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.3),
     "repetition 1.1": SamplingParams(temperature=0.0, repetition_penalty=1.1),
@@ -135,6 +140,30 @@ def penalties_alone(logits: torch.Tensor, batch_sizes: list[int]) -> list[dict[s
     return rows
 
 
+def log_softmax_and_topk(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[list[float], list[Any]]:
+    """The baseline for logprobs: a greedy choice (ours, `argmax_ids`), then the whole rows' log-softmax, the chosen
+    ids' values gathered and `topk` of the top logprobs, as ours did before 2026-12-07."""
+    chosen = argmax_ids(logits)
+    log_probs = torch.log_softmax(logits, dim=-1)
+    top = log_probs.topk(max(p.top_logprobs for p in params), dim=-1)
+    return log_probs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist(), [top.values.tolist(), top.indices.tolist()]
+
+
+def logprobs_alone(logits: torch.Tensor, batch_sizes: list[int]) -> list[dict[str, Any]]:
+    """`sample` with logprobs (greedy rows; the cascade asks the small tier for the chosen tokens', clients often for
+    the top 5 too) against the log-softmax baseline."""
+    rows = []
+    for name, params in LOGPROBS.items():
+        for size in batch_sizes:
+            batch = logits[:size]
+            repeats = max(3, 64 // size)
+            ours = time_call(lambda: sample(batch, [params] * size, [None] * size), repeats)  # noqa: B023
+            baseline = time_call(lambda: log_softmax_and_topk(batch, [params] * size), repeats)  # noqa: B023
+            rows.append({"setting": name, "batch_size": size, "ours_ms": ours, "log_softmax_and_topk_ms": baseline,
+                         "speedup": baseline / ours})
+    return rows
+
+
 def decode_tokens_per_s(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, tag: str) -> float:
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", prompt, params)
@@ -182,13 +211,19 @@ def main(argv: list[str] | None = None) -> None:
                 ["setting", "batch", "ours", "dense over the vocabulary", "speedup"],
                 [[r["setting"], r["batch_size"], r["ours_ms"], r["dense_penalties_ms"], r["speedup"]]
                  for r in penalties])
+    logprobs = logprobs_alone(logits, args.batch_sizes)
+    print_table(f"Logprobs in one sample() call, ms ({args.model}, {cpu_model()})",
+                ["setting", "batch", "ours", "log-softmax + topk", "speedup"],
+                [[r["setting"], r["batch_size"], r["ours_ms"], r["log_softmax_and_topk_ms"], r["speedup"]]
+                 for r in logprobs])
     decoded = decode(engine, args.data, args.decode_batch_sizes)
     print_table(f"Decode tokens/s, temperature 1 + top_p 0.95 against greedy ({args.model})",
                 ["batch", "greedy", "sampled", "sampled / greedy"],
                 [[r["batch_size"], r["greedy_tokens_per_s"], r["sampled_tokens_per_s"], r["sampled_vs_greedy"]]
                  for r in decoded])
     write_results("sampler", {"cpu": cpu_model(), "model": args.model, "precision": engine.precision(),
-                              "sampler_alone": alone, "penalties": penalties, "decode": decoded})
+                              "sampler_alone": alone, "penalties": penalties, "logprobs": logprobs,
+                              "decode": decoded})
 
 
 if __name__ == "__main__":

@@ -1123,6 +1123,74 @@ int sample_rows(const float *logits, const int64_t rows, const int64_t vocab, co
     return status;
 }
 
+/* -- logprob_rows ----------------------------------------------------------------------------------------
+ * Each row's log-softmax at its chosen id and at its `top_n` most likely ids (most likely first, lower id first
+ * among equals), for logits [rows, vocab] float32: what `engines.sampler.token_logprobs` reports (the cascade asks the
+ * small tier for every answer token's; a scored prompt, for every prompt token's). Two passes over a row — its
+ * maximum and its top n (each id compared with the n-th best so far; few get inserted), then Σ e^(x - max) in
+ * float32 lanes, each block's sum in double — where a log-softmax writes the whole row and `topk` reads it again;
+ * each log-probability is (x - max) - log Σ, as PyTorch computes it. -inf and NaN logits weigh 0 in the sum.
+ * chosen_lp [rows], top_ids [rows, top_n], top_lp [rows, top_n] (a row with fewer than top_n non-NaN logits pads
+ * with id 0 at -inf). Returns 0. */
+static void insert_top(const float value, const int64_t id, const int64_t top_n, int64_t *count, float *values,
+                       int64_t *ids) {
+    const int full = *count == top_n;
+    if (full && !(value > values[top_n - 1])) return;
+    int64_t at = full ? top_n - 1 : (*count)++;
+    for (; at > 0 && value > values[at - 1]; at--) {  /* after its equals: lower ids, seen first, stay first */
+        values[at] = values[at - 1];
+        ids[at] = ids[at - 1];
+    }
+    values[at] = value;
+    ids[at] = id;
+}
+
+/* The row's maximum, and its top n into values / ids (their number in *count). */
+static float row_max_and_top(const float *x, const int64_t vocab, const int64_t top_n, float *values, int64_t *ids,
+                             int64_t *count) {
+    __m256 best = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= vocab; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        best = _mm256_max_ps(best, v);
+        if (!top_n) continue;
+        int mask = *count < top_n ? _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_ORD_Q))
+                                  : _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(values[top_n - 1]), _CMP_GT_OQ));
+        for (; mask; mask &= mask - 1) insert_top(x[i + __builtin_ctz(mask)], i + __builtin_ctz(mask), top_n, count,
+                                                   values, ids);
+    }
+    float max = hmax8(best);
+    for (; i < vocab; i++) {
+        max = x[i] > max ? x[i] : max;
+        if (top_n && x[i] == x[i]) insert_top(x[i], i, top_n, count, values, ids);
+    }
+    return max;
+}
+
+int logprob_rows(const float *logits, const int64_t rows, const int64_t vocab, const int64_t *chosen,
+                 const int64_t top_n, float *chosen_lp, int64_t *top_ids, float *top_lp, const int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = logits + r * vocab;
+        float *values = top_lp + r * top_n;
+        int64_t *ids = top_ids + r * top_n, count = 0;
+        const float max = row_max_and_top(x, vocab, top_n, values, ids, &count);
+        float w[SAMPLE_BLOCK];
+        double total = 0.;
+        for (int64_t begin = 0; begin < vocab; begin += SAMPLE_BLOCK) {
+            const int64_t n = vocab - begin < SAMPLE_BLOCK ? vocab - begin : SAMPLE_BLOCK;
+            total += block_weights(x, begin, n, max, 1.f, NO_CUT, w);
+        }
+        const float log_total = (float)log(total);
+        chosen_lp[r] = (x[chosen[r]] - max) - log_total;
+        for (int64_t j = 0; j < top_n; j++) {
+            values[j] = j < count ? (values[j] - max) - log_total : -INFINITY;
+            ids[j] = j < count ? ids[j] : 0;
+        }
+    }
+    return 0;
+}
+
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vnni")
 

@@ -17,7 +17,8 @@ kernels' arithmetic (`engines.models.llama.NativeDecoder`, where every product i
 or w8a8: on AMX tiles, or through VNNI dot products). Prefill rows run through the PyTorch modules, where a
 tiled gate_up product applies SiLU · up itself (`TiledW8A8Kernel.silu_mul`); on AMX their attention runs on tiles
 (`PagedPrefillAttention`), and a greedy step's LM head gives its argmax without writing logits (`W8A8Amx.argmax`).
-A sampled step's rows are drawn by `sample_rows` (temperature, min-p, top-k, top-p: `engines.sampler.draw_native`).
+A sampled step's rows are drawn by `sample_rows` (temperature, min-p, top-k, top-p: `engines.sampler.draw_native`),
+and the logprobs a request asks for come from `logprob_rows`.
 `python -m bench.kernels` times the GEMVs against the PyTorch ops, `python -m bench.engine --batch1-only`
 a decode step with the kernels against the PyTorch ops; BENCHMARKS.md has the figures.
 
@@ -310,6 +311,33 @@ class SampleRows:
         if status != 0:
             raise MemoryError("sample_rows found no scratch memory")
         return ids.tolist()
+
+
+class LogprobRows:
+    """Each row's log-softmax at a chosen id and at its `top_n` most likely ids, for float32 logits (`logprob_rows`):
+    `engines.sampler.token_logprobs` calls it."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._logprobs = library.logprob_rows
+        self._logprobs.restype = ctypes.c_int
+        self._logprobs.argtypes = [_POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _POINTER,
+                                   ctypes.c_int]
+
+    @staticmethod
+    def supports(logits: torch.Tensor) -> bool:
+        return logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.dim() == 2
+
+    def __call__(self, logits: torch.Tensor, chosen: Sequence[int], top_n: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(chosen ids' log-probabilities [rows], top ids [rows, top_n], their log-probabilities [rows, top_n])."""
+        logits = logits.contiguous()
+        chosen_ids = torch.tensor(chosen, dtype=torch.int64)
+        chosen_lp = torch.empty(len(logits))
+        top_ids = torch.empty(len(logits), top_n, dtype=torch.int64)
+        top_lp = torch.empty(len(logits), top_n)
+        self._logprobs(logits.data_ptr(), len(logits), logits.shape[-1], chosen_ids.data_ptr(), top_n,
+                       chosen_lp.data_ptr(), top_ids.data_ptr(), top_lp.data_ptr(), torch.get_num_threads())
+        return chosen_lp, top_ids, top_lp
 
 
 class Int8Gemv:
@@ -733,6 +761,13 @@ def rope_rows() -> RopeRows | None:
     """`apply_rope` over rows in C, or None where this CPU or machine cannot run the kernels."""
     library = _library()
     return None if library is None else RopeRows(library)
+
+
+@functools.cache
+def logprob_rows() -> LogprobRows | None:
+    """The log-probability kernel, or None where this CPU or machine cannot run the kernels."""
+    library = _library()
+    return None if library is None else LogprobRows(library)
 
 
 @functools.cache

@@ -9,7 +9,7 @@ from collections.abc import Collection, Sequence
 import numpy as np
 import torch
 
-from engines.cpu_kernels import sample_rows
+from engines.cpu_kernels import logprob_rows, sample_rows
 from engines.outputs import TokenLogprob
 from engines.sampling_params import SamplingParams
 from engines.structured import GrammarState, allocate_bitmask, apply_bitmask
@@ -236,18 +236,28 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int],
     wanted = [i for i, p in enumerate(params) if p.logprobs]
     for start in range(0, len(wanted), SAMPLED_ROWS_AT_ONCE):
         rows = wanted[start:start + SAMPLED_ROWS_AT_ONCE]
-        log_probs = torch.log_softmax(take_rows(logits, rows), dim=-1)  # every row of a scored prompt asks
-        chosen = torch.tensor([token_ids[i] for i in rows], device=logits.device)
-        chosen_lp = log_probs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
         num_top = max(params[i].top_logprobs for i in rows)
-        top_values, top_ids = log_probs.topk(num_top, dim=-1) if num_top else (None, None)
-        for j, row in enumerate(rows):
-            top: list[tuple[int, float]] = []
-            if top_ids is not None and top_values is not None:
-                k = params[row].top_logprobs
-                top = list(zip(top_ids[j, :k].tolist(), top_values[j, :k].tolist(), strict=True))
-            logprobs[row] = TokenLogprob(token_id=token_ids[row], logprob=chosen_lp[j], top=top)
+        chosen_lp, top_ids, top_values = _log_softmax_at(take_rows(logits, rows), [token_ids[i] for i in rows],
+                                                         num_top)
+        for j, (row, logprob) in enumerate(zip(rows, chosen_lp.tolist(), strict=True)):
+            k = params[row].top_logprobs
+            top = list(zip(top_ids[j, :k].tolist(), top_values[j, :k].tolist(), strict=True))
+            logprobs[row] = TokenLogprob(token_id=token_ids[row], logprob=logprob, top=top)
     return logprobs
+
+
+def _log_softmax_at(logits: torch.Tensor, chosen: list[int], num_top: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The rows' log-softmax at `chosen` [rows] and at their `num_top` most likely ids ([rows, num_top] ids and
+    values): the CPU kernel (`engines.cpu_kernels.logprob_rows`: two passes over a row, nothing written), else a
+    log-softmax and `topk`."""
+    kernel = logprob_rows()
+    if kernel is not None and kernel.supports(logits):
+        return kernel(logits, chosen, num_top)
+    log_probs = torch.log_softmax(logits, dim=-1)
+    chosen_lp = log_probs.gather(1, torch.tensor(chosen, device=logits.device).unsqueeze(1)).squeeze(1)
+    top_values, top_ids = log_probs.topk(num_top, dim=-1)
+    return chosen_lp, top_ids, top_values
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
 
-from engines.cpu_kernels import sample_rows
+from engines.cpu_kernels import logprob_rows, sample_rows
 from engines.sampler import (
     NUCLEUS_CANDIDATES,
     argmax_ids,
@@ -193,6 +194,52 @@ def test_logprobs_match_log_softmax_on_wide_rows_of_large_logits() -> None:
         assert [token for token, _ in logprob.top] == top_ids.tolist()
         assert [value for _, value in logprob.top] == pytest.approx(top_values.tolist(), abs=1e-4)
     assert logprobs[1] is None
+
+
+@pytest.mark.skipif(logprob_rows() is None, reason="the CPU logprob kernel needs a C compiler and AVX2")
+def test_the_logprob_kernel_gives_log_softmax_at_the_chosen_and_top_ids_masks_and_ties_included() -> None:
+    vocab = 151_937  # not a multiple of the kernel's lanes or blocks
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0)) * 8
+    logits[1, 1000:] = float("-inf")  # a grammar's mask
+    logits[2, [7, 3, 11]] = logits[2].max() + 1  # three equal maxima: the lowest id first
+    logits[3] = float("-inf")
+    logits[3, [9, 5]] = 0.0  # fewer finite logits than the top asked for: padded at -inf
+    chosen = [0, 999, 151_936, 9]
+    chosen_lp, top_ids, top_lp = logprob_rows()(logits, chosen, 20)  # type: ignore[misc]
+    expected = torch.log_softmax(logits, dim=-1)
+    assert chosen_lp.tolist() == pytest.approx(expected[range(4), chosen].tolist(), abs=1e-5)
+    for row in range(3):
+        values, ids = expected[row].topk(20)
+        assert top_lp[row].tolist() == pytest.approx(values.tolist(), abs=1e-5)
+        assert top_ids[row, 3:].tolist() == ids[3:].tolist()
+    assert top_ids[2, :3].tolist() == [3, 7, 11]
+    assert top_ids[3, :2].tolist() == [5, 9] and top_lp[3, :2].tolist() == pytest.approx([math.log(0.5)] * 2)
+    assert top_lp[3, 2:].eq(float("-inf")).all()
+
+
+@pytest.mark.skipif(sample_rows() is None, reason="the CPU kernels need a C compiler and AVX2")
+def test_without_the_kernels_a_seed_samples_the_same_tokens_with_the_same_logprobs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    logits = torch.randn(6, 30_000, generator=torch.Generator().manual_seed(1)) * 5
+    params = [SamplingParams(temperature=0.8, top_p=0.9, logprobs=True, top_logprobs=3),
+              SamplingParams(temperature=1.0, top_k=40, logprobs=True),
+              SamplingParams(temperature=1.2, min_p=0.02),
+              SamplingParams(temperature=0, logprobs=True, top_logprobs=5),
+              SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.5, top_k=8, top_p=0.5, min_p=0.1)]
+
+    def run() -> tuple[list[list[int]], list[list[float]]]:
+        seeded = generators(*range(6))
+        steps = [sample(logits, params, seeded) for _ in range(20)]
+        values = [[lp.logprob for lp in logprobs if lp is not None] for _, logprobs in steps]
+        return [tokens for tokens, _ in steps], values
+
+    tokens, values = run()
+    monkeypatch.setattr("engines.sampler.sample_rows", lambda: None)
+    monkeypatch.setattr("engines.sampler.logprob_rows", lambda: None)
+    tokens_torch, values_torch = run()
+    assert tokens == tokens_torch
+    assert [v for step in values for v in step] == pytest.approx([v for step in values_torch for v in step], abs=1e-5)
 
 
 def test_logprobs_are_given_only_to_the_rows_that_asked() -> None:
