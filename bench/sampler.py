@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -106,38 +107,45 @@ def time_call(call: Any, repeats: int) -> float:
     return (time.perf_counter() - started) / repeats * 1e3
 
 
-def sampler_alone(logits: torch.Tensor, batch_sizes: list[int]) -> list[dict[str, Any]]:
+Calls = tuple[Callable[[], Any], Callable[[], Any]]  # ours, the baseline
+
+
+def against_baseline(settings: dict[str, SamplingParams], batch_sizes: list[int],
+                     calls: Callable[[SamplingParams, int], Calls], baseline_key: str) -> list[dict[str, Any]]:
+    """Per setting and batch size, one call of ours and one of the baseline (`calls(params, size)`), ms each."""
     rows = []
-    for name, params in SETTINGS.items():
+    for name, params in settings.items():
         for size in batch_sizes:
-            batch = logits[:size]
-            generators = [torch.Generator().manual_seed(i) for i in range(size)]
+            ours, baseline = calls(params, size)
             repeats = max(3, 64 // size)
-            ours = time_call(lambda: sample(batch, [params] * size, generators), repeats)  # noqa: B023
-            baseline = time_call(lambda: sort_and_multinomial(batch, [params] * size, generators), repeats)  # noqa: B023
-            rows.append({"setting": name, "batch_size": size, "ours_ms": ours, "sort_and_multinomial_ms": baseline,
-                         "speedup": baseline / ours})
+            ours_ms, baseline_ms = time_call(ours, repeats), time_call(baseline, repeats)
+            rows.append({"setting": name, "batch_size": size, "ours_ms": ours_ms, baseline_key: baseline_ms,
+                         "speedup": baseline_ms / ours_ms})
     return rows
+
+
+def sampler_alone(logits: torch.Tensor, batch_sizes: list[int]) -> list[dict[str, Any]]:
+    def calls(params: SamplingParams, size: int) -> Calls:
+        batch, generators = logits[:size], [torch.Generator().manual_seed(i) for i in range(size)]
+        return (lambda: sample(batch, [params] * size, generators),
+                lambda: sort_and_multinomial(batch, [params] * size, generators))
+
+    return against_baseline(SETTINGS, batch_sizes, calls, "sort_and_multinomial_ms")
 
 
 def penalties_alone(logits: torch.Tensor, batch_sizes: list[int]) -> list[dict[str, Any]]:
     """`sample` with penalties (greedy, 300 generated and 800 seen ids a row) against the dense baseline + argmax."""
-    rows = []
     argmaxes = [int(t) for t in logits.argmax(dim=-1).tolist()]
     history = argmaxes * -(-(max(batch_sizes) + 800) // len(argmaxes))  # long enough for every row's 800 ids
-    for name, params in PENALTIES.items():
-        for size in batch_sizes:
-            batch = logits[:size]
-            generated = [history[i:i + 300] for i in range(size)]
-            seen = [history[i:i + 800] for i in range(size)]
-            repeats = max(3, 64 // size)
-            ours = time_call(lambda: sample(batch, [params] * size, [None] * size, generated, None, seen),  # noqa: B023
-                             repeats)
-            baseline = time_call(lambda: dense_penalties(batch, [params] * size, generated, seen).argmax(dim=-1),  # noqa: B023
-                                 repeats)
-            rows.append({"setting": name, "batch_size": size, "ours_ms": ours, "dense_penalties_ms": baseline,
-                         "speedup": baseline / ours})
-    return rows
+
+    def calls(params: SamplingParams, size: int) -> Calls:
+        batch = logits[:size]
+        generated = [history[i:i + 300] for i in range(size)]
+        seen = [history[i:i + 800] for i in range(size)]
+        return (lambda: sample(batch, [params] * size, [None] * size, generated, None, seen),
+                lambda: dense_penalties(batch, [params] * size, generated, seen).argmax(dim=-1))
+
+    return against_baseline(PENALTIES, batch_sizes, calls, "dense_penalties_ms")
 
 
 def log_softmax_and_topk(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[list[float], list[Any]]:
@@ -152,16 +160,12 @@ def log_softmax_and_topk(logits: torch.Tensor, params: list[SamplingParams]) -> 
 def logprobs_alone(logits: torch.Tensor, batch_sizes: list[int]) -> list[dict[str, Any]]:
     """`sample` with logprobs (greedy rows; the cascade asks the small tier for the chosen tokens', clients often for
     the top 5 too) against the log-softmax baseline."""
-    rows = []
-    for name, params in LOGPROBS.items():
-        for size in batch_sizes:
-            batch = logits[:size]
-            repeats = max(3, 64 // size)
-            ours = time_call(lambda: sample(batch, [params] * size, [None] * size), repeats)  # noqa: B023
-            baseline = time_call(lambda: log_softmax_and_topk(batch, [params] * size), repeats)  # noqa: B023
-            rows.append({"setting": name, "batch_size": size, "ours_ms": ours, "log_softmax_and_topk_ms": baseline,
-                         "speedup": baseline / ours})
-    return rows
+    def calls(params: SamplingParams, size: int) -> Calls:
+        batch = logits[:size]
+        return (lambda: sample(batch, [params] * size, [None] * size),
+                lambda: log_softmax_and_topk(batch, [params] * size))
+
+    return against_baseline(LOGPROBS, batch_sizes, calls, "log_softmax_and_topk_ms")
 
 
 def decode_tokens_per_s(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, tag: str) -> float:
