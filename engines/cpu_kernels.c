@@ -834,6 +834,11 @@ struct sample_scratch {
     struct likely_id *likely;  /* [max_likely] */
 };
 
+/* How many ids the block of SAMPLE_BLOCK starting at id `begin` holds (the last one fewer). */
+static inline int64_t block_length(const int64_t vocab, const int64_t begin) {
+    return vocab - begin < SAMPLE_BLOCK ? vocab - begin : SAMPLE_BLOCK;
+}
+
 static int more_likely_first(const void *a, const void *b) {
     const struct likely_id *x = a, *y = b;
     if (x->logit != y->logit) return x->logit > y->logit ? -1 : 1;
@@ -961,7 +966,7 @@ static int nucleus_cut(const float *x, const int64_t vocab, const float max, con
     memset(s->bins, 0, GAP_BINS * sizeof *s->bins);
     const float scale = inverse_t * GAP_BINS_PER_NAT;
     for (int64_t begin = 0; begin < vocab; begin += SAMPLE_BLOCK) {
-        const int64_t n = vocab - begin < SAMPLE_BLOCK ? vocab - begin : SAMPLE_BLOCK;
+        const int64_t n = block_length(vocab, begin);
         block_weights(x, begin, n, max, inverse_t, NO_CUT, s->w);
         for (int64_t i = 0; i < n; i++) {
             const float bin = (max - x[begin + i]) * scale;  /* NaN and -inf weigh 0 wherever they land */
@@ -1014,17 +1019,24 @@ static int64_t draw_listed(struct likely_id *kept, const int64_t n, const float 
     return last;
 }
 
+/* Σ of the row's weights (`block_weights` block by block, w their scratch), each block's sum also into block_sums
+ * where given. */
+static double row_weights(const float *x, const int64_t vocab, const float max, const float inverse_t,
+                          const struct cut cut, float *w, double *block_sums) {
+    double total = 0.;
+    for (int64_t begin = 0; begin < vocab; begin += SAMPLE_BLOCK) {
+        const double sum = block_weights(x, begin, block_length(vocab, begin), max, inverse_t, cut, w);
+        if (block_sums) block_sums[begin / SAMPLE_BLOCK] = sum;
+        total += sum;
+    }
+    return total;
+}
+
 /* The draw over what `cut` keeps of the row: its block by the blocks' cumulative masses, then the id within it. */
 static int64_t draw_row(const float *x, const int64_t vocab, const float max, const float inverse_t,
                         const struct cut cut, const double u, struct sample_scratch *s) {
     const int64_t blocks = (vocab + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
-    double total = 0.;
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t begin = b * SAMPLE_BLOCK, n = vocab - begin < SAMPLE_BLOCK ? vocab - begin : SAMPLE_BLOCK;
-        s->block_sums[b] = block_weights(x, begin, n, max, inverse_t, cut, s->w);
-        total += s->block_sums[b];
-    }
-    const double target = u * total;
+    const double target = u * row_weights(x, vocab, max, inverse_t, cut, s->w, s->block_sums);
     double before = 0., block_before = 0.;
     int64_t block = 0;
     for (int64_t b = 0; b < blocks; b++) {
@@ -1035,7 +1047,7 @@ static int64_t draw_row(const float *x, const int64_t vocab, const float max, co
         }
         before += s->block_sums[b];
     }
-    const int64_t begin = block * SAMPLE_BLOCK, n = vocab - begin < SAMPLE_BLOCK ? vocab - begin : SAMPLE_BLOCK;
+    const int64_t begin = block * SAMPLE_BLOCK, n = block_length(vocab, begin);
     block_weights(x, begin, n, max, inverse_t, cut, s->w);
     const double residual = target - block_before;
     double mass = 0.;
@@ -1079,7 +1091,7 @@ static int64_t sample_row(const float *x, const int64_t vocab, struct sample_opt
     double total = 0.;
     int64_t found = 0;
     for (int64_t begin = 0; begin < vocab; begin += SAMPLE_BLOCK) {
-        const int64_t n = vocab - begin < SAMPLE_BLOCK ? vocab - begin : SAMPLE_BLOCK;
+        const int64_t n = block_length(vocab, begin);
         total += block_weights(x, begin, n, max, inverse_t, o.min_p > 0.f ? floor : NO_CUT, s->w);
         collect_likely(x, begin, n, floor.logit, s->likely, capacity, &found);
     }
@@ -1148,12 +1160,12 @@ static void insert_top(const float value, const int64_t id, const int64_t top_n,
 /* The row's maximum, and its top n into values / ids (their number in *count). */
 static float row_max_and_top(const float *x, const int64_t vocab, const int64_t top_n, float *values, int64_t *ids,
                              int64_t *count) {
+    if (!top_n) return row_max(x, vocab);
     __m256 best = _mm256_set1_ps(-INFINITY);
     int64_t i = 0;
     for (; i + 8 <= vocab; i += 8) {
         const __m256 v = _mm256_loadu_ps(x + i);
         best = _mm256_max_ps(best, v);
-        if (!top_n) continue;
         int mask = *count < top_n ? _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_ORD_Q))
                                   : _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(values[top_n - 1]), _CMP_GT_OQ));
         for (; mask; mask &= mask - 1) insert_top(x[i + __builtin_ctz(mask)], i + __builtin_ctz(mask), top_n, count,
@@ -1162,7 +1174,7 @@ static float row_max_and_top(const float *x, const int64_t vocab, const int64_t 
     float max = hmax8(best);
     for (; i < vocab; i++) {
         max = x[i] > max ? x[i] : max;
-        if (top_n && x[i] == x[i]) insert_top(x[i], i, top_n, count, values, ids);
+        if (x[i] == x[i]) insert_top(x[i], i, top_n, count, values, ids);
     }
     return max;
 }
@@ -1176,12 +1188,7 @@ int logprob_rows(const float *logits, const int64_t rows, const int64_t vocab, c
         int64_t *ids = top_ids + r * top_n, count = 0;
         const float max = row_max_and_top(x, vocab, top_n, values, ids, &count);
         float w[SAMPLE_BLOCK];
-        double total = 0.;
-        for (int64_t begin = 0; begin < vocab; begin += SAMPLE_BLOCK) {
-            const int64_t n = vocab - begin < SAMPLE_BLOCK ? vocab - begin : SAMPLE_BLOCK;
-            total += block_weights(x, begin, n, max, 1.f, NO_CUT, w);
-        }
-        const float log_total = (float)log(total);
+        const float log_total = (float)log(row_weights(x, vocab, max, 1.f, NO_CUT, w, NULL));
         chosen_lp[r] = (x[chosen[r]] - max) - log_total;
         for (int64_t j = 0; j < top_n; j++) {
             values[j] = j < count ? (values[j] - max) - log_total : -INFINITY;
