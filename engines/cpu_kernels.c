@@ -1792,24 +1792,60 @@ static inline int argmax_before(const float value, const int64_t id, const float
     return isnan(value) || value > best || (value == best && id < best_id);
 }
 
+/* Row m's running log-sum-exp over 16 lanes — each lane's maximum and its Σ e^(output - maximum) — folded with the
+ * `width` outputs of one group: the lane maxima move once per group (one rescaling exponential), then one
+ * exponential per output. */
+static inline void fold_group_logsumexp(const float *outputs, const int64_t width, __m512 *lane_max,
+                                        __m512 *lane_sum) {
+    __m512 top = *lane_max;
+    for (int64_t j = 0; j < width; j += 16) {
+        const __mmask16 valid = width - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (width - j)) - 1);
+        top = _mm512_mask_max_ps(top, valid, top, _mm512_maskz_loadu_ps(valid, outputs + j));
+    }
+    __m512 sum = _mm512_mul_ps(*lane_sum, exp512(_mm512_sub_ps(*lane_max, top)));
+    for (int64_t j = 0; j < width; j += 16) {
+        const __mmask16 valid = width - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (width - j)) - 1);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, outputs + j), top));
+        sum = _mm512_mask_add_ps(sum, valid, sum, e);
+    }
+    *lane_max = top, *lane_sum = sum;
+}
+
+/* (maximum, sum) pairs of log-sum-exp parts, each sum taken relative to its maximum, combined into `*max`, `*sum`
+ * (a part with no outputs: maximum -inf, sum 0). */
+static inline void merge_logsumexp(const float max, const float sum, float *total_max, float *total_sum) {
+    if (max <= *total_max) {
+        if (sum > 0.f) *total_sum += sum * expf(max - *total_max);
+    } else {
+        *total_sum = sum + (*total_sum > 0.f ? *total_sum * expf(*total_max - max) : 0.f);
+        *total_max = max;
+    }
+}
+
 /* ids[m] = the index of row m's largest output of q(x) · wᵀ (`w8a8_amx`'s outputs, the same bits, never written
  * out): `argmax_ids` of the product without writing and reading back [rows, N] floats (an LM head's logits). Each
  * thread folds its groups' outputs, in cache, into per-row maxima over 16 lanes; the lanes, then the threads (in
- * feature order), are reduced in numpy's order. Returns 0, or -2 without memory. */
+ * feature order), are reduced in numpy's order. With `logprobs` (else NULL), logprobs[m] = the log-softmax of row
+ * m's outputs at ids[m] — a greedy token's logprob — from a log-sum-exp folded in the same pass (float32 lanes,
+ * exp512: within ~1e-5 of log_softmax's). Returns 0, or -2 without memory. */
 int w8a8_amx_argmax(const float *x, const int64_t rows, const int64_t K, const int8_t *packed, const float *w_scale,
-                    const float *bias, int64_t *ids, const int64_t N, int8_t *xq, float *x_scale, const int threads) {
+                    const float *bias, int64_t *ids, const int64_t N, int8_t *xq, float *x_scale, float *logprobs,
+                    const int threads) {
     const int64_t groups = (N + TILE_GROUP - 1) / TILE_GROUP;
-    float *candidates = malloc((size_t)(threads * rows) * (sizeof(float) + sizeof(int64_t)));
+    float *candidates = malloc((size_t)(threads * rows) * (3 * sizeof(float) + sizeof(int64_t)));
     if (!candidates) return -2;
-    int64_t *candidate_ids = (int64_t *)(candidates + threads * rows);
-    for (int64_t i = 0; i < threads * rows; i++) candidate_ids[i] = -1;  /* a thread without features: none */
+    float *part_max = candidates + threads * rows, *part_sum = part_max + threads * rows;
+    int64_t *candidate_ids = (int64_t *)(part_sum + threads * rows);
+    for (int64_t i = 0; i < threads * rows; i++)  /* a thread without features: none */
+        candidate_ids[i] = -1, part_max[i] = -INFINITY, part_sum[i] = 0.f;
     int status = 0;
     #pragma omp parallel num_threads(threads)
     {
         quantize_rows_int8(x, rows, K, xq, x_scale);
         const int t = omp_get_thread_num();
         float *outputs = aligned_alloc(64, (size_t)(rows * TILE_GROUP) * sizeof(float));
-        __m512 *best = aligned_alloc(64, (size_t)rows * sizeof(__m512));
+        __m512 *best = aligned_alloc(64, (size_t)rows * 3 * sizeof(__m512));  /* maxima, log-sum-exp maxima, sums */
+        __m512 *lane_max = best + rows, *lane_sum = best + 2 * rows;
         __m512i *best_ids = aligned_alloc(64, (size_t)rows * sizeof(__m512i));
         int64_t begin, end;
         thread_share(groups, &begin, &end);
@@ -1820,15 +1856,20 @@ int w8a8_amx_argmax(const float *x, const int64_t rows, const int64_t K, const i
             const __m512i first = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
                                                                       15),
                                                    _mm512_set1_epi32((int)(begin * TILE_GROUP)));
-            for (int64_t m = 0; m < rows; m++) best[m] = _mm512_set1_ps(-INFINITY), best_ids[m] = first;
+            for (int64_t m = 0; m < rows; m++) {
+                best[m] = lane_max[m] = _mm512_set1_ps(-INFINITY), best_ids[m] = first;
+                lane_sum[m] = _mm512_setzero_ps();
+            }
             amx_tile_config before;
             _tile_storeconfig(&before);
             int configured_rows = 0;
             for (int64_t group = begin; group < end; group++) {
                 const int64_t n0 = group * TILE_GROUP, width = N - n0 < TILE_GROUP ? N - n0 : TILE_GROUP;
                 amx_group(xq, x_scale, rows, K, packed, group, w_scale, bias, outputs, TILE_GROUP, N, &configured_rows);
-                for (int64_t m = 0; m < rows; m++)
+                for (int64_t m = 0; m < rows; m++) {
                     fold_group_max(outputs + m * TILE_GROUP, width, n0, best + m, best_ids + m);
+                    if (logprobs) fold_group_logsumexp(outputs + m * TILE_GROUP, width, lane_max + m, lane_sum + m);
+                }
             }
             amx_restore(&before, configured_rows);
             for (int64_t m = 0; m < rows; m++) {
@@ -1841,6 +1882,13 @@ int w8a8_amx_argmax(const float *x, const int64_t rows, const int64_t K, const i
                     if (lane_ids[lane] < N && argmax_before(lane_best[lane], lane_ids[lane], value, id))
                         value = lane_best[lane], id = lane_ids[lane];
                 candidates[t * rows + m] = value, candidate_ids[t * rows + m] = id;
+                if (!logprobs) continue;
+                float lane_maxima[16], lane_sums[16];
+                _mm512_storeu_ps(lane_maxima, lane_max[m]);
+                _mm512_storeu_ps(lane_sums, lane_sum[m]);
+                for (int lane = 0; lane < 16; lane++)
+                    merge_logsumexp(lane_maxima[lane], lane_sums[lane], part_max + t * rows + m,
+                                    part_sum + t * rows + m);
             }
         }
         free(outputs), free(best), free(best_ids);
@@ -1854,6 +1902,10 @@ int w8a8_amx_argmax(const float *x, const int64_t rows, const int64_t K, const i
                 value = candidates[t * rows + m], id = candidate;
         }
         ids[m] = id;
+        if (!logprobs) continue;
+        float max = -INFINITY, sum = 0.f;
+        for (int t = 0; t < threads; t++) merge_logsumexp(part_max[t * rows + m], part_sum[t * rows + m], &max, &sum);
+        logprobs[m] = value - max - logf(sum);
     }
     free(candidates);
     return status;
@@ -2196,9 +2248,10 @@ int paged_prefill_attention_amx(const float *q, const void *k_cache, const void 
 #else  /* this compiler has no AMX intrinsics: the Python side never enables the AMX paths */
 int w8a8_amx_enable(void) { return -1; }
 int w8a8_amx_argmax(const float *x, const int64_t rows, const int64_t K, const int8_t *packed, const float *w_scale,
-                    const float *bias, int64_t *ids, const int64_t N, int8_t *xq, float *x_scale, const int threads) {
+                    const float *bias, int64_t *ids, const int64_t N, int8_t *xq, float *x_scale, float *logprobs,
+                    const int threads) {
     (void)x, (void)rows, (void)K, (void)packed, (void)w_scale, (void)bias, (void)N, (void)xq, (void)x_scale;
-    (void)ids, (void)threads;
+    (void)ids, (void)logprobs, (void)threads;
     return -1;
 }
 int paged_prefill_attention_amx(const float *q, const void *k_cache, const void *v_cache, const int64_t *block_table,

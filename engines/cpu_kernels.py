@@ -16,7 +16,8 @@ of a batch-1 step; `decode_layer_int8` runs a whole layer for a step's decode ro
 kernels' arithmetic (`engines.models.llama.NativeDecoder`, where every product is int8 weight-only on float32,
 or w8a8: on AMX tiles, or through VNNI dot products). Prefill rows run through the PyTorch modules, where a
 tiled gate_up product applies SiLU · up itself (`TiledW8A8Kernel.silu_mul`); on AMX their attention runs on tiles
-(`PagedPrefillAttention`), and a greedy step's LM head gives its argmax without writing logits (`W8A8Amx.argmax`).
+(`PagedPrefillAttention`), and a greedy step's LM head gives its argmax, and that token's logprob, without writing
+logits (`W8A8Amx.argmax`).
 A sampled step's rows are drawn by `sample_rows` (temperature, min-p, top-k, top-p: `engines.sampler.draw_native`),
 and the logprobs a request asks for come from `logprob_rows`.
 `python -m bench.kernels` times the GEMVs against the PyTorch ops, `python -m bench.engine --batch1-only`
@@ -201,26 +202,30 @@ class TiledW8A8Kernel:
 
 
 class W8A8Amx(TiledW8A8Kernel):
-    """`TiledW8A8Kernel` on AMX tiles (`w8a8_amx`), which also gives each row's argmax of the product without
-    writing it (`argmax`: an LM head's greedy choice)."""
+    """`TiledW8A8Kernel` on AMX tiles (`w8a8_amx`), which also gives each row's argmax of the product, and its
+    log-softmax there, without writing the product (`argmax`: an LM head's greedy choice and its logprob)."""
 
     symbol = "w8a8_amx"
     products = LayerProducts.W8A8_AMX
 
     def __init__(self, library: ctypes.CDLL) -> None:
         super().__init__(library)
-        self._argmax = library.w8a8_amx_argmax  # the product's arguments, `out` the [rows] int64 ids
+        # The product's arguments, `out` the [rows] int64 ids, then the [rows] float32 logprobs (or NULL)
+        self._argmax = library.w8a8_amx_argmax
         self._argmax.restype = ctypes.c_int
-        self._argmax.argtypes = self._product.argtypes
+        self._argmax.argtypes = [*self._product.argtypes[:-1], _POINTER, ctypes.c_int]
 
     def argmax(self, x: torch.Tensor, tiled: torch.Tensor, out_features: int, scales: torch.Tensor,
-               bias: torch.Tensor | None) -> torch.Tensor:
+               bias: torch.Tensor | None, with_logprobs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`[rows]` int64: each row's index of its largest output (the first of equal ones, NaN the largest, as
-        numpy's argmax), the product's own bits compared in cache and never written out."""
+        numpy's argmax), the product's own bits compared in cache and never written out; with `with_logprobs`
+        also `[rows]` float32, each row's log-softmax at that index (within ~1e-5 of `log_softmax`'s), else None."""
         ids = torch.empty(x.shape[0], dtype=torch.long)
-        if self._run(self._argmax, x, tiled, out_features, scales, bias, None, ids) != 0:
+        logprobs = torch.empty(x.shape[0]) if with_logprobs else None
+        if self._run(self._argmax, x, tiled, out_features, scales, bias, None, ids,
+                     None if logprobs is None else logprobs.data_ptr()) != 0:
             raise MemoryError("w8a8_amx_argmax found no scratch memory")
-        return ids
+        return ids, logprobs
 
 
 class W8A8Vnni(TiledW8A8Kernel):

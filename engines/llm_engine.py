@@ -39,7 +39,7 @@ from engines.quantization import (
     quantize_model,
     resolve_quantization,
 )
-from engines.sampler import greedy_only, sample, token_logprobs
+from engines.sampler import GreedyTokens, greedy_logprobs, greedy_only, sample, token_logprobs
 from engines.sampling_params import SamplingParams
 from engines.scheduler import ScheduledBatch, Scheduler
 from engines.sequence import Sequence
@@ -368,17 +368,17 @@ class LLMEngine:
             if outputs is not None:
                 return outputs
         should_yield = self.interactive_waiting if batch.yields_to_interactive else None
-        greedy = greedy_only([s.params for s in batch.sampled], [s.grammar for s in batch.sampled]) \
-            and not batch.scores_prompt
+        params = [s.params for s in batch.sampled]
+        greedy = greedy_only(params, [s.grammar for s in batch.sampled]) and not batch.scores_prompt
         try:
-            result, seqs, scored = self.runner.execute(batch, should_yield, greedy)
+            result, seqs, scored = self.runner.execute(batch, should_yield, greedy, any(p.logprobs for p in params))
         except StepYielded:
             self._num_yielded_steps_total += 1
             return []
         for chunk in scored:
             score_prompt(chunk)
-        if greedy:  # the argmax ids `sample` would choose, from the LM head's own pass
-            token_ids, logprobs = result.tolist(), [None] * len(seqs)
+        if isinstance(result, GreedyTokens):  # what `sample` would choose and report, from the LM head's own pass
+            token_ids, logprobs = result.token_ids.tolist(), greedy_logprobs(result, params)
         else:
             token_ids, logprobs = ([], []) if not seqs else sample(
                 result, [s.params for s in seqs], [s.generator for s in seqs],

@@ -13,7 +13,7 @@ from engines.attention import AttentionMetadata, ChunkAttention, DecodeAttention
 from engines.config import ModelConfig
 from engines.cpu_kernels import ForwardCost, paged_decode_attention, prefill_attention
 from engines.cuda_graphs import DecodeGraphs
-from engines.sampler import argmax_ids
+from engines.sampler import GreedyTokens, greedy_tokens
 from engines.scheduler import ScheduledBatch
 from engines.sequence import Sequence
 
@@ -126,30 +126,32 @@ class ModelRunner:
         AMX (the weight streams once for all rows, `python -m bench.kernels`)."""
         return self.native_decoder.forward_cost if self.native_decoder is not None else ForwardCost()
 
-    def execute(self, batch: ScheduledBatch, should_yield: Callable[[], bool] | None = None, greedy: bool = False
-                ) -> tuple[torch.Tensor, list[Sequence], list[ScoredChunk]]:  # fmt: skip
+    def execute(self, batch: ScheduledBatch, should_yield: Callable[[], bool] | None = None, greedy: bool = False,
+                with_logprobs: bool = False) -> tuple[torch.Tensor | GreedyTokens, list[Sequence], list[ScoredChunk]]:
         """Compute the batch; return float32 logits [S, V] for the S sequences that sample this step
-        (`batch.sampled`, in that order), or with `greedy` (`sampler.greedy_only`) their argmax token ids [S],
-        and the logits of every row of the chunks that score their prompt (`Sequence.scores_prompt`; not with
-        `greedy`). Only the sampled sequences' last row goes through the LM head otherwise. `should_yield` is asked
-        before each layer: True gives the step up (raises `StepYielded`; nothing is recorded).
+        (`batch.sampled`, in that order), or with `greedy` (`sampler.greedy_only`) their argmax token ids [S] (and
+        with `with_logprobs` their logprobs), and the logits of every row of the chunks that score their prompt
+        (`Sequence.scores_prompt`; not with `greedy`). Only the sampled sequences' last row goes through the LM head
+        otherwise. `should_yield` is asked before each layer: True gives the step up (raises `StepYielded`; nothing
+        is recorded).
         """
         spans = []
         for seq, num_new, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples, strict=True):
             start = seq.num_computed_tokens
             rows = "all" if seq.scores_prompt else "last" if samples else "none"
             spans.append(TokenSpan(seq.token_ids[start:start + num_new], start, seq.block_table, rows))
-        result = self.forward(spans, should_yield, greedy)
+        result = self.forward(spans, should_yield, greedy, with_logprobs)
         if not batch.scores_prompt:
             return result, batch.sampled, []
         return _split_scored(result, batch, spans)
 
     @torch.inference_mode()
     def forward(self, spans: list[TokenSpan], should_yield: Callable[[], bool] | None = None,
-                greedy: bool = False) -> torch.Tensor:
+                greedy: bool = False, with_logprobs: bool = False) -> torch.Tensor | GreedyTokens:
         """Compute every span's tokens (writing their K/V); return float32 logits of the rows the spans ask
         for, span by span in the order given: [sum of each span's 0, 1 or len(token_ids) rows, V]; with `greedy`
-        each such row's argmax token id instead (from the LM head's own pass where the model can: no logits)."""
+        each such row's argmax token id instead, and with `with_logprobs` its logprob (from the LM head's own pass
+        where the model can: no logits)."""
         order = sorted(range(len(spans)), key=lambda i: not _decodes(spans[i]))  # decode rows first
         input_ids: list[int] = []
         positions: list[int] = []
@@ -185,7 +187,7 @@ class ModelRunner:
             logits = graphs.run(input_ids, positions, slot_mapping, [span.block_table for span in decode_spans],
                                 [span.start + 1 for span in decode_spans])
             logits = logits if rows == list(range(len(decode_spans))) else logits[self._tensor(rows)]
-            return argmax_ids(logits) if greedy else logits
+            return greedy_tokens(logits, with_logprobs) if greedy else logits
         metadata = AttentionMetadata(
             block_size=size,
             slot_mapping=self._tensor(slot_mapping),
@@ -210,13 +212,13 @@ class ModelRunner:
                     metadata.decode_context_lens)
         hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_caches, metadata)
         if not rows:
-            return torch.empty(0, dtype=torch.long) if greedy else torch.empty(0, self.config.vocab_size,
-                                                                                device=self.device)
+            logits = torch.empty(0, self.config.vocab_size, device=self.device)
+            return greedy_tokens(logits, with_logprobs) if greedy else logits
         hidden = hidden[self._tensor(rows)]
-        if greedy and (token_ids := self.model.greedy_token_ids(hidden)) is not None:
-            return token_ids
+        if greedy and (chosen := self.model.greedy_tokens(hidden, with_logprobs)) is not None:
+            return chosen
         logits = self.model.compute_logits(hidden).float()
-        return argmax_ids(logits) if greedy else logits
+        return greedy_tokens(logits, with_logprobs) if greedy else logits
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         """A step's int64 index tensor on the runner's device."""

@@ -418,14 +418,15 @@ class TiledW8A8Linear(nn.Module):
         out = product(rows, self.weight, self.out_features, self.scales, self.bias, self.weight_sum)
         return out.to(self.activation_dtype).reshape(*x.shape[:-1], self.out_features)
 
-    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
-        """`self(x).argmax(-1)`'s ids for x [rows, in_features], the outputs compared in cache and never written
-        (an LM head's greedy choice: [rows, vocab] float32 logits are megabytes a step), where the kernel can (on AMX
-        tiles, float32 activations: the very outputs `forward` returns); else None."""
+    def argmax(self, x: torch.Tensor, with_logprobs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """`self(x).argmax(-1)`'s ids for x [rows, in_features], and with `with_logprobs` the outputs' log-softmax
+        at them (else None), the outputs compared in cache and never written (an LM head's greedy choice and its
+        logprob: [rows, vocab] float32 logits are megabytes a step), where the kernel can (on AMX tiles, float32
+        activations: the very outputs `forward` returns); else None."""
         if not isinstance(self.kernel, W8A8Amx) or self.activation_dtype != torch.float32 or self.activation_passes > 1:
             return None
         return self.kernel.argmax(x.reshape(-1, self.in_features).float(), self.weight, self.out_features, self.scales,
-                                  self.bias)
+                                  self.bias, with_logprobs)
 
     @property
     def gates(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -53,10 +54,33 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
 
 def greedy_only(params: Sequence[SamplingParams], grammars: Sequence[GrammarState | None] | None = None) -> bool:
-    """Whether each row's token is its logits' argmax and nothing else is read from them (no penalties, bias,
-    grammar or logprobs): such a step can take its tokens from the LM head's own argmax
-    (`ModelRunner.execute(greedy=True)`), the ids `sample` would choose."""
-    return bool(params) and not _needs_host(params, grammars) and not any(p.logprobs for p in params)
+    """Whether each row's token is its logits' argmax and nothing else is read from them but, where asked, that
+    token's own logprob (no penalties, bias, grammar or top logprobs): such a step can take its tokens and their
+    logprobs from the LM head's own pass (`ModelRunner.execute(greedy=True)`), what `sample` would give."""
+    return bool(params) and not _needs_host(params, grammars) and not any(p.top_logprobs for p in params)
+
+
+@dataclass(frozen=True)
+class GreedyTokens:
+    """A greedy step's choice: each row's argmax id, and where the step asks, the log-softmax there."""
+
+    token_ids: torch.Tensor  # [rows] int64
+    logprobs: torch.Tensor | None  # [rows] float32, or None
+
+
+def greedy_tokens(logits: torch.Tensor, with_logprobs: bool = False) -> GreedyTokens:
+    """Each row's argmax of `logits` [rows, V] and, with `with_logprobs`, its log-softmax there."""
+    token_ids = argmax_ids(logits)
+    logprobs = _log_softmax_at(logits, token_ids.tolist(), 0)[0] if with_logprobs else None
+    return GreedyTokens(token_ids, logprobs)
+
+
+def greedy_logprobs(chosen: GreedyTokens, params: Sequence[SamplingParams]) -> list[TokenLogprob | None]:
+    """The chosen tokens' logprobs for the rows that ask (`greedy_only`: none asks for top logprobs)."""
+    if chosen.logprobs is None:
+        return [None] * len(params)
+    return [TokenLogprob(token_id=token_id, logprob=logprob, top=[]) if p.logprobs else None
+            for token_id, logprob, p in zip(chosen.token_ids.tolist(), chosen.logprobs.tolist(), params, strict=True)]
 
 
 def _needs_host(params: Sequence[SamplingParams], grammars: Sequence[GrammarState | None] | None) -> bool:

@@ -29,6 +29,7 @@ from engines.cpu_kernels import (
     rope_rows,
 )
 from engines.quantization import RowDispatchLinear, TiledW8A8Linear, first_output_rows, native_operands
+from engines.sampler import GreedyTokens
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -268,13 +269,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False, device="meta")
             self.lm_head.weight = self.embed_tokens.weight
 
-    def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Each row's argmax of `compute_logits(hidden)` from the LM head's own pass, without the logits, where
-        the head can give it (`TiledW8A8Linear.argmax`); None where it cannot."""
+    def greedy_tokens(self, hidden: torch.Tensor, with_logprobs: bool = False) -> GreedyTokens | None:
+        """Each row's argmax of `compute_logits(hidden)` (and with `with_logprobs` its log-softmax there) from the
+        LM head's own pass, without the logits, where the head can give it (`TiledW8A8Linear.argmax`); None where
+        it cannot."""
         head = self.lm_head
         if not isinstance(head, TiledW8A8Linear) or head.out_features != self.config.vocab_size:
             return None
-        return head.argmax(hidden)
+        chosen = head.argmax(hidden, with_logprobs)
+        return None if chosen is None else GreedyTokens(*chosen)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:

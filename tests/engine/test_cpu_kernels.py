@@ -125,12 +125,38 @@ def test_the_amx_argmax_picks_the_ids_numpy_picks_from_the_outputs(rows: int, ou
     tiled = TiledW8A8Linear.from_linear(linear, torch.float32, kernel)
     x = torch.randn(rows, 896)
     x[0] = linear.weight[3].detach() * 10  # peaks at feature 3 and its repeats
-    ids = tiled.argmax(x)
-    assert ids is not None and torch.equal(ids, argmax_ids(tiled(x)))
+    chosen = tiled.argmax(x)
+    assert chosen is not None
+    ids, logprobs = chosen
+    assert torch.equal(ids, argmax_ids(tiled(x))) and logprobs is None
     assert ids[0].item() == 3 and torch.equal(tiled(x)[0, repeats], tiled(x)[0, [3] * len(repeats)])
     if bias:  # NaN outputs (through the bias) at 600 and later at 900: every row's argmax is the first NaN
         tiled.bias[600], tiled.bias[900] = float("nan"), float("nan")
-        assert torch.equal(tiled.argmax(x), argmax_ids(tiled(x))) and set(tiled.argmax(x).tolist()) == {600}
+        nan_ids = tiled.argmax(x)[0]  # type: ignore[index]
+        assert torch.equal(nan_ids, argmax_ids(tiled(x))) and set(nan_ids.tolist()) == {600}
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 5, 17, 33])
+@pytest.mark.parametrize("out_features", [1000, 4096, 37, 151_936])
+def test_the_amx_argmax_gives_each_chosen_ids_log_softmax_from_the_same_pass(rows: int, out_features: int) -> None:
+    """With logprobs asked, each row's log-softmax at its argmax — a greedy token's logprob, what the cascade reads
+    — folded into the pass that finds the argmax (nothing written): log_softmax's value on the outputs within
+    float32 summation error, for peaked and near-flat rows and a vocabulary's width; the ids do not change."""
+    from engines.sampler import argmax_ids
+
+    kernel = w8a8_amx()
+    assert kernel is not None
+    torch.manual_seed(out_features * 7 + rows)
+    tiled = TiledW8A8Linear.from_linear(nn.Linear(256, out_features), torch.float32, kernel)
+    x = torch.randn(rows, 256) * torch.logspace(-2, 1.5, rows).unsqueeze(1)  # near-flat to sharply peaked rows
+    chosen = tiled.argmax(x, with_logprobs=True)
+    assert chosen is not None and chosen[1] is not None
+    ids, logprobs = chosen
+    outputs = tiled(x)
+    assert torch.equal(ids, argmax_ids(outputs))
+    expected = torch.log_softmax(outputs.double(), dim=-1).gather(1, ids.unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(logprobs.double(), expected, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kernel_name", TILED_KERNELS)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from engines.cpu_kernels import w8a8_amx
 from engines.llm_engine import LLMEngine
+from engines.sampler import GreedyTokens
 from engines.sampling_params import SamplingParams
 from tests.engine.conftest import TinyModel, generated_ids, make_engine, run_to_completion
 
@@ -80,28 +83,39 @@ def test_greedy_steps_take_the_lm_heads_argmax_and_choose_what_sampling_the_logi
     tiny_qwen2: TinyModel,
 ) -> None:
     """Where every row of a step is plain greedy, the step asks the model for its argmax ids (on AMX a w8a8 LM head
-    compares its outputs in cache and writes no logits); a request that asks for logprobs goes through the logits
-    and `sample`, and gets the same tokens."""
+    compares its outputs in cache and writes no logits), and for the chosen tokens' logprobs where a row asks (the
+    cascade's confidence: on AMX folded into the same pass); a request that asks for top logprobs goes through the
+    logits and `sample`, and gets the same tokens and chosen logprobs."""
     engine = make_engine(tiny_qwen2, quantization="w8a8", enable_prefix_caching=False)
     model = engine.runner.model
     from_head: list[bool] = []  # per greedy step: whether the LM head gave the ids
-    head_argmax = model.greedy_token_ids
+    head_argmax = model.greedy_tokens
 
-    def spy(hidden: torch.Tensor) -> torch.Tensor | None:
-        ids = head_argmax(hidden)
-        from_head.append(ids is not None)
-        return ids
+    def spy(hidden: torch.Tensor, with_logprobs: bool = False) -> GreedyTokens | None:
+        chosen = head_argmax(hidden, with_logprobs)
+        from_head.append(chosen is not None)
+        return chosen
 
-    model.greedy_token_ids = spy  # type: ignore[method-assign]
+    model.greedy_tokens = spy  # type: ignore[method-assign]
     prompt = list(range(40, 61))
     engine.add_request("plain", prompt, GREEDY)
-    plain = generated_ids(run_to_completion(engine)["plain"])
+    plain = run_to_completion(engine)["plain"]
     assert len(from_head) == GREEDY.max_tokens
     assert all(from_head) == (w8a8_amx() is not None)  # elsewhere: the argmax of the logits
-    with_logprobs = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True, logprobs=True)
-    engine.add_request("logprobs", prompt, with_logprobs)
-    assert generated_ids(run_to_completion(engine)["logprobs"]) == plain
-    assert len(from_head) == GREEDY.max_tokens  # that request's steps read the logits
+    chosen_only = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True, logprobs=True)
+    engine.add_request("chosen", prompt, chosen_only)
+    chosen = run_to_completion(engine)["chosen"]
+    assert len(from_head) == 2 * GREEDY.max_tokens  # greedy steps still, logprobs and all
+    with_top = dataclasses.replace(chosen_only, top_logprobs=1)
+    engine.add_request("top", prompt, with_top)
+    top = run_to_completion(engine)["top"]
+    assert len(from_head) == 2 * GREEDY.max_tokens  # that request's steps read the logits
+    assert generated_ids(chosen) == generated_ids(top) == generated_ids(plain)
+    chosen_logprobs = [lp.logprob for output in chosen for lp in output.logprobs]
+    top_logprobs = [lp.logprob for output in top for lp in output.logprobs]
+    assert all(lp.top == [] for output in chosen for lp in output.logprobs)
+    assert chosen_logprobs == pytest.approx(top_logprobs, abs=2e-5)
+    assert chosen_logprobs != pytest.approx([0.0] * len(chosen_logprobs), abs=1e-3)  # a tiny model's are not ~0
 
 
 def test_an_identical_prompt_hits_all_but_its_last_block(tiny_qwen2: TinyModel) -> None:

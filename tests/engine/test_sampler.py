@@ -17,6 +17,8 @@ from engines.sampler import (
     draw_kept,
     draw_native,
     filtered_probs,
+    greedy_logprobs,
+    greedy_tokens,
     sample,
     top_k_top_p,
 )
@@ -50,6 +52,29 @@ def test_greedy_ids_are_torchs_argmax_ties_nan_and_infinities_included() -> None
     for rows in (logits, strided, logits[4], logits.bfloat16()):
         assert torch.equal(argmax_ids(rows), rows.argmax(dim=-1))
     assert argmax_ids(logits).tolist()[:4] == [7, 0, 3, 2]
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_a_greedy_step_gives_each_rows_argmax_and_its_log_softmax_there(
+    kernel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a greedy step reports where the LM head cannot (no AMX, CUDA): the argmax of the logits, and with
+    logprobs asked, the log-softmax at it — the value `sample` reports for the same rows; nothing without."""
+    if not kernel:
+        monkeypatch.setattr("engines.sampler.logprob_rows", lambda: None)
+    logits = torch.randn(5, 151_936, generator=torch.Generator().manual_seed(1)) * torch.tensor([[0.1], [1], [3],
+                                                                                                  [10], [30]])
+    chosen = greedy_tokens(logits, with_logprobs=True)
+    assert torch.equal(chosen.token_ids, logits.argmax(dim=-1)) and chosen.logprobs is not None
+    params = [SamplingParams(temperature=0, logprobs=True)] * 4 + [SamplingParams(temperature=0)]
+    expected = sample(logits, params, [None] * 5)[1]
+    reported = greedy_logprobs(chosen, params)
+    assert reported[4] is None and expected[4] is None
+    for ours, theirs in zip(reported[:4], expected[:4], strict=True):
+        assert ours is not None and theirs is not None
+        assert (ours.token_id, ours.top) == (theirs.token_id, [])
+        assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-5)
+    assert greedy_tokens(logits).logprobs is None
 
 
 def test_top_k_keeps_only_the_k_most_likely_tokens() -> None:
