@@ -33,6 +33,7 @@ MAX_LOGPROBS_COMPLETION = 5  # OpenAI's limit for the legacy completions endpoin
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_PENALTY = 2.0  # OpenAI: presence_penalty and frequency_penalty in [-2, 2]
 MAX_LOGIT_BIAS = 100.0  # OpenAI: each logit_bias value in [-100, 100]
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_TOOLS = 128  # OpenAI's limit
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
@@ -300,6 +301,8 @@ def check_decoding(d: Decoding) -> None:
         raise invalid("`top_k` must be -1 or 0 (off) or a positive number of tokens", "top_k")
     if not 1 <= d.n <= MAX_N:
         raise invalid(f"`n` must be between 1 and {MAX_N}; got {d.n}", "n")
+    if d.seed is not None and not SEED_MIN <= d.seed <= SEED_MAX:
+        raise invalid(f"`seed` must be a 64-bit integer, in [{SEED_MIN}, {SEED_MAX}]; got {d.seed}", "seed")
     if len(d.stop) > MAX_STOP_STRINGS:
         raise invalid(f"`stop` takes at most {MAX_STOP_STRINGS} sequences; got {len(d.stop)}", "stop")
     if d.output_limit is not None and d.output_limit < 1 and not d.echo_only:

@@ -139,6 +139,8 @@ def test_a_model_without_fill_in_the_middle_tokens_refuses_a_suffix_and_still_co
         (chat("Hi", min_tokens=2, response_format=ResponseFormat(type="json_object")), "min_tokens"),
         (chat("Hi", stop_token_ids=[10**9]), "stop_token_ids"),
         (chat("Hi", n=0), "n"),
+        (chat("Hi", seed=2**64), "seed"),
+        (completion("Hi", seed=-(2**63) - 1), "seed"),
         (chat("Hi", max_tokens=0), "max_tokens"),
         (chat("Hi", max_completion_tokens=-1), "max_completion_tokens"),
         (chat("Hi", stop=[str(i) for i in range(65)]), "stop"),
