@@ -1451,6 +1451,226 @@ static void silu_mul_row16(const float *gate, const float *up, const int64_t K, 
     }
 }
 
+/* -- a product's per-row argmax and log-softmax there, folded group by group in cache ---------------------------
+ * An LM head's greedy choice needs each row's argmax of the product, and the cascade that token's logprob; the
+ * [rows, N] float32 outputs (19.5 MB for 32 rows of a 152k vocabulary) need never be written. `w8a8_amx_argmax` and
+ * `w8a8_vnni_argmax` compute one group of 64 features for every row at a time and fold it, while it is in cache,
+ * into each row's state over 16 lanes: its running maximum with the first id reaching it (numpy's argmax: strictly
+ * greater replaces, NaN replaces any number), and with logprobs each lane's maximum and Σ e^(output − maximum)
+ * (`exp512`: within ~1e-5 of log_softmax's). Lanes, then threads in feature order, are merged at the end. */
+
+struct row_folds {  /* one thread's per-row state, and the group it folds: [rows, TILE_GROUP] outputs */
+    float *outputs;
+    __m512 *best, *lane_max, *lane_sum;
+    __m512i *best_ids;
+};
+
+struct thread_folds {  /* each thread's per-row result, [threads, rows]: an id of -1 for a thread without features */
+    int threads;
+    float *value, *max, *sum;
+    int64_t *id;
+};
+
+static void row_folds_free(struct row_folds *f) { free(f->outputs), free(f->best), free(f->best_ids); }
+
+/* Returns 0, or -2 without memory (what is allocated is freed by row_folds_free). */
+static int row_folds_alloc(struct row_folds *f, const int64_t rows, const int64_t first_feature) {
+    f->outputs = aligned_alloc(64, (size_t)(rows * TILE_GROUP) * sizeof(float));
+    f->best = aligned_alloc(64, (size_t)rows * 3 * sizeof(__m512));
+    f->best_ids = aligned_alloc(64, (size_t)rows * sizeof(__m512i));
+    if (!f->outputs || !f->best || !f->best_ids) return -2;
+    f->lane_max = f->best + rows, f->lane_sum = f->best + 2 * rows;
+    const __m512i first = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32((int)first_feature));
+    for (int64_t m = 0; m < rows; m++) {
+        f->best[m] = f->lane_max[m] = _mm512_set1_ps(-INFINITY), f->best_ids[m] = first;
+        f->lane_sum[m] = _mm512_setzero_ps();
+    }
+    return 0;
+}
+
+static inline __mmask16 lanes_below(const int64_t width, const int64_t j) {
+    return width - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (width - j)) - 1);
+}
+
+/* Row m's running maximum over 16 lanes (`best`, `best_ids`) folded with the `width` outputs of one group that
+ * start at feature n0: strictly greater replaces (so each lane keeps the first of equal maxima), and NaN replaces
+ * any number (numpy's argmax counts NaN as the maximum). */
+static inline void fold_group_max(const float *outputs, const int64_t width, const int64_t n0, __m512 *best,
+                                  __m512i *best_ids) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t j = 0; j < width; j += 16) {
+        const __mmask16 valid = lanes_below(width, j);
+        const __m512 v = _mm512_maskz_loadu_ps(valid, outputs + j);
+        const __mmask16 wins = valid & (_mm512_cmp_ps_mask(v, *best, _CMP_GT_OQ)
+                                        | (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
+                                           & _mm512_cmp_ps_mask(*best, *best, _CMP_ORD_Q)));
+        *best = _mm512_mask_mov_ps(*best, wins, v);
+        *best_ids = _mm512_mask_mov_epi32(*best_ids, wins, _mm512_add_epi32(lane, _mm512_set1_epi32((int)(n0 + j))));
+    }
+}
+
+/* Row m's running log-sum-exp over 16 lanes — each lane's maximum and its Σ e^(output − maximum) — folded with the
+ * `width` outputs of one group: the lane maxima move once per group (one rescaling exponential), then one
+ * exponential per output. */
+static inline void fold_group_logsumexp(const float *outputs, const int64_t width, __m512 *lane_max,
+                                        __m512 *lane_sum) {
+    __m512 top = *lane_max;
+    for (int64_t j = 0; j < width; j += 16) {
+        const __mmask16 valid = lanes_below(width, j);
+        top = _mm512_mask_max_ps(top, valid, top, _mm512_maskz_loadu_ps(valid, outputs + j));
+    }
+    __m512 sum = _mm512_mul_ps(*lane_sum, exp512(_mm512_sub_ps(*lane_max, top)));
+    for (int64_t j = 0; j < width; j += 16) {
+        const __mmask16 valid = lanes_below(width, j);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, outputs + j), top));
+        sum = _mm512_mask_add_ps(sum, valid, sum, e);
+    }
+    *lane_max = top, *lane_sum = sum;
+}
+
+/* The group of features [n0, n0 + 64) ∩ [0, N), in `f->outputs`, folded into every row's state. */
+static inline void fold_group(struct row_folds *f, const int64_t rows, const int64_t n0, const int64_t N,
+                              const int logprobs) {
+    const int64_t width = N - n0 < TILE_GROUP ? N - n0 : TILE_GROUP;
+    for (int64_t m = 0; m < rows; m++) {
+        fold_group_max(f->outputs + m * TILE_GROUP, width, n0, f->best + m, f->best_ids + m);
+        if (logprobs) fold_group_logsumexp(f->outputs + m * TILE_GROUP, width, f->lane_max + m, f->lane_sum + m);
+    }
+}
+
+/* Whether (value, id) comes before (best, best_id) as numpy's argmax orders them: NaN first, then the larger value,
+ * then the smaller index; anything comes before no best yet (best_id < 0). */
+static inline int argmax_before(const float value, const int64_t id, const float best, const int64_t best_id) {
+    if (best_id < 0) return 1;
+    if (isnan(best)) return isnan(value) && id < best_id;
+    return isnan(value) || value > best || (value == best && id < best_id);
+}
+
+/* (maximum, sum) log-sum-exp parts, each sum relative to its maximum, merged into (*total_max, *total_sum) (a part
+ * with no outputs: maximum -inf, sum 0). */
+static inline void merge_logsumexp(const float max, const float sum, float *total_max, float *total_sum) {
+    if (max <= *total_max) {
+        if (sum > 0.f) *total_sum += sum * expf(max - *total_max);
+    } else {
+        *total_sum = sum + (*total_sum > 0.f ? *total_sum * expf(*total_max - max) : 0.f);
+        *total_max = max;
+    }
+}
+
+/* Thread t's lanes merged into its row results in `parts`. */
+static void row_folds_finish(const struct row_folds *f, const int64_t rows, const int64_t N, const int logprobs,
+                             struct thread_folds *parts, const int t) {
+    for (int64_t m = 0; m < rows; m++) {
+        float lane_best[16], lane_maxima[16], lane_sums[16], value = -INFINITY;
+        int32_t lane_ids[16];
+        int64_t id = -1;
+        _mm512_storeu_ps(lane_best, f->best[m]);
+        _mm512_storeu_si512((void *)lane_ids, f->best_ids[m]);
+        for (int lane = 0; lane < 16; lane++)
+            if (lane_ids[lane] < N && argmax_before(lane_best[lane], lane_ids[lane], value, id))
+                value = lane_best[lane], id = lane_ids[lane];
+        const int64_t i = t * rows + m;
+        parts->value[i] = value, parts->id[i] = id;
+        if (!logprobs) continue;
+        _mm512_storeu_ps(lane_maxima, f->lane_max[m]);
+        _mm512_storeu_ps(lane_sums, f->lane_sum[m]);
+        for (int lane = 0; lane < 16; lane++) merge_logsumexp(lane_maxima[lane], lane_sums[lane], parts->max + i,
+                                                              parts->sum + i);
+    }
+}
+
+/* Returns 0, or -2 without memory. */
+static int thread_folds_alloc(struct thread_folds *parts, const int threads, const int64_t rows) {
+    const size_t n = (size_t)(threads * rows);
+    parts->threads = threads;
+    parts->value = malloc(n * (3 * sizeof(float) + sizeof(int64_t)));
+    if (!parts->value) return -2;
+    parts->max = parts->value + n, parts->sum = parts->max + n, parts->id = (int64_t *)(parts->sum + n);
+    for (size_t i = 0; i < n; i++) parts->id[i] = -1, parts->max[i] = -INFINITY, parts->sum[i] = 0.f;
+    return 0;
+}
+
+/* The threads' results, in feature order, into ids [rows] and (if not NULL) logprobs [rows]; frees `parts`. */
+static void thread_folds_merge(struct thread_folds *parts, const int64_t rows, int64_t *ids, float *logprobs) {
+    for (int64_t m = 0; m < rows; m++) {
+        float value = -INFINITY, max = -INFINITY, sum = 0.f;
+        int64_t id = -1;
+        for (int t = 0; t < parts->threads; t++) {
+            const int64_t i = t * rows + m;
+            if (parts->id[i] >= 0 && argmax_before(parts->value[i], parts->id[i], value, id))
+                value = parts->value[i], id = parts->id[i];
+            if (logprobs) merge_logsumexp(parts->max[i], parts->sum[i], &max, &sum);
+        }
+        ids[m] = id;
+        if (logprobs) logprobs[m] = value - max - logf(sum);
+    }
+    free(parts->value);
+}
+
+/* A quantised product's operands, as the group functions of `fold_thread_share` take them. */
+struct group_operands {
+    const void *xq;
+    const float *x_scale;
+    int64_t rows, K;
+    const int8_t *packed;
+    const int32_t *w_sum;  /* VNNI's; NULL for AMX */
+    const float *w_scale, *bias;
+    int64_t N;
+};
+
+/* Every row's outputs for the 64 features of `group` into `outputs` [rows, 64] (`next_group`: the one this thread
+ * takes next, -1 none; `configured_rows`: AMX's tile configuration, unused by VNNI). */
+typedef void (*group_outputs)(const struct group_operands *p, int64_t group, int64_t next_group, float *outputs,
+                              int *configured_rows);
+
+/* This thread's share of the groups, each computed by `outputs_of` and folded while in cache; its rows' results
+ * into `parts`. Called by every thread of a team. Returns 0, or -2 without memory. */
+static int fold_thread_share(const struct group_operands *p, const group_outputs outputs_of, const int logprobs,
+                             struct thread_folds *parts, int *configured_rows) {
+    int64_t begin, end;
+    thread_share((p->N + TILE_GROUP - 1) / TILE_GROUP, &begin, &end);
+    struct row_folds folds;
+    const int status = row_folds_alloc(&folds, p->rows, begin * TILE_GROUP);
+    if (status == 0 && begin < end) {
+        for (int64_t group = begin; group < end; group++) {
+            outputs_of(p, group, group + 1 < end ? group + 1 : -1, folds.outputs, configured_rows);
+            fold_group(&folds, p->rows, group * TILE_GROUP, p->N, logprobs);
+        }
+        row_folds_finish(&folds, p->rows, p->N, logprobs, parts, omp_get_thread_num());
+    }
+    row_folds_free(&folds);
+    return status;
+}
+
+static void vnni_group_outputs(const struct group_operands *p, const int64_t group, const int64_t next_group,
+                               float *outputs, int *configured_rows) {
+    (void)configured_rows;
+    vnni_group(p->xq, p->x_scale, p->rows, p->K, p->packed, group, next_group, p->w_sum, p->w_scale, p->bias, outputs,
+               TILE_GROUP, p->N);
+}
+
+/* w8a8_amx_argmax through VNNI (w_sum as w8a8_vnni takes it): each row's argmax of `w8a8_vnni`'s outputs, the same
+ * bits, and with `logprobs` (else NULL) the log-softmax there. Returns 0, or -2 without memory. */
+int w8a8_vnni_argmax(const float *x, const int64_t rows, const int64_t K, const int8_t *packed, const int32_t *w_sum,
+                     const float *w_scale, const float *bias, int64_t *ids, const int64_t N, uint8_t *xq,
+                     float *x_scale, float *logprobs, const int threads) {
+    struct thread_folds parts;
+    if (thread_folds_alloc(&parts, threads, rows) != 0) return -2;
+    const struct group_operands operands = {xq, x_scale, rows, K, packed, w_sum, w_scale, bias, N};
+    int status = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        quantize_rows_vnni(x, rows, K, xq, x_scale);
+        if (fold_thread_share(&operands, vnni_group_outputs, logprobs != NULL, &parts, NULL) != 0) {
+            #pragma omp atomic write
+            status = -2;
+        }
+    }
+    thread_folds_merge(&parts, rows, ids, logprobs);
+    return status;
+}
+
 #pragma GCC pop_options
 
 /* -- paged_decode_attention (AVX-512 with BF16): a bfloat16 cache read by `vdpbf16ps` ---------------------------
@@ -1767,147 +1987,36 @@ int w8a8_amx_silu_mul(const float *x, const int64_t rows, const int64_t K, const
     return 0;
 }
 
-/* Row m's running maximum over 16 lanes (`best`, `best_ids`) folded with the `width` outputs of one group that
- * start at feature n0: strictly greater replaces (so each lane keeps the first of equal maxima), and NaN replaces
- * any number (numpy's argmax counts NaN as the maximum). */
-static inline void fold_group_max(const float *outputs, const int64_t width, const int64_t n0, __m512 *best,
-                                  __m512i *best_ids) {
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int64_t j = 0; j < width; j += 16) {
-        const __mmask16 valid = width - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (width - j)) - 1);
-        const __m512 v = _mm512_maskz_loadu_ps(valid, outputs + j);
-        const __mmask16 wins = valid & (_mm512_cmp_ps_mask(v, *best, _CMP_GT_OQ)
-                                        | (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
-                                           & _mm512_cmp_ps_mask(*best, *best, _CMP_ORD_Q)));
-        *best = _mm512_mask_mov_ps(*best, wins, v);
-        *best_ids = _mm512_mask_mov_epi32(*best_ids, wins, _mm512_add_epi32(lane, _mm512_set1_epi32((int)(n0 + j))));
-    }
-}
-
-/* Whether (value, id) comes before (best, best_id) as numpy's argmax orders them: NaN first, then the larger value,
- * then the smaller index; anything comes before no best yet (best_id < 0). */
-static inline int argmax_before(const float value, const int64_t id, const float best, const int64_t best_id) {
-    if (best_id < 0) return 1;
-    if (isnan(best)) return isnan(value) && id < best_id;
-    return isnan(value) || value > best || (value == best && id < best_id);
-}
-
-/* Row m's running log-sum-exp over 16 lanes — each lane's maximum and its Σ e^(output - maximum) — folded with the
- * `width` outputs of one group: the lane maxima move once per group (one rescaling exponential), then one
- * exponential per output. */
-static inline void fold_group_logsumexp(const float *outputs, const int64_t width, __m512 *lane_max,
-                                        __m512 *lane_sum) {
-    __m512 top = *lane_max;
-    for (int64_t j = 0; j < width; j += 16) {
-        const __mmask16 valid = width - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (width - j)) - 1);
-        top = _mm512_mask_max_ps(top, valid, top, _mm512_maskz_loadu_ps(valid, outputs + j));
-    }
-    __m512 sum = _mm512_mul_ps(*lane_sum, exp512(_mm512_sub_ps(*lane_max, top)));
-    for (int64_t j = 0; j < width; j += 16) {
-        const __mmask16 valid = width - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (width - j)) - 1);
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(valid, outputs + j), top));
-        sum = _mm512_mask_add_ps(sum, valid, sum, e);
-    }
-    *lane_max = top, *lane_sum = sum;
-}
-
-/* (maximum, sum) pairs of log-sum-exp parts, each sum taken relative to its maximum, combined into `*max`, `*sum`
- * (a part with no outputs: maximum -inf, sum 0). */
-static inline void merge_logsumexp(const float max, const float sum, float *total_max, float *total_sum) {
-    if (max <= *total_max) {
-        if (sum > 0.f) *total_sum += sum * expf(max - *total_max);
-    } else {
-        *total_sum = sum + (*total_sum > 0.f ? *total_sum * expf(*total_max - max) : 0.f);
-        *total_max = max;
-    }
+static void amx_group_outputs(const struct group_operands *p, const int64_t group, const int64_t next_group,
+                              float *outputs, int *configured_rows) {
+    (void)next_group;
+    amx_group(p->xq, p->x_scale, p->rows, p->K, p->packed, group, p->w_scale, p->bias, outputs, TILE_GROUP, p->N,
+              configured_rows);
 }
 
 /* ids[m] = the index of row m's largest output of q(x) · wᵀ (`w8a8_amx`'s outputs, the same bits, never written
- * out): `argmax_ids` of the product without writing and reading back [rows, N] floats (an LM head's logits). Each
- * thread folds its groups' outputs, in cache, into per-row maxima over 16 lanes; the lanes, then the threads (in
- * feature order), are reduced in numpy's order. With `logprobs` (else NULL), logprobs[m] = the log-softmax of row
- * m's outputs at ids[m] — a greedy token's logprob — from a log-sum-exp folded in the same pass (float32 lanes,
- * exp512: within ~1e-5 of log_softmax's). Returns 0, or -2 without memory. */
+ * out), and with `logprobs` (else NULL) logprobs[m] = the log-softmax there: `row_folds` over the AMX product.
+ * Returns 0, or -2 without memory. */
 int w8a8_amx_argmax(const float *x, const int64_t rows, const int64_t K, const int8_t *packed, const float *w_scale,
                     const float *bias, int64_t *ids, const int64_t N, int8_t *xq, float *x_scale, float *logprobs,
                     const int threads) {
-    const int64_t groups = (N + TILE_GROUP - 1) / TILE_GROUP;
-    float *candidates = malloc((size_t)(threads * rows) * (3 * sizeof(float) + sizeof(int64_t)));
-    if (!candidates) return -2;
-    float *part_max = candidates + threads * rows, *part_sum = part_max + threads * rows;
-    int64_t *candidate_ids = (int64_t *)(part_sum + threads * rows);
-    for (int64_t i = 0; i < threads * rows; i++)  /* a thread without features: none */
-        candidate_ids[i] = -1, part_max[i] = -INFINITY, part_sum[i] = 0.f;
+    struct thread_folds parts;
+    if (thread_folds_alloc(&parts, threads, rows) != 0) return -2;
+    const struct group_operands operands = {xq, x_scale, rows, K, packed, NULL, w_scale, bias, N};
     int status = 0;
     #pragma omp parallel num_threads(threads)
     {
         quantize_rows_int8(x, rows, K, xq, x_scale);
-        const int t = omp_get_thread_num();
-        float *outputs = aligned_alloc(64, (size_t)(rows * TILE_GROUP) * sizeof(float));
-        __m512 *best = aligned_alloc(64, (size_t)rows * 3 * sizeof(__m512));  /* maxima, log-sum-exp maxima, sums */
-        __m512 *lane_max = best + rows, *lane_sum = best + 2 * rows;
-        __m512i *best_ids = aligned_alloc(64, (size_t)rows * sizeof(__m512i));
-        int64_t begin, end;
-        thread_share(groups, &begin, &end);
-        if (!outputs || !best || !best_ids) {
+        amx_tile_config before;
+        _tile_storeconfig(&before);
+        int configured_rows = 0;
+        if (fold_thread_share(&operands, amx_group_outputs, logprobs != NULL, &parts, &configured_rows) != 0) {
             #pragma omp atomic write
             status = -2;
-        } else if (begin < end) {
-            const __m512i first = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
-                                                                      15),
-                                                   _mm512_set1_epi32((int)(begin * TILE_GROUP)));
-            for (int64_t m = 0; m < rows; m++) {
-                best[m] = lane_max[m] = _mm512_set1_ps(-INFINITY), best_ids[m] = first;
-                lane_sum[m] = _mm512_setzero_ps();
-            }
-            amx_tile_config before;
-            _tile_storeconfig(&before);
-            int configured_rows = 0;
-            for (int64_t group = begin; group < end; group++) {
-                const int64_t n0 = group * TILE_GROUP, width = N - n0 < TILE_GROUP ? N - n0 : TILE_GROUP;
-                amx_group(xq, x_scale, rows, K, packed, group, w_scale, bias, outputs, TILE_GROUP, N, &configured_rows);
-                for (int64_t m = 0; m < rows; m++) {
-                    fold_group_max(outputs + m * TILE_GROUP, width, n0, best + m, best_ids + m);
-                    if (logprobs) fold_group_logsumexp(outputs + m * TILE_GROUP, width, lane_max + m, lane_sum + m);
-                }
-            }
-            amx_restore(&before, configured_rows);
-            for (int64_t m = 0; m < rows; m++) {
-                float lane_best[16], value = -INFINITY;
-                int32_t lane_ids[16];
-                int64_t id = -1;
-                _mm512_storeu_ps(lane_best, best[m]);
-                _mm512_storeu_si512((void *)lane_ids, best_ids[m]);
-                for (int lane = 0; lane < 16; lane++)
-                    if (lane_ids[lane] < N && argmax_before(lane_best[lane], lane_ids[lane], value, id))
-                        value = lane_best[lane], id = lane_ids[lane];
-                candidates[t * rows + m] = value, candidate_ids[t * rows + m] = id;
-                if (!logprobs) continue;
-                float lane_maxima[16], lane_sums[16];
-                _mm512_storeu_ps(lane_maxima, lane_max[m]);
-                _mm512_storeu_ps(lane_sums, lane_sum[m]);
-                for (int lane = 0; lane < 16; lane++)
-                    merge_logsumexp(lane_maxima[lane], lane_sums[lane], part_max + t * rows + m,
-                                    part_sum + t * rows + m);
-            }
         }
-        free(outputs), free(best), free(best_ids);
+        amx_restore(&before, configured_rows);
     }
-    for (int64_t m = 0; m < rows; m++) {
-        float value = -INFINITY;
-        int64_t id = -1;
-        for (int t = 0; t < threads; t++) {
-            const int64_t candidate = candidate_ids[t * rows + m];
-            if (candidate >= 0 && argmax_before(candidates[t * rows + m], candidate, value, id))
-                value = candidates[t * rows + m], id = candidate;
-        }
-        ids[m] = id;
-        if (!logprobs) continue;
-        float max = -INFINITY, sum = 0.f;
-        for (int t = 0; t < threads; t++) merge_logsumexp(part_max[t * rows + m], part_sum[t * rows + m], &max, &sum);
-        logprobs[m] = value - max - logf(sum);
-    }
-    free(candidates);
+    thread_folds_merge(&parts, rows, ids, logprobs);
     return status;
 }
 

@@ -16,8 +16,8 @@ of a batch-1 step; `decode_layer_int8` runs a whole layer for a step's decode ro
 kernels' arithmetic (`engines.models.llama.NativeDecoder`, where every product is int8 weight-only on float32,
 or w8a8: on AMX tiles, or through VNNI dot products). Prefill rows run through the PyTorch modules, where a
 tiled gate_up product applies SiLU · up itself (`TiledW8A8Kernel.silu_mul`); on AMX their attention runs on tiles
-(`PagedPrefillAttention`), and a greedy step's LM head gives its argmax, and that token's logprob, without writing
-logits (`W8A8Amx.argmax`).
+(`PagedPrefillAttention`). A greedy step's w8a8 LM head (AMX or VNNI) gives its argmax, and that token's logprob,
+without writing logits (`TiledW8A8Kernel.argmax`).
 A sampled step's rows are drawn by `sample_rows` (temperature, min-p, top-k, top-p: `engines.sampler.draw_native`),
 and the logprobs a request asks for come from `logprob_rows`.
 `python -m bench.kernels` times the GEMVs against the PyTorch ops, `python -m bench.engine --batch1-only`
@@ -81,7 +81,8 @@ class TiledW8A8Kernel:
     scales [N], bias [N] | None, weight_sum [N] | None)` → `[rows, N]` float32. A weight's row n is
     `rows(tiled, ids, K)`: a gather, never a second copy.
     Two products read that order: `W8A8Amx` on AMX tiles and `W8A8Vnni` through AVX-512 VNNI, which also takes
-    the weight's row sums (`needs_weight_sum`)."""
+    the weight's row sums (`needs_weight_sum`). Each also gives each row's argmax of the product, and its
+    log-softmax there, without writing the product (`argmax`: an LM head's greedy choice and its logprob)."""
 
     group = 64  # output features per block of the tiled weight (TILE_GROUP)
     k_chunk = 64  # inputs per block (TILE_K_CHUNK)
@@ -103,6 +104,10 @@ class TiledW8A8Kernel:
         self._silu_mul = getattr(library, f"{self.symbol}_silu_mul")
         self._silu_mul.restype = ctypes.c_int
         self._silu_mul.argtypes = [*self._product.argtypes[:-1], _POINTER, ctypes.c_int]
+        # The product's arguments, `out` the [rows] int64 ids, then the [rows] float32 logprobs (or NULL)
+        self._argmax = getattr(library, f"{self.symbol}_argmax")
+        self._argmax.restype = ctypes.c_int
+        self._argmax.argtypes = [*self._product.argtypes[:-1], _POINTER, ctypes.c_int]
         # (products, x, rows, K, tiled, weight_sum, scales, bias, out, N, xq, x_scale, residual, passes, threads)
         self._two_pass = library.w8a8_two_pass
         self._two_pass.restype = ctypes.c_int
@@ -160,6 +165,20 @@ class TiledW8A8Kernel:
                        row_scales.data_ptr(), residual.data_ptr(), passes.data_ptr(), torch.get_num_threads())
         return out
 
+    def argmax(self, x: torch.Tensor, tiled: torch.Tensor, out_features: int, scales: torch.Tensor,
+               bias: torch.Tensor | None, weight_sum: torch.Tensor | None = None, with_logprobs: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """`[rows]` int64: each row's index of its largest output (the first of equal ones, NaN the largest, as
+        numpy's argmax), the product's own bits compared in cache and never written out (an LM head's greedy
+        choice); with `with_logprobs` also `[rows]` float32, each row's log-softmax at that index (within ~1e-5 of
+        `log_softmax`'s: the token's logprob), else None."""
+        ids = torch.empty(x.shape[0], dtype=torch.long)
+        logprobs = torch.empty(x.shape[0]) if with_logprobs else None
+        if self._run(self._argmax, x, tiled, out_features, scales, bias, weight_sum, ids,
+                     None if logprobs is None else logprobs.data_ptr()) != 0:
+            raise MemoryError(f"{self.symbol}_argmax found no scratch memory")
+        return ids, logprobs
+
     def gates(self, out_features: int) -> bool:
         """Whether `silu_mul` takes a gate_up weight of `out_features` ([gate; up], each whole groups)."""
         return out_features % (2 * self.group) == 0
@@ -202,30 +221,10 @@ class TiledW8A8Kernel:
 
 
 class W8A8Amx(TiledW8A8Kernel):
-    """`TiledW8A8Kernel` on AMX tiles (`w8a8_amx`), which also gives each row's argmax of the product, and its
-    log-softmax there, without writing the product (`argmax`: an LM head's greedy choice and its logprob)."""
+    """`TiledW8A8Kernel` on AMX tiles (`w8a8_amx`)."""
 
     symbol = "w8a8_amx"
     products = LayerProducts.W8A8_AMX
-
-    def __init__(self, library: ctypes.CDLL) -> None:
-        super().__init__(library)
-        # The product's arguments, `out` the [rows] int64 ids, then the [rows] float32 logprobs (or NULL)
-        self._argmax = library.w8a8_amx_argmax
-        self._argmax.restype = ctypes.c_int
-        self._argmax.argtypes = [*self._product.argtypes[:-1], _POINTER, ctypes.c_int]
-
-    def argmax(self, x: torch.Tensor, tiled: torch.Tensor, out_features: int, scales: torch.Tensor,
-               bias: torch.Tensor | None, with_logprobs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`[rows]` int64: each row's index of its largest output (the first of equal ones, NaN the largest, as
-        numpy's argmax), the product's own bits compared in cache and never written out; with `with_logprobs`
-        also `[rows]` float32, each row's log-softmax at that index (within ~1e-5 of `log_softmax`'s), else None."""
-        ids = torch.empty(x.shape[0], dtype=torch.long)
-        logprobs = torch.empty(x.shape[0]) if with_logprobs else None
-        if self._run(self._argmax, x, tiled, out_features, scales, bias, None, ids,
-                     None if logprobs is None else logprobs.data_ptr()) != 0:
-            raise MemoryError("w8a8_amx_argmax found no scratch memory")
-        return ids, logprobs
 
 
 class W8A8Vnni(TiledW8A8Kernel):

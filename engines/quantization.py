@@ -48,7 +48,6 @@ from engines.cpu_kernels import (
     LayerProducts,
     Projection,
     TiledW8A8Kernel,
-    W8A8Amx,
     int8_gemv,
     w8a8_tiled,
 )
@@ -421,12 +420,12 @@ class TiledW8A8Linear(nn.Module):
     def argmax(self, x: torch.Tensor, with_logprobs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """`self(x).argmax(-1)`'s ids for x [rows, in_features], and with `with_logprobs` the outputs' log-softmax
         at them (else None), the outputs compared in cache and never written (an LM head's greedy choice and its
-        logprob: [rows, vocab] float32 logits are megabytes a step), where the kernel can (on AMX tiles, float32
-        activations: the very outputs `forward` returns); else None."""
-        if not isinstance(self.kernel, W8A8Amx) or self.activation_dtype != torch.float32 or self.activation_passes > 1:
+        logprob: [rows, vocab] float32 logits are megabytes a step), where the kernel can (float32 activations, one
+        pass: the very outputs `forward` returns); else None."""
+        if self.activation_dtype != torch.float32 or self.activation_passes > 1:
             return None
         return self.kernel.argmax(x.reshape(-1, self.in_features).float(), self.weight, self.out_features, self.scales,
-                                  self.bias, with_logprobs)
+                                  self.bias, self.weight_sum, with_logprobs)
 
     @property
     def gates(self) -> bool:

@@ -15,7 +15,7 @@ from torch import nn
 from engines import cpu_kernels
 from engines.attention import AttentionMetadata, paged_attention
 from engines.config import ModelConfig
-from engines.cpu_kernels import PagedDecodeAttention, int8_gemv, w8a8_amx, w8a8_vnni
+from engines.cpu_kernels import PagedDecodeAttention, TiledW8A8Kernel, int8_gemv, w8a8_amx, w8a8_vnni
 from engines.model_runner import ModelRunner, TokenSpan
 from engines.models.llama import MLP, LlamaForCausalLM, RMSNorm, rope_cos_sin
 from engines.quantization import (
@@ -59,11 +59,16 @@ def layer_pair(layer_type: type[Int8Linear], in_features: int, out_features: int
     return with_kernel, reference
 
 
+def tiled_kernel(kernel_name: str) -> TiledW8A8Kernel:
+    kernel = {"amx": w8a8_amx, "vnni": w8a8_vnni}[kernel_name]()
+    assert kernel is not None
+    return kernel
+
+
 def tiled_pair(kernel_name: str, in_features: int, out_features: int, bias: bool, activation_passes: int = 1
                ) -> tuple[TiledW8A8Linear, W8A8Linear]:  # fmt: skip
     """One quantised layer in tile order on `kernel_name`'s product, and as W8A8Linear on `torch._int_mm`."""
-    kernel = {"amx": w8a8_amx, "vnni": w8a8_vnni}[kernel_name]()
-    assert kernel is not None
+    kernel = tiled_kernel(kernel_name)
     torch.manual_seed(in_features + out_features)
     linear = nn.Linear(in_features, out_features, bias=bias)
     return (TiledW8A8Linear.from_linear(linear, torch.float32, kernel, activation_passes),
@@ -102,17 +107,17 @@ def test_an_input_in_two_passes_is_the_same_bits_on_the_tiled_kernels(kernel_nam
     assert not torch.equal(out, tiled_pair(kernel_name, in_features, 96, bias)[0](x))  # not one pass
 
 
-@needs_amx
+@pytest.mark.parametrize("kernel_name", TILED_KERNELS)
 @pytest.mark.parametrize("rows", [1, 5, 17, 33])
 @pytest.mark.parametrize(("out_features", "bias"), [(1000, True), (4096, False), (37, False)])
-def test_the_amx_argmax_picks_the_ids_numpy_picks_from_the_outputs(rows: int, out_features: int, bias: bool) -> None:
+def test_the_tiled_argmax_picks_the_ids_numpy_picks_from_the_outputs(kernel_name: str, rows: int, out_features: int,
+                                                                     bias: bool) -> None:
     """Each row's argmax of the product without writing it (an LM head's greedy choice): the ids `argmax_ids` picks
     from the outputs; of equal maxima the first (a weight row repeated in its own group, a later one and the other
     thread's half), NaN counting as the maximum."""
     from engines.sampler import argmax_ids
 
-    kernel = w8a8_amx()
-    assert kernel is not None
+    kernel = tiled_kernel(kernel_name)
     torch.manual_seed(out_features + rows)
     linear = nn.Linear(896, out_features, bias=bias)
     # 19, 259 and 515 share feature 3's lane of 16 (in its group, a later one, the other thread's half); 40, 500 not
@@ -136,17 +141,17 @@ def test_the_amx_argmax_picks_the_ids_numpy_picks_from_the_outputs(rows: int, ou
         assert torch.equal(nan_ids, argmax_ids(tiled(x))) and set(nan_ids.tolist()) == {600}
 
 
-@needs_amx
+@pytest.mark.parametrize("kernel_name", TILED_KERNELS)
 @pytest.mark.parametrize("rows", [1, 5, 17, 33])
 @pytest.mark.parametrize("out_features", [1000, 4096, 37, 151_936])
-def test_the_amx_argmax_gives_each_chosen_ids_log_softmax_from_the_same_pass(rows: int, out_features: int) -> None:
+def test_the_tiled_argmax_gives_each_chosen_ids_log_softmax_from_the_same_pass(kernel_name: str, rows: int,
+                                                                                out_features: int) -> None:
     """With logprobs asked, each row's log-softmax at its argmax — a greedy token's logprob, what the cascade reads
     — folded into the pass that finds the argmax (nothing written): log_softmax's value on the outputs within
     float32 summation error, for peaked and near-flat rows and a vocabulary's width; the ids do not change."""
     from engines.sampler import argmax_ids
 
-    kernel = w8a8_amx()
-    assert kernel is not None
+    kernel = tiled_kernel(kernel_name)
     torch.manual_seed(out_features * 7 + rows)
     tiled = TiledW8A8Linear.from_linear(nn.Linear(256, out_features), torch.float32, kernel)
     x = torch.randn(rows, 256) * torch.logspace(-2, 1.5, rows).unsqueeze(1)  # near-flat to sharply peaked rows

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from engines.cpu_kernels import w8a8_amx
+from engines.cpu_kernels import w8a8_tiled
 from engines.llm_engine import LLMEngine
 from engines.sampler import GreedyTokens
 from engines.sampling_params import SamplingParams
@@ -82,9 +82,9 @@ def test_a_bfloat16_kv_cache_and_w8a8_weights_keep_outputs_independent_of_cache_
 def test_greedy_steps_take_the_lm_heads_argmax_and_choose_what_sampling_the_logits_chooses(
     tiny_qwen2: TinyModel,
 ) -> None:
-    """Where every row of a step is plain greedy, the step asks the model for its argmax ids (on AMX a w8a8 LM head
-    compares its outputs in cache and writes no logits), and for the chosen tokens' logprobs where a row asks (the
-    cascade's confidence: on AMX folded into the same pass); a request that asks for top logprobs goes through the
+    """Where every row of a step is plain greedy, the step asks the model for its argmax ids (on AMX or VNNI a w8a8 LM
+    head compares its outputs in cache and writes no logits), and for the chosen tokens' logprobs where a row asks
+    (the cascade's confidence: folded into the same pass); a request that asks for top logprobs goes through the
     logits and `sample`, and gets the same tokens and chosen logprobs."""
     engine = make_engine(tiny_qwen2, quantization="w8a8", enable_prefix_caching=False)
     model = engine.runner.model
@@ -101,7 +101,7 @@ def test_greedy_steps_take_the_lm_heads_argmax_and_choose_what_sampling_the_logi
     engine.add_request("plain", prompt, GREEDY)
     plain = run_to_completion(engine)["plain"]
     assert len(from_head) == GREEDY.max_tokens
-    assert all(from_head) == (w8a8_amx() is not None)  # elsewhere: the argmax of the logits
+    assert all(from_head) == (w8a8_tiled() is not None)  # elsewhere: the argmax of the logits
     chosen_only = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True, logprobs=True)
     engine.add_request("chosen", prompt, chosen_only)
     chosen = run_to_completion(engine)["chosen"]
