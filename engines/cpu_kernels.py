@@ -174,6 +174,8 @@ class TiledW8A8Kernel:
         `log_softmax`'s: the token's logprob), else None."""
         ids = torch.empty(x.shape[0], dtype=torch.long)
         logprobs = torch.empty(x.shape[0]) if with_logprobs else None
+        if x.shape[0] == 0:
+            return ids, logprobs
         if self._run(self._argmax, x, tiled, out_features, scales, bias, weight_sum, ids,
                      None if logprobs is None else logprobs.data_ptr()) != 0:
             raise MemoryError(f"{self.symbol}_argmax found no scratch memory")

@@ -162,6 +162,8 @@ def test_the_tiled_argmax_gives_each_chosen_ids_log_softmax_from_the_same_pass(k
     assert torch.equal(ids, argmax_ids(outputs))
     expected = torch.log_softmax(outputs.double(), dim=-1).gather(1, ids.unsqueeze(1)).squeeze(1)
     torch.testing.assert_close(logprobs.double(), expected, atol=2e-5, rtol=1e-5)
+    no_rows = tiled.argmax(x[:0], with_logprobs=True)
+    assert no_rows is not None and no_rows[0].shape == (0,) and no_rows[1] is not None and no_rows[1].shape == (0,)
 
 
 @pytest.mark.parametrize("kernel_name", TILED_KERNELS)
