@@ -14,6 +14,9 @@ token (`max_tokens=1`). Configurations, alternated repeat by repeat so that the 
   dequantised_sgemm  the same engine with its int8 weight-only layers' prefill chunks through float32 sgemm
                      over the weight dequantised per call: the path before 2026-12-05 (only where the model
                      has such layers: `RowDispatchLinear`, on AVX2 CPUs);
+  batch_invariant    the same engine with every prompt token attending as a decode row
+                     (`EngineConfig.batch_invariant`: a request's bits whatever its batch, chunking or cache; only
+                     where it applies: w8a8 on AMX or VNNI);
   float32            float32 weights throughout (another engine of the same checkpoint; `--no-float32`
                      skips it): what the time is without quantisation.
 
@@ -30,8 +33,8 @@ import gc
 import json
 import statistics
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -83,19 +86,35 @@ def dequantised_sgemm(engine: LLMEngine) -> Iterator[None]:
             packed.gemv = gemv
 
 
-def measure(engine: LLMEngine, prompts: dict[int, list[int]], repeats: int, with_previous: bool
-            ) -> dict[int, dict[str, list[float]]]:  # fmt: skip
-    times: dict[int, dict[str, list[float]]] = {n: {"shipped": [], "dequantised_sgemm": []} for n in prompts}
+@contextmanager
+def batch_invariant(engine: LLMEngine) -> Iterator[None]:
+    """The engine with every prompt token attending as a decode row (`EngineConfig.batch_invariant`)."""
+    engine.runner.batch_invariant = True
+    try:
+        yield
+    finally:
+        engine.runner.batch_invariant = False
+
+
+def configurations(engine: LLMEngine) -> dict[str, Callable[[LLMEngine], AbstractContextManager[None]]]:
+    """The configurations that apply to this engine, each as a context manager around a run."""
+    ways: dict[str, Callable[[LLMEngine], AbstractContextManager[None]]] = {"shipped": lambda _: nullcontext()}
+    if kernel_prefill_layers(engine):
+        ways["dequantised_sgemm"] = dequantised_sgemm
+    if engine.runner.rows_are_batch_invariant():
+        ways["batch_invariant"] = batch_invariant
+    return ways
+
+
+def measure(engine: LLMEngine, prompts: dict[int, list[int]], repeats: int) -> dict[int, dict[str, list[float]]]:
+    ways = configurations(engine)
+    times: dict[int, dict[str, list[float]]] = {n: {name: [] for name in ways} for n in prompts}
     time_to_first_token(engine, prompts[min(prompts)], "warm-up")
     for repeat in range(repeats):
         for n, prompt in prompts.items():
-            order = ["shipped", "dequantised_sgemm"] if repeat % 2 == 0 else ["dequantised_sgemm", "shipped"]
-            for name in order:
-                if name == "shipped":
+            for name in list(ways) if repeat % 2 == 0 else list(reversed(ways)):
+                with ways[name](engine):
                     times[n][name].append(time_to_first_token(engine, prompt, f"{n}-{repeat}-{name}"))
-                elif with_previous:
-                    with dequantised_sgemm(engine):
-                        times[n][name].append(time_to_first_token(engine, prompt, f"{n}-{repeat}-{name}"))
     return times
 
 
@@ -104,9 +123,10 @@ def model_figures(model: str, args: argparse.Namespace, questions: list[str], sl
     engine = LLMEngine(config)
     prompts = {n: prompt_of(engine, questions, n) for n in args.prompt_tokens}
     has_previous_path = bool(kernel_prefill_layers(engine))
-    times = measure(engine, prompts, args.repeats, has_previous_path)
+    times = measure(engine, prompts, args.repeats)
     figures: dict[str, Any] = {"precision": engine.precision(), "slo_ttft_p99_ms": slo_ms,
-                               "previous_path_applies": has_previous_path, "prompts": {}}
+                               "previous_path_applies": has_previous_path,
+                               "batch_invariant_applies": engine.runner.rows_are_batch_invariant(), "prompts": {}}
     del engine
     gc.collect()
     float32_times: dict[int, list[float]] = {}
@@ -126,6 +146,9 @@ def model_figures(model: str, args: argparse.Namespace, questions: list[str], sl
         if "dequantised_sgemm_ttft_ms_median" in entry:
             entry["speedup_vs_dequantised_sgemm"] = (entry["dequantised_sgemm_ttft_ms_median"]
                                                      / entry["shipped_ttft_ms_median"])
+        if "batch_invariant_ttft_ms_median" in entry:
+            entry["batch_invariant_vs_shipped"] = (entry["batch_invariant_ttft_ms_median"]
+                                                   / entry["shipped_ttft_ms_median"])
         if "float32_ttft_ms_median" in entry:
             entry["speedup_vs_float32"] = entry["float32_ttft_ms_median"] / entry["shipped_ttft_ms_median"]
         entry["shipped_within_slo"] = entry["shipped_ttft_ms_median"] <= slo_ms
@@ -155,12 +178,14 @@ def main() -> None:
         result = model_figures(model, args, questions, slo_ms)
         figures["models"][model] = result
         for n, entry in result["prompts"].items():
-            rows.append([model, n, entry["shipped_ttft_ms_median"], entry.get("dequantised_sgemm_ttft_ms_median", "–"),
-                         entry.get("speedup_vs_dequantised_sgemm", "–"), entry.get("float32_ttft_ms_median", "–"),
-                         slo_ms, "yes" if entry["shipped_within_slo"] else "NO"])
+            others = [entry.get(key, "–") for key in (
+                "dequantised_sgemm_ttft_ms_median", "speedup_vs_dequantised_sgemm", "batch_invariant_ttft_ms_median",
+                "batch_invariant_vs_shipped", "float32_ttft_ms_median")]
+            rows.append([model, n, entry["shipped_ttft_ms_median"], *others, slo_ms,
+                         "yes" if entry["shipped_within_slo"] else "NO"])
     print_table(f"Prefill: TTFT of a request alone, median of {args.repeats} (ms); CPU: {cpu_model()}",
-                ["tier", "prompt tokens", "shipped", "dequantised sgemm (before)", "ratio", "float32", "SLO p99",
-                 "within SLO"], rows)
+                ["tier", "prompt tokens", "shipped", "dequantised sgemm (before)", "ratio", "batch-invariant",
+                 "batch-invariant / shipped", "float32", "SLO p99", "within SLO"], rows)
     write_results("prefill", figures)
 
 

@@ -200,7 +200,8 @@ class LLMEngine:
                                    eos_token_ids, config.max_batch_tokens_beside_interactive)
         self._speculative = drafter is not None or bool(config.speculative_model)
         self.runner = ModelRunner(self.model, self.model_config, config.block_size, num_kv_blocks,
-                                  self.kv_cache_dtype, self.device, self.max_model_len, self._graph_max_batch())
+                                  self.kv_cache_dtype, self.device, self.max_model_len, self._graph_max_batch(),
+                                  batch_invariant=config.batch_invariant)
         self.speculator = None
         if self._speculative:
             self.speculator = self._load_speculator(num_kv_blocks, drafter)
@@ -289,7 +290,8 @@ class LLMEngine:
         if self.config.speculative_draft_vocab is not None and hasattr(model, "limit_vocabulary"):
             draft_bytes -= model.limit_vocabulary(self.config.speculative_draft_vocab)
         runner = ModelRunner(model, checkpoint.config, self.config.block_size, num_kv_blocks, self.kv_cache_dtype,
-                             self.device, self.max_model_len, self._graph_max_batch())
+                             self.device, self.max_model_len, self._graph_max_batch(),
+                             batch_invariant=self.config.batch_invariant)
         return Speculator(runner, self.config.num_speculative_tokens, draft_bytes / weight_bytes(self.model),
                           self.runner.forward_cost, self.config.speculative_adaptive_drafts)
 

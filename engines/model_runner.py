@@ -56,8 +56,6 @@ def _split_scored(logits: torch.Tensor, batch: ScheduledBatch, spans: list[Token
     return logits[sampled_rows], batch.sampled, scored
 
 
-def _decodes(span: TokenSpan) -> bool:
-    return len(span.token_ids) == 1 or span.as_decode_rows
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -84,7 +82,8 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, config: ModelConfig, block_size: int, num_kv_blocks: int,
                  kv_cache_dtype: torch.dtype, device: torch.device | None = None, max_model_len: int | None = None,
-                 cuda_graph_max_batch: int = 0, triton_attention: bool | None = None) -> None:
+                 cuda_graph_max_batch: int = 0, triton_attention: bool | None = None,
+                 batch_invariant: bool = False) -> None:
         self.model = model
         self.config = config
         self.block_size = block_size
@@ -118,6 +117,22 @@ class ModelRunner:
             max_blocks = -(-(max_model_len or config.max_position_embeddings) // block_size)
             self.graphs = DecodeGraphs(model, self.kv_caches, block_size, cuda_graph_max_batch, max_blocks,
                                        config.vocab_size, self.device, triton_decode_attention)
+        # Every token attends as a decode row (`TokenSpan.as_decode_rows`), prompt chunks too: where decode rows
+        # are the same bits alone or beside any others (`rows_are_batch_invariant`), a token's logits then do not
+        # depend on what it was batched with or how its prompt was chunked or cached (EngineConfig.batch_invariant).
+        if batch_invariant and not self.rows_are_batch_invariant():
+            raise ValueError("batch_invariant needs a CPU engine whose decode layers run natively on w8a8 products in "
+                             "tile order (quantization w8a8 or auto on a CPU with AMX or AVX-512 VNNI): elsewhere a "
+                             "row's bits depend on the rows beside it")
+        self.batch_invariant = batch_invariant
+
+    def rows_are_batch_invariant(self) -> bool:
+        """Whether a decode row's logits are the same bits alone, beside other rows and beside a prefill chunk: the
+        native layers' w8a8 products in tile order, which the modules compute to the same bits (`modules_match`),
+        per-row activation scales, and the decode attention kernel taking each row alone."""
+        native = self.native_decoder
+        return (self.device.type == "cpu" and native is not None and native.modules_match
+                and self.decode_attention is not None)
 
     @property
     def forward_cost(self) -> ForwardCost:
@@ -152,7 +167,7 @@ class ModelRunner:
         for, span by span in the order given: [sum of each span's 0, 1 or len(token_ids) rows, V]; with `greedy`
         each such row's argmax token id instead, and with `with_logprobs` its logprob (from the LM head's own pass
         where the model can: no logits)."""
-        order = sorted(range(len(spans)), key=lambda i: not _decodes(spans[i]))  # decode rows first
+        order = sorted(range(len(spans)), key=lambda i: not self._decodes(spans[i]))  # decode rows first
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -171,7 +186,7 @@ class ModelRunner:
             slot_mapping.extend(table[p // size] * size + p % size for p in range(start, end))
             if num_new == 1:
                 decode_spans.append(span)
-            elif span.as_decode_rows:
+            elif self._decodes(span):
                 decode_spans.extend(TokenSpan([token], start + j, table) for j, token in enumerate(span.token_ids))
             else:
                 prefills.append(self.prefill_chunk(span, row))
@@ -219,6 +234,11 @@ class ModelRunner:
             return chosen
         logits = self.model.compute_logits(hidden).float()
         return greedy_tokens(logits, with_logprobs) if greedy else logits
+
+    def _decodes(self, span: TokenSpan) -> bool:
+        """Whether the span's tokens attend as decode rows: one token, a verification, or any in a batch-invariant
+        engine."""
+        return len(span.token_ids) == 1 or span.as_decode_rows or self.batch_invariant
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         """A step's int64 index tensor on the runner's device."""

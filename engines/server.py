@@ -237,6 +237,8 @@ def launch(spec: TierSpec, argv: Sequence[str] | None = None) -> None:
                         help="batch-priority tokens a step takes beside interactive decodes")  # fmt: skip
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--num-threads", type=int)
+    parser.add_argument("--batch-invariant", action="store_true", default=None,
+                        help="a request's tokens and logprobs the same bits whatever its batch, chunking or cache")
     parser.add_argument("--speculative-draft", help="demo model name or path of a drafter sharing the tokenizer")
     parser.add_argument("--num-speculative-tokens", type=int, help="most drafts per decode step")
     parser.add_argument("--api-key", help="require `Authorization: Bearer <key>` on the OpenAI routes")
@@ -254,6 +256,7 @@ def launch(spec: TierSpec, argv: Sequence[str] | None = None) -> None:
         max_batch_tokens_beside_interactive=args.max_batch_tokens_beside_interactive,
         max_model_len=args.max_model_len,
         num_threads=args.num_threads,
+        batch_invariant=args.batch_invariant,
         speculative_draft=args.speculative_draft,
         num_speculative_tokens=args.num_speculative_tokens,
     )

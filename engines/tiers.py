@@ -37,6 +37,7 @@ class TierSpec:
     num_speculative_tokens: int = 6
     served_model_name: str | None = None
     num_threads: int | None = None
+    batch_invariant: bool = False  # a request's bits whatever its batch, chunking or cache (EngineConfig)
 
     @property
     def served_name(self) -> str:
@@ -61,6 +62,7 @@ class TierSpec:
             max_batch_tokens_beside_interactive=self.max_batch_tokens_beside_interactive,
             max_model_len=self.max_model_len,
             num_threads=self.num_threads,
+            batch_invariant=self.batch_invariant,
             served_model_name=self.served_name,
             speculative_model=str(resolve_model(self.speculative_draft, cache_dir)) if self.speculative_draft
             else None,

@@ -20,6 +20,7 @@ ENGINE_FIELDS = (
     "max_batch_tokens_beside_interactive",
     "max_model_len",
     "num_threads",
+    "batch_invariant",
     "speculative_draft",
     "num_speculative_tokens",
 )

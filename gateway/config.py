@@ -151,6 +151,9 @@ class TierConfig(_Section):
     max_batch_tokens_beside_interactive: int | None = None
     max_model_len: int | None = None
     num_threads: int | None = None
+    # true: a request's tokens and logprobs are the same bits whatever it is batched with and however its prompt is
+    # chunked or cached (w8a8 on AMX or VNNI only; prefill takes longer: BENCHMARKS.md, "batch-invariant").
+    batch_invariant: bool | None = None
     # Speculative decoding: a drafter model sharing this tier's tokenizer (demo name or path; "" = off)
     # proposes up to num_speculative_tokens tokens per decode step, the tier's model verifies them.
     speculative_draft: str | None = None

@@ -29,11 +29,13 @@ def test_configured_engine_settings_override_the_spec_field_by_field(tmp_path: P
     file = tmp_path / "s.toml"
     file.write_text('[tiers.small]\n[tiers.large]\nkv_cache_mb = 256\nquantization = "none"\n')
     settings = load_settings(file, environ={"SLUICE_TIERS__LARGE__MAX_NUM_SEQS": "4",
-                                            "SLUICE_TIERS__LARGE__W8A8_ATTENTION_PASSES": "1"})
+                                            "SLUICE_TIERS__LARGE__W8A8_ATTENTION_PASSES": "1",
+                                            "SLUICE_TIERS__LARGE__BATCH_INVARIANT": "true"})
     spec = engine_spec("large", settings.tiers["large"])
     assert (spec.kv_cache_mb, spec.max_num_seqs, spec.quantization) == (256, 4, None)
     assert (spec.w8a8_attention_passes, SMALL.w8a8_attention_passes) == (1, 2)
     assert spec.engine_config().w8a8_attention_passes == 1
+    assert (spec.engine_config().batch_invariant, SMALL.engine_config().batch_invariant) == (True, False)
     assert (spec.max_model_len, spec.kv_cache_dtype, spec.model) == (LARGE.max_model_len, LARGE.kv_cache_dtype, "large")
 
 

@@ -212,3 +212,43 @@ def test_models_whose_products_the_native_layers_do_not_take_keep_the_modules(ti
         pytest.skip("this CPU's w8a8 products are taken natively (tested above)")
     engine = make_engine(tiny_qwen2, **overrides)
     assert engine.runner.native_decoder is None
+
+
+def answers(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, tuple]:
+    """Each request's tokens, chosen and top logprobs, and prompt tokens found cached, run together to completion."""
+    for name, (prompt, params) in requests.items():
+        engine.add_request(name, prompt, params)
+    outputs = run_to_completion(engine)
+    return {name: (generated_ids(outputs[name]), [(lp.logprob, lp.top) for out in outputs[name] for lp in out.logprobs],
+                   outputs[name][0].num_cached_tokens) for name in requests}
+
+
+def test_a_batch_invariant_engine_gives_a_request_the_same_bits_however_it_is_batched_chunked_or_cached(
+    tiny_qwen2: TinyModel, products: str
+) -> None:
+    """With `batch_invariant`, a request's tokens and logprobs are the same bits alone with its prompt in one chunk,
+    and in 5-token chunks beside another request decoding, after a request that left part of its prompt in the
+    prefix cache; seeded sampling too. Its prompt's tokens then attend as decode rows."""
+    if products == "int8":
+        with pytest.raises(ValueError, match="batch_invariant needs"):
+            native_engine(tiny_qwen2, products, batch_invariant=True)
+        return
+    prompt = list(range(60, 93))
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=True)
+    sampled = SamplingParams(temperature=0.9, max_tokens=12, ignore_eos=True, logprobs=True, top_logprobs=2, seed=7)
+    alone = native_engine(tiny_qwen2, products, batch_invariant=True, max_num_batched_tokens=64,
+                          enable_prefix_caching=False)
+    expected = answers(alone, {"greedy": (prompt, greedy)}) | answers(alone, {"sampled": (prompt, sampled)})
+
+    busy = native_engine(tiny_qwen2, products, batch_invariant=True, max_num_batched_tokens=5)
+    answers(busy, {"warm": ([*prompt[:17], 1, 2, 3], greedy)})  # leaves the prompt's first 16 tokens cached
+    other = (list(range(200, 211)), dataclasses.replace(greedy, max_tokens=30))
+    tokens, logprobs, cached = answers(busy, {"other": other, "greedy": (prompt, greedy)})["greedy"]
+    assert (tokens, logprobs) == expected["greedy"][:2] and cached == 16
+    tokens, logprobs, cached = answers(busy, {"sampled": (prompt, sampled), "other": other})["sampled"]
+    assert (tokens, logprobs) == expected["sampled"][:2] and cached == 32  # the greedy run's blocks too
+
+
+def test_batch_invariance_is_refused_where_rows_depend_on_their_neighbours(tiny_qwen2: TinyModel) -> None:
+    with pytest.raises(ValueError, match="batch_invariant needs"):
+        make_engine(tiny_qwen2, batch_invariant=True)  # float32: products whose bits depend on the row count
