@@ -9,8 +9,8 @@ with top_p 0.99 — against the baseline in this file: the same filters by sorti
 `torch.multinomial` over it, which races an exponential variate per id (vLLM's CPU sampler draws the same way; ours
 did both before 2026-12-07).
 Part 2, what a user sees: the tier's decode tokens/s at each of `--decode-batch-sizes` concurrent requests, sampled
-(temperature 1, top_p 0.95), and greedy with the chosen tokens' logprobs (what the cascade asks the small tier for),
-against greedy in the same run. Between them, penalties (frequency and presence, or
+(temperature 1, top_p 0.95) against greedy in the same run, and each with the chosen tokens' logprobs (what the
+cascade asks the small tier for). Between them, penalties (frequency and presence, or
 repetition; 300 generated and 800 seen ids a row) in one call against applying them densely over the vocabulary, and
 logprobs (the chosen tokens', and the top 5) against a log-softmax of the whole rows and `topk`.
 Writes bench/results/sampler.json.
@@ -19,6 +19,7 @@ Writes bench/results/sampler.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -185,17 +186,20 @@ def decode(engine: LLMEngine, data: Path, batch_sizes: list[int]) -> list[dict[s
     prompts = [engine.tokenizer.encode(text)[:64] for text in gsm8k_worked_answers(data, 100, max(batch_sizes))]
     sampled = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=DECODE_TOKENS, ignore_eos=True, seed=0)
     greedy = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
-    # What the cascade asks the small tier for: greedy tokens with their own logprobs (its confidence)
+    # What the cascade asks the small tier for: the tokens with their own logprobs (its confidence)
     greedy_logprobs = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True, logprobs=True)
+    sampled_logprobs = dataclasses.replace(sampled, logprobs=True)
     rows = []
     for size in batch_sizes:
         figures = {name: decode_tokens_per_s(engine, prompts[:size], params, f"{name}{size}")
                    for name, params in (("greedy", greedy), ("sampled", sampled),
-                                        ("greedy_logprobs", greedy_logprobs))}
+                                        ("greedy_logprobs", greedy_logprobs), ("sampled_logprobs", sampled_logprobs))}
         rows.append({"batch_size": size, "greedy_tokens_per_s": figures["greedy"],
                      "sampled_tokens_per_s": figures["sampled"], "sampled_vs_greedy": figures["sampled"] /
                      figures["greedy"], "greedy_logprobs_tokens_per_s": figures["greedy_logprobs"],
-                     "greedy_logprobs_vs_greedy": figures["greedy_logprobs"] / figures["greedy"]})
+                     "greedy_logprobs_vs_greedy": figures["greedy_logprobs"] / figures["greedy"],
+                     "sampled_logprobs_tokens_per_s": figures["sampled_logprobs"],
+                     "sampled_logprobs_vs_sampled": figures["sampled_logprobs"] / figures["sampled"]})
     return rows
 
 
@@ -226,11 +230,13 @@ def main(argv: list[str] | None = None) -> None:
                 [[r["setting"], r["batch_size"], r["ours_ms"], r["log_softmax_and_topk_ms"], r["speedup"]]
                  for r in logprobs])
     decoded = decode(engine, args.data, args.decode_batch_sizes)
-    print_table(f"Decode tokens/s against greedy: sampled (temperature 1 + top_p 0.95), greedy with the chosen "
+    print_table(f"Decode tokens/s: sampled (temperature 1 + top_p 0.95) against greedy, and each with the chosen "
                 f"tokens' logprobs ({args.model}, {cpu_model()})",
-                ["batch", "greedy", "sampled", "sampled / greedy", "greedy + logprobs", "greedy + logprobs / greedy"],
+                ["batch", "greedy", "sampled", "sampled / greedy", "greedy + logprobs", "/ greedy",
+                 "sampled + logprobs", "/ sampled"],
                 [[r["batch_size"], r["greedy_tokens_per_s"], r["sampled_tokens_per_s"], r["sampled_vs_greedy"],
-                  r["greedy_logprobs_tokens_per_s"], r["greedy_logprobs_vs_greedy"]] for r in decoded])
+                  r["greedy_logprobs_tokens_per_s"], r["greedy_logprobs_vs_greedy"], r["sampled_logprobs_tokens_per_s"],
+                  r["sampled_logprobs_vs_sampled"]] for r in decoded])
     write_results("sampler", {"cpu": cpu_model(), "model": args.model, "precision": engine.precision(),
                               "sampler_alone": alone, "penalties": penalties, "logprobs": logprobs,
                               "decode": decoded})

@@ -820,7 +820,9 @@ int decode_layer_int8(const struct decoder_layer *layer, const struct decoder_sh
  * The draw, with one uniform variate u: the id at which the kept weights' cumulative sum, in id order, first exceeds
  * u · their total (the blocks' sums first, then within the block; kept ids few enough to be listed are walked
  * directly). ids[r] is that id, or -1 where the row is left to the caller: no finite maximum, or a cut not found
- * among at most `max_likely` ids. Returns 0, or -1 where scratch memory could not be had (nothing drawn then). */
+ * among at most `max_likely` ids. At temperature 1 without min-p, pass 2 summed e^(x - max) over the whole row:
+ * logprobs[r] is then the drawn id's log-softmax, `logprob_rows`' bits (what the cascade asks of every sampled
+ * token), else NaN. Returns 0, or -1 where scratch memory could not be had (nothing drawn then). */
 #define SAMPLE_BLOCK 1024
 #define GAP_BINS 2048  /* `nucleus_cut`'s histogram: 1/32 nat a bin, 64 nats (ids beyond weigh < 1.7e-28 each) */
 #define GAP_BINS_PER_NAT 32.f
@@ -1034,9 +1036,10 @@ static double row_weights(const float *x, const int64_t vocab, const float max, 
 
 /* The draw over what `cut` keeps of the row: its block by the blocks' cumulative masses, then the id within it. */
 static int64_t draw_row(const float *x, const int64_t vocab, const float max, const float inverse_t,
-                        const struct cut cut, const double u, struct sample_scratch *s) {
+                        const struct cut cut, const double u, struct sample_scratch *s, double *total) {
     const int64_t blocks = (vocab + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
-    const double target = u * row_weights(x, vocab, max, inverse_t, cut, s->w, s->block_sums);
+    const double sum = row_weights(x, vocab, max, inverse_t, cut, s->w, s->block_sums), target = u * sum;
+    if (total) *total = sum;
     double before = 0., block_before = 0.;
     int64_t block = 0;
     for (int64_t b = 0; b < blocks; b++) {
@@ -1080,12 +1083,25 @@ static int64_t draw_likely(const struct sample_options o, const float max, const
     return kept > 0 ? draw_listed(likely, kept, max, inverse_t, o.u) : -2;
 }
 
-/* One row's draw (see above), or -1. */
+/* The chosen id's log-softmax from the row's maximum and Σ e^(x - max) — `logprob_rows`' arithmetic, the same bits —
+ * where the draw summed the whole row at temperature 1 (else NaN): a sampled token's logprob without another pass. */
+static float chosen_logprob(const float *x, const int64_t id, const float max, const double total) {
+    return id >= 0 && total > 0. ? (x[id] - max) - (float)log(total) : NAN;
+}
+
+/* One row's draw (see above), or -1; `*logprob` the drawn id's `chosen_logprob` (NaN where not known). */
 static int64_t sample_row(const float *x, const int64_t vocab, struct sample_options o, const float log_share,
-                          const int64_t capacity, struct sample_scratch *s) {
+                          const int64_t capacity, struct sample_scratch *s, float *logprob) {
     const float max = row_max(x, vocab), inverse_t = 1.f / o.temperature;
+    const int whole_row = inverse_t == 1.f && !(o.min_p > 0.f);  /* the sums below are log_softmax's */
+    *logprob = NAN;
     if (!isfinite(max)) return -1;
-    if (!(o.top_k > 0 || o.top_p < 1.f || o.min_p > 0.f)) return draw_row(x, vocab, max, inverse_t, NO_CUT, o.u, s);
+    if (!(o.top_k > 0 || o.top_p < 1.f || o.min_p > 0.f)) {
+        double total;
+        const int64_t id = draw_row(x, vocab, max, inverse_t, NO_CUT, o.u, s, &total);
+        if (whole_row) *logprob = chosen_logprob(x, id, max, total);
+        return id;
+    }
     /* The likely ids, and the row's mass: the min-p set's where the row has one (its floor is a cut). */
     const struct cut floor = {max + (o.min_p > 0.f ? logf(o.min_p) : log_share) / inverse_t, INT64_MAX};
     double total = 0.;
@@ -1097,19 +1113,22 @@ static int64_t sample_row(const float *x, const int64_t vocab, struct sample_opt
     }
     if (o.top_k && o.min_p <= 0.f && (found < o.top_k || found > capacity))
         found = collect_top_k(x, vocab, max, inverse_t, -log_share, found, s->likely, capacity, &o.top_k);
-    const int64_t id = draw_likely(o, max, inverse_t, total, found, capacity, s->likely);
-    if (id != -2) return id;
-    struct cut cut = o.min_p > 0.f ? floor : NO_CUT;  /* a min-p set too large to list is cut by its floor */
-    if (o.top_p < 1.f) {  /* and then by its nucleus, never below the floor */
-        if (nucleus_cut(x, vocab, max, inverse_t, total, o.top_p, s, capacity, &cut) != 0) return -1;
-        if (o.min_p > 0.f && cut.logit < floor.logit) cut = floor;
+    int64_t id = draw_likely(o, max, inverse_t, total, found, capacity, s->likely);
+    if (id == -2) {
+        struct cut cut = o.min_p > 0.f ? floor : NO_CUT;  /* a min-p set too large to list is cut by its floor */
+        if (o.top_p < 1.f) {  /* and then by its nucleus, never below the floor */
+            if (nucleus_cut(x, vocab, max, inverse_t, total, o.top_p, s, capacity, &cut) != 0) return -1;
+            if (o.min_p > 0.f && cut.logit < floor.logit) cut = floor;
+        }
+        id = draw_row(x, vocab, max, inverse_t, cut, o.u, s, NULL);
     }
-    return draw_row(x, vocab, max, inverse_t, cut, o.u, s);
+    if (whole_row) *logprob = chosen_logprob(x, id, max, total);
+    return id;
 }
 
 int sample_rows(const float *logits, const int64_t rows, const int64_t vocab, const float *temperature,
                 const int64_t *top_k, const float *top_p, const float *min_p, const double *u,
-                const float log_share, const int64_t max_likely, int64_t *ids, const int threads) {
+                const float log_share, const int64_t max_likely, int64_t *ids, float *logprobs, const int threads) {
     const int64_t blocks = (vocab + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
     int status = 0;
     #pragma omp parallel num_threads(threads)
@@ -1125,7 +1144,7 @@ int sample_rows(const float *logits, const int64_t rows, const int64_t vocab, co
         for (int64_t r = 0; r < rows; r++) {
             if (status) continue;
             const struct sample_options o = {temperature[r], top_p[r], min_p[r], top_k[r], u[r]};
-            ids[r] = sample_row(logits + r * vocab, vocab, o, log_share, max_likely, &s);
+            ids[r] = sample_row(logits + r * vocab, vocab, o, log_share, max_likely, &s, logprobs + r);
         }
         free(s.block_sums);
         free(s.bins);

@@ -289,13 +289,14 @@ class RopeRows:
 class SampleRows:
     """One draw per row of float32 logits from softmax(logits / temperature) within what its min-p, top k (0: all)
     and top-p nucleus keep (`sample_rows`): `engines.sampler.draw_native` calls it. -1 marks a row left to the
-    caller."""
+    caller. Beside each id, its log-softmax where the draw summed the whole row (temperature 1, no min-p: the same
+    bits as `LogprobRows`), else NaN."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._sample = library.sample_rows
         self._sample.restype = ctypes.c_int
         self._sample.argtypes = [_POINTER, _INT64, _INT64, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER,
-                                 ctypes.c_float, _INT64, _POINTER, ctypes.c_int]
+                                 ctypes.c_float, _INT64, _POINTER, _POINTER, ctypes.c_int]
 
     @staticmethod
     def supports(logits: torch.Tensor) -> bool:
@@ -303,7 +304,7 @@ class SampleRows:
 
     def __call__(self, logits: torch.Tensor, temperatures: Sequence[float], top_ks: Sequence[int],
                  top_ps: Sequence[float], min_ps: Sequence[float], uniforms: Sequence[float], log_share: float,
-                 max_likely: int) -> list[int]:
+                 max_likely: int) -> tuple[list[int], list[float]]:
         logits = logits.contiguous()
         temperature = torch.tensor(temperatures, dtype=torch.float32)
         top_k = torch.tensor(top_ks, dtype=torch.int64)
@@ -311,12 +312,13 @@ class SampleRows:
         min_p = torch.tensor(min_ps, dtype=torch.float32)
         u = torch.tensor(uniforms, dtype=torch.float64)
         ids = torch.empty(len(logits), dtype=torch.int64)
+        logprobs = torch.empty(len(logits))
         status = self._sample(logits.data_ptr(), len(logits), logits.shape[-1], temperature.data_ptr(),
                               top_k.data_ptr(), top_p.data_ptr(), min_p.data_ptr(), u.data_ptr(), log_share,
-                              max_likely, ids.data_ptr(), torch.get_num_threads())
+                              max_likely, ids.data_ptr(), logprobs.data_ptr(), torch.get_num_threads())
         if status != 0:
             raise MemoryError("sample_rows found no scratch memory")
-        return ids.tolist()
+        return ids.tolist(), logprobs.tolist()
 
 
 class LogprobRows:

@@ -4,7 +4,7 @@ top-k, top-p, per-request seeds, logprobs."""
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,11 +46,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     if logits.device.type != "cpu" and _needs_host(params, grammars):
         logits = logits.cpu()  # penalties, bias, grammars and seeded draws work on the host (generators live there)
     adjusted = adjust_logits(logits, params, output_token_ids, seen_token_ids, eos_token_ids)
-    token_ids = _choose(adjusted, params, generators)
+    token_ids, known = _choose(adjusted, params, generators)
     if grammars is not None and any(g is not None for g in grammars):
         _constrain(adjusted, token_ids, params, generators, grammars)
+        known = {row: logprob for row, logprob in known.items() if grammars[row] is None}
     chosen = token_ids.tolist()
-    return chosen, token_logprobs(logits, chosen, params)
+    # The draw's logprobs are those of the logits it drew from: the unmodified ones only where nothing adjusted them.
+    return chosen, token_logprobs(logits, chosen, params, known if adjusted is logits else None)
 
 
 def greedy_only(params: Sequence[SamplingParams], grammars: Sequence[GrammarState | None] | None = None) -> bool:
@@ -149,14 +151,17 @@ def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _choose(logits: torch.Tensor, params: Sequence[SamplingParams],
-            generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+            generators: Sequence[torch.Generator | None]) -> tuple[torch.Tensor, dict[int, float]]:
+    """Each row's token, and the log-softmax of `logits` at it for the rows whose draw gave it (`draw_native`)."""
     token_ids = torch.zeros(len(params), dtype=torch.long)
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     if greedy_rows:
         token_ids[greedy_rows] = argmax_ids(take_rows(logits, greedy_rows))
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     uniforms = {row: _uniform(generators[row]) for row in random_rows}
-    drawn = draw_native(logits, random_rows, params, uniforms)
+    native = draw_native(logits, random_rows, params, uniforms)
+    drawn = {row: token for row, (token, _) in native.items()}
+    known = {row: logprob for row, (_, logprob) in native.items() if not math.isnan(logprob)}
     rest = [row for row in random_rows if row not in drawn]
     for start in range(0, len(rest), SAMPLED_ROWS_AT_ONCE):
         rows = rest[start:start + SAMPLED_ROWS_AT_ONCE]
@@ -165,7 +170,7 @@ def _choose(logits: torch.Tensor, params: Sequence[SamplingParams],
             drawn[row] = draw_kept(weights, ids, uniforms[row])
     if drawn:
         token_ids[list(drawn)] = torch.tensor(list(drawn.values()))
-    return token_ids
+    return token_ids, known
 
 
 def draw_kept(weights: torch.Tensor, ids: torch.Tensor | None, u: float) -> int:
@@ -178,21 +183,22 @@ def draw_kept(weights: torch.Tensor, ids: torch.Tensor | None, u: float) -> int:
 
 
 def draw_native(logits: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams],
-                uniforms: dict[int, float]) -> dict[int, int]:
+                uniforms: dict[int, float]) -> dict[int, tuple[int, float]]:
     """The draws of `rows` by the CPU kernel (`engines.cpu_kernels.sample_rows`), each the id `draw_kept` picks at
     the row's variate from `candidates`' distribution: the ids min-p, top-k and top-p keep, found among the row's
     likely ids (or, for a nucleus beyond them, from a histogram of its mass), and the draw in id order, in two or
     three passes over a row where PyTorch makes six or more. Rows the kernel leaves (what they keep not found among
-    `NUCLEUS_CANDIDATES[0]` ids), and every row where it cannot run, are not in the result."""
+    `NUCLEUS_CANDIDATES[0]` ids), and every row where it cannot run, are not in the result. Beside each id its
+    log-softmax where the draw summed the whole row (temperature 1, no min-p; `token_logprobs`' value), else NaN."""
     vocab = logits.shape[-1]
     kernel = sample_rows()
     if kernel is None or not rows or not kernel.supports(logits):
         return {}
-    ids = kernel(take_rows(logits, rows), [params[row].temperature for row in rows],
-                 [params[row].top_k if 0 < params[row].top_k < vocab else 0 for row in rows],
-                 [params[row].top_p for row in rows], [params[row].min_p for row in rows],
-                 [uniforms[row] for row in rows], math.log(LIKELY_SHARE), NUCLEUS_CANDIDATES[0])
-    return {row: token for row, token in zip(rows, ids, strict=True) if token >= 0}
+    ids, logprobs = kernel(take_rows(logits, rows), [params[row].temperature for row in rows],
+                           [params[row].top_k if 0 < params[row].top_k < vocab else 0 for row in rows],
+                           [params[row].top_p for row in rows], [params[row].min_p for row in rows],
+                           [uniforms[row] for row in rows], math.log(LIKELY_SHARE), NUCLEUS_CANDIDATES[0])
+    return {row: (token, logprob) for row, token, logprob in zip(rows, ids, logprobs, strict=True) if token >= 0}
 
 
 def _uniform(generator: torch.Generator | None) -> float:
@@ -249,15 +255,20 @@ def _constrain(logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[S
     index = torch.tensor(redo)
     masked = logits[index]
     apply_bitmask(masked, bitmask)
-    token_ids[index] = _choose(masked, [params[i] for i in redo], [generators[i] for i in redo])
+    token_ids[index] = _choose(masked, [params[i] for i in redo], [generators[i] for i in redo])[0]
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int],
-                   params: Sequence[SamplingParams]) -> list[TokenLogprob | None]:
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], params: Sequence[SamplingParams],
+                   known: Mapping[int, float] | None = None) -> list[TokenLogprob | None]:
     """Each row's chosen token's logprob (and the top ones) under the unmodified distribution, for rows that ask;
-    `SAMPLED_ROWS_AT_ONCE` rows at a time (a scored prompt chunk brings hundreds)."""
+    `SAMPLED_ROWS_AT_ONCE` rows at a time (a scored prompt chunk brings hundreds). `known`: chosen tokens' logprobs
+    had already (from the draw), taken for rows that ask for no top ones."""
     logprobs: list[TokenLogprob | None] = [None] * len(params)
-    wanted = [i for i, p in enumerate(params) if p.logprobs]
+    known = known or {}
+    for i, p in enumerate(params):
+        if p.logprobs and not p.top_logprobs and i in known:
+            logprobs[i] = TokenLogprob(token_id=token_ids[i], logprob=known[i], top=[])
+    wanted = [i for i, p in enumerate(params) if p.logprobs and logprobs[i] is None]
     for start in range(0, len(wanted), SAMPLED_ROWS_AT_ONCE):
         rows = wanted[start:start + SAMPLED_ROWS_AT_ONCE]
         num_top = max(params[i].top_logprobs for i in rows)

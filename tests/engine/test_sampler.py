@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -20,6 +21,7 @@ from engines.sampler import (
     greedy_logprobs,
     greedy_tokens,
     sample,
+    token_logprobs,
     top_k_top_p,
 )
 from engines.sampling_params import SamplingParams
@@ -162,7 +164,7 @@ def test_the_kernel_draws_the_token_the_python_rule_draws_at_the_same_variate() 
             drawn = draw_native(logits, range(len(logits)), params, dict.fromkeys(range(len(logits)), u))
             too_many_to_list = min_p > 0 and top_k > 0  # the flat row's min-p set, whose top k is left to PyTorch
             assert set(drawn) == set(range(5 if too_many_to_list else 6))
-            for row, token in drawn.items():
+            for row, (token, _) in drawn.items():
                 assert logits[row, token].isfinite()
                 if u in extremes:
                     continue
@@ -265,6 +267,46 @@ def test_without_the_kernels_a_seed_samples_the_same_tokens_with_the_same_logpro
     tokens_torch, values_torch = run()
     assert tokens == tokens_torch
     assert [v for step in values for v in step] == pytest.approx([v for step in values_torch for v in step], abs=1e-5)
+
+
+@pytest.mark.skipif(sample_rows() is None, reason="the CPU kernels need a C compiler and AVX2")
+def test_a_draw_at_temperature_1_gives_its_tokens_logprob_and_the_logprob_pass_would_give_the_same_bits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the draw summed the whole row (temperature 1, no min-p, any top-k or top-p) its logprob is the logprob
+    kernel's, to the bit; elsewhere (another temperature, min-p, a penalty) that kernel gives it."""
+    logits = torch.randn(6, 151_936, generator=torch.Generator().manual_seed(2)) * 4
+    params = [SamplingParams(temperature=1.0, logprobs=True),
+              SamplingParams(temperature=1.0, top_p=0.9, logprobs=True),
+              SamplingParams(temperature=1.0, top_k=50, logprobs=True),
+              SamplingParams(temperature=0.7, logprobs=True),
+              SamplingParams(temperature=1.0, min_p=0.05, logprobs=True),
+              SamplingParams(temperature=1.0, top_p=0.9, logprobs=True, top_logprobs=2)]
+    uniforms = dict.fromkeys(range(6), 0.37)
+    drawn = draw_native(logits, range(6), params, uniforms)
+    assert [not math.isnan(logprob) for _, logprob in drawn.values()] == [True, True, True, False, False, True]
+    expected = logprob_rows()(logits, [token for token, _ in drawn.values()], 0)[0].tolist()  # type: ignore[misc]
+    assert [logprob for _, logprob in drawn.values()][:3] == expected[:3]
+
+    calls: list[int] = []  # rows the logprob pass still reads
+    kernel = logprob_rows()
+    assert kernel is not None
+
+    class Counted:
+        supports = staticmethod(kernel.supports)
+
+        def __call__(self, rows: torch.Tensor, chosen: list[int], top_n: int) -> object:
+            calls.append(len(rows))
+            return kernel(rows, chosen, top_n)
+
+    monkeypatch.setattr("engines.sampler.logprob_rows", Counted)
+    tokens, logprobs = sample(logits, params, generators(*range(6)))
+    reread = token_logprobs(logits, tokens, params)  # every row through the logprob pass
+    assert [lp.logprob for lp in logprobs if lp] == [lp.logprob for lp in reread if lp]
+    assert calls[0] == 3  # the temperature 0.7, min-p and top-logprobs rows only
+    penalised = [dataclasses.replace(p, presence_penalty=0.5) for p in params]
+    calls.clear()
+    sample(logits, penalised, generators(*range(6)), [[1, 2]] * 6)
+    assert calls[0] == 6  # the draw read adjusted logits: their sums are not the reported distribution's
 
 
 def test_logprobs_are_given_only_to_the_rows_that_asked() -> None:
