@@ -247,6 +247,8 @@ def test_a_batch_invariant_engine_gives_a_request_the_same_bits_however_it_is_ba
     assert (tokens, logprobs) == expected["greedy"][:2] and cached == 16
     tokens, logprobs, cached = answers(busy, {"sampled": (prompt, sampled), "other": other})["sampled"]
     assert (tokens, logprobs) == expected["sampled"][:2] and cached == 32  # the greedy run's blocks too
+    beside_sampled = answers(busy, {"greedy": (prompt, greedy), "sampled": (list(range(300, 320)), sampled)})
+    assert beside_sampled["greedy"][:2] == expected["greedy"][:2]  # its logprobs from the same pass either way
 
 
 def test_batch_invariance_is_refused_where_rows_depend_on_their_neighbours(tiny_qwen2: TinyModel) -> None:
