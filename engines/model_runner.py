@@ -232,9 +232,8 @@ class ModelRunner:
         hidden = hidden[self._tensor(rows)]
         # The LM head's fold sums a row's log-sum-exp in another order than `logprob_rows`, which steps with sampled
         # rows (and speculative rounds) report from: a batch-invariant engine takes every logprob from the latter.
-        folds_logprobs = with_logprobs and not self.batch_invariant
-        if greedy and (folds_logprobs or not with_logprobs) and \
-                (chosen := self.model.greedy_tokens(hidden, with_logprobs)) is not None:
+        head_may_choose = greedy and not (with_logprobs and self.batch_invariant)
+        if head_may_choose and (chosen := self.model.greedy_tokens(hidden, with_logprobs)) is not None:
             return chosen
         logits = self.model.compute_logits(hidden).float()
         return greedy_tokens(logits, with_logprobs) if greedy else logits
