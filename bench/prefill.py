@@ -86,6 +86,10 @@ def dequantised_sgemm(engine: LLMEngine) -> Iterator[None]:
             packed.gemv = gemv
 
 
+# Each configuration a bench run takes, by name: a context manager around the run.
+Configurations = dict[str, Callable[[LLMEngine], AbstractContextManager[None]]]
+
+
 @contextmanager
 def batch_invariant(engine: LLMEngine) -> Iterator[None]:
     """The engine with every prompt token attending as a decode row (`EngineConfig.batch_invariant`)."""
@@ -96,9 +100,9 @@ def batch_invariant(engine: LLMEngine) -> Iterator[None]:
         engine.runner.batch_invariant = False
 
 
-def configurations(engine: LLMEngine) -> dict[str, Callable[[LLMEngine], AbstractContextManager[None]]]:
+def configurations(engine: LLMEngine) -> Configurations:
     """The configurations that apply to this engine, each as a context manager around a run."""
-    ways: dict[str, Callable[[LLMEngine], AbstractContextManager[None]]] = {"shipped": lambda _: nullcontext()}
+    ways: Configurations = {"shipped": lambda _: nullcontext()}
     if kernel_prefill_layers(engine):
         ways["dequantised_sgemm"] = dequantised_sgemm
     if engine.runner.rows_are_batch_invariant():
@@ -106,8 +110,8 @@ def configurations(engine: LLMEngine) -> dict[str, Callable[[LLMEngine], Abstrac
     return ways
 
 
-def measure(engine: LLMEngine, prompts: dict[int, list[int]], repeats: int) -> dict[int, dict[str, list[float]]]:
-    ways = configurations(engine)
+def measure(engine: LLMEngine, ways: Configurations, prompts: dict[int, list[int]], repeats: int
+            ) -> dict[int, dict[str, list[float]]]:  # fmt: skip
     times: dict[int, dict[str, list[float]]] = {n: {name: [] for name in ways} for n in prompts}
     time_to_first_token(engine, prompts[min(prompts)], "warm-up")
     for repeat in range(repeats):
@@ -122,11 +126,11 @@ def model_figures(model: str, args: argparse.Namespace, questions: list[str], sl
     config = dataclasses.replace(engine_config(tier_spec(model, model), args), enable_prefix_caching=False)
     engine = LLMEngine(config)
     prompts = {n: prompt_of(engine, questions, n) for n in args.prompt_tokens}
-    has_previous_path = bool(kernel_prefill_layers(engine))
-    times = measure(engine, prompts, args.repeats)
+    ways = configurations(engine)
+    times = measure(engine, ways, prompts, args.repeats)
     figures: dict[str, Any] = {"precision": engine.precision(), "slo_ttft_p99_ms": slo_ms,
-                               "previous_path_applies": has_previous_path,
-                               "batch_invariant_applies": engine.runner.rows_are_batch_invariant(), "prompts": {}}
+                               "previous_path_applies": "dequantised_sgemm" in ways,
+                               "batch_invariant_applies": "batch_invariant" in ways, "prompts": {}}
     del engine
     gc.collect()
     float32_times: dict[int, list[float]] = {}

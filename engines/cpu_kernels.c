@@ -959,6 +959,12 @@ static int64_t nucleus_length(const struct likely_id *likely, const int64_t widt
     return closed ? width : 0;
 }
 
+/* The histogram bin of logit x: its distance below the maximum, `scale` bins a nat, the last bin beyond (NaN too). */
+static inline int64_t gap_bin(const float x, const float max, const float scale) {
+    const float bin = (max - x) * scale;
+    return bin < GAP_BINS - 1 ? (int64_t)bin : GAP_BINS - 1;
+}
+
 /* The cut of a top-p row whose nucleus goes on past its likely ids: the mass per bin of distance from the maximum
  * (1/32 nat, tempered) gives the bin in which the kept mass reaches top_p of `total`; that bin's ids, sorted, give
  * the cut. Returns 0, or -1 where that bin holds more than `capacity` ids. */
@@ -970,10 +976,8 @@ static int nucleus_cut(const float *x, const int64_t vocab, const float max, con
     for (int64_t begin = 0; begin < vocab; begin += SAMPLE_BLOCK) {
         const int64_t n = block_length(vocab, begin);
         block_weights(x, begin, n, max, inverse_t, NO_CUT, s->w);
-        for (int64_t i = 0; i < n; i++) {
-            const float bin = (max - x[begin + i]) * scale;  /* NaN and -inf weigh 0 wherever they land */
-            s->bins[bin < GAP_BINS - 1 ? (int64_t)bin : GAP_BINS - 1] += s->w[i];
-        }
+        for (int64_t i = 0; i < n; i++)  /* NaN and -inf weigh 0 wherever they land */
+            s->bins[gap_bin(x[begin + i], max, scale)] += s->w[i];
     }
     double before = 0.;
     int64_t last = 0;
@@ -985,8 +989,7 @@ static int nucleus_cut(const float *x, const int64_t vocab, const float max, con
     }
     int64_t found = 0;  /* the ids of bin `last`, most likely first */
     for (int64_t i = 0; i < vocab; i++) {
-        const float bin = (max - x[i]) * scale;
-        if (x[i] > -INFINITY && (bin < GAP_BINS - 1 ? (int64_t)bin : GAP_BINS - 1) == last) {
+        if (x[i] > -INFINITY && gap_bin(x[i], max, scale) == last) {
             if (found < capacity) s->likely[found] = (struct likely_id){x[i], (int32_t)i};
             found++;
         }
@@ -1242,6 +1245,11 @@ static void silu_mul_row16(const float *gate, const float *up, const int64_t K, 
  */
 #define VNNI_ROWS 4
 
+/* The lanes of 16 from j on that fall before `width`: a masked load's or store's valid elements. */
+static inline __mmask16 lanes_below(const int64_t width, const int64_t j) {
+    return width - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (width - j)) - 1);
+}
+
 static inline __attribute__((always_inline)) void vnni_group_rows(
     const int rows, const uint8_t *xq, const int64_t Kp, const float *x_scale, const int8_t *weight,
     const int32_t *w_sum, const float *w_scale, const float *bias, float *out, const int64_t stride, const int64_t N,
@@ -1284,7 +1292,7 @@ static inline __attribute__((always_inline)) void vnni_group_rows(
     for (int s = 0; s < 4; s++) {
         const int64_t n0 = n_group + s * 16;
         if (n0 >= N) break;
-        const __mmask16 valid = N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
+        const __mmask16 valid = lanes_below(N, n0);
         const __m512i shift = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(valid, w_sum + n0), 7);  /* 128 · w_sum */
         const __m512 scale16 = _mm512_maskz_loadu_ps(valid, w_scale + n0);
         const __m512 bias16 = bias ? _mm512_maskz_loadu_ps(valid, bias + n0) : _mm512_setzero_ps();
@@ -1506,10 +1514,6 @@ static int row_folds_alloc(struct row_folds *f, const int64_t rows, const int64_
         f->lane_sum[m] = _mm512_setzero_ps();
     }
     return 0;
-}
-
-static inline __mmask16 lanes_below(const int64_t width, const int64_t j) {
-    return width - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (width - j)) - 1);
 }
 
 /* Row m's running maximum over 16 lanes (`best`, `best_ids`) folded with the `width` outputs of one group that
@@ -1888,7 +1892,7 @@ static inline void amx_store_group(int32_t acc[4][AMX_TILE_ROWS * 16], const int
     for (int slice = 0; slice < 4; slice++) {
         const int64_t n0 = group * TILE_GROUP + slice * 16;
         if (n0 >= N) break;
-        const __mmask16 valid = N - n0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n0)) - 1);
+        const __mmask16 valid = lanes_below(N, n0);
         const __m512 scale16 = _mm512_maskz_loadu_ps(valid, w_scale + n0);
         const __m512 bias16 = bias ? _mm512_maskz_loadu_ps(valid, bias + n0) : _mm512_setzero_ps();
         for (int r = 0; r < rows; r++) {
@@ -2097,7 +2101,7 @@ static inline __attribute__((always_inline)) void amx_dot_scores(
             _tile_dpbf16ps(0, 1, 2);
         }
         _tile_stored(0, tile, 64);
-        const __mmask16 valid = length - p0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (length - p0)) - 1);
+        const __mmask16 valid = lanes_below(length, p0);
         for (int64_t g = 0; g < group; g++)  /* head g's column, transposed into its row of scores */
             _mm512_mask_storeu_ps(scores + g * length + p0, valid,
                                   _mm512_mul_ps(_mm512_i32gather_ps(column, &tile[0][g], 4), scale16));
@@ -2211,7 +2215,7 @@ static void amx_pack_keys(const void *k_cache, const int64_t *table, const int b
         memset(tiles, 0, (size_t)(16 * head_dim) * sizeof(uint16_t));
         return;
     }
-    const __mmask16 valid = length - p0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (length - p0)) - 1);
+    const __mmask16 valid = lanes_below(length, p0);
     const uint16_t *first = key_vector(k_cache, table, block_shift, kv_heads, kvh, head_dim, p0, 1);
     /* 16 positions of one block lie kv_heads · head_dim bfloat16 apart (16 | block_size) */
     const __m512i position = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
@@ -2243,14 +2247,13 @@ static inline float amx_row_softmax(const float *row, const int64_t visible, con
     __m512 lanes_max = _mm512_set1_ps(-INFINITY);
     int64_t p = 0;
     for (; p < visible; p += 16) {
-        const __mmask16 valid = visible - p >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (visible - p)) - 1);
+        const __mmask16 valid = lanes_below(visible, p);
         lanes_max = _mm512_mask_max_ps(lanes_max, valid, lanes_max, _mm512_mul_ps(_mm512_loadu_ps(row + p), scale16));
     }
     const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(lanes_max));
     __m512 sum = _mm512_setzero_ps();
     for (p = 0; p < width; p += 16) {
-        const __mmask16 valid = p >= visible ? 0
-            : visible - p >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (visible - p)) - 1);
+        const __mmask16 valid = p >= visible ? 0 : lanes_below(visible, p);
         const __m512 e = _mm512_maskz_mov_ps(
             valid, exp512_amx(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(row + p), scale16), row_max)));
         sum = _mm512_add_ps(sum, e);

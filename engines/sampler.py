@@ -81,8 +81,14 @@ def greedy_logprobs(chosen: GreedyTokens, params: Sequence[SamplingParams]) -> l
     """The chosen tokens' logprobs for the rows that ask (`greedy_only`: none asks for top logprobs)."""
     if chosen.logprobs is None:
         return [None] * len(params)
-    return [TokenLogprob(token_id=token_id, logprob=logprob, top=[]) if p.logprobs else None
-            for token_id, logprob, p in zip(chosen.token_ids.tolist(), chosen.logprobs.tolist(), params, strict=True)]
+    return _known_logprobs(chosen.token_ids.tolist(), params, dict(enumerate(chosen.logprobs.tolist())))
+
+
+def _known_logprobs(token_ids: Sequence[int], params: Sequence[SamplingParams],
+                    known: Mapping[int, float]) -> list[TokenLogprob | None]:
+    """The chosen tokens' logprobs had already (`known`, by row) for the rows that ask for them and no top ones."""
+    return [TokenLogprob(token_id=token_ids[i], logprob=known[i], top=[])
+            if p.logprobs and not p.top_logprobs and i in known else None for i, p in enumerate(params)]
 
 
 def _needs_host(params: Sequence[SamplingParams], grammars: Sequence[GrammarState | None] | None) -> bool:
@@ -263,11 +269,7 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], params: Seque
     """Each row's chosen token's logprob (and the top ones) under the unmodified distribution, for rows that ask;
     `SAMPLED_ROWS_AT_ONCE` rows at a time (a scored prompt chunk brings hundreds). `known`: chosen tokens' logprobs
     had already (from the draw), taken for rows that ask for no top ones."""
-    logprobs: list[TokenLogprob | None] = [None] * len(params)
-    known = known or {}
-    for i, p in enumerate(params):
-        if p.logprobs and not p.top_logprobs and i in known:
-            logprobs[i] = TokenLogprob(token_id=token_ids[i], logprob=known[i], top=[])
+    logprobs = _known_logprobs(token_ids, params, known or {})
     wanted = [i for i, p in enumerate(params) if p.logprobs and logprobs[i] is None]
     for start in range(0, len(wanted), SAMPLED_ROWS_AT_ONCE):
         rows = wanted[start:start + SAMPLED_ROWS_AT_ONCE]
