@@ -1,6 +1,7 @@
 """Sampling per decode step: our sampler against sorting whole rows and drawing with `torch.multinomial`.
 
-`python -m bench.sampler [--model small] [--batch-sizes 1 8 32 64] [--decode-batch-sizes 1 16] [--data DIR]`
+`python -m bench.sampler [--model small] [--batch-sizes 1 8 32 64] [--decode-batch-sizes 1 16] [--data DIR]
+[--without-amx]`
 
 Part 1, the sampler alone: one `engines.sampler.sample` call over B rows of real next-token logits (the tier's model
 over GSM8K train text, prefilled through its engine as `make run` builds it: each row a position of that text), per
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from bench.common import cpu_model, print_table, write_results
+from bench.common import cpu_model, print_table, run_without_amx, write_results
 from bench.engine import GSM8K_DIR, gsm8k_worked_answers, token_stream
 from engines.llm_engine import LLMEngine
 from engines.model_runner import TokenSpan
@@ -46,6 +47,8 @@ DECODE_TOKENS = 48
 LOGPROBS = {
     "logprobs": SamplingParams(temperature=0.0, logprobs=True),
     "logprobs, top_logprobs 5": SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5),
+    # The cascade's small-tier request at OpenAI's default temperature: the draw's own sum gives the logprob
+    "temperature 1, logprobs": SamplingParams(temperature=1.0, logprobs=True),
 }
 PENALTIES = {
     "frequency 0.5, presence 0.3": SamplingParams(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.3),
@@ -151,17 +154,21 @@ def penalties_alone(logits: torch.Tensor, batch_sizes: list[int]) -> list[dict[s
 
 
 def log_softmax_and_topk(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[list[float], list[Any]]:
-    """The baseline for logprobs: a greedy choice (ours, `argmax_ids`), then the whole rows' log-softmax, the chosen
-    ids' values gathered and `topk` of the top logprobs, as ours did before 2026-12-07."""
-    chosen = argmax_ids(logits)
+    """The baseline for logprobs: the choice (ours: `argmax_ids`, or `sample` without logprobs), then the whole rows'
+    log-softmax, the chosen ids' values gathered and `topk` of the top logprobs, as ours did before 2026-12-07."""
+    if all(p.greedy for p in params):
+        chosen = argmax_ids(logits)
+    else:
+        plain = [dataclasses.replace(p, logprobs=False, top_logprobs=0) for p in params]
+        chosen = torch.tensor(sample(logits, plain, [None] * len(params))[0])
     log_probs = torch.log_softmax(logits, dim=-1)
     top = log_probs.topk(max(p.top_logprobs for p in params), dim=-1)
     return log_probs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist(), [top.values.tolist(), top.indices.tolist()]
 
 
 def logprobs_alone(logits: torch.Tensor, batch_sizes: list[int]) -> list[dict[str, Any]]:
-    """`sample` with logprobs (greedy rows; the cascade asks the small tier for the chosen tokens', clients often for
-    the top 5 too) against the log-softmax baseline."""
+    """`sample` with logprobs (the cascade asks the small tier for the chosen tokens', greedy or at temperature 1;
+    clients often for the top 5 too) against the log-softmax baseline."""
     def calls(params: SamplingParams, size: int) -> Calls:
         batch = logits[:size]
         return (lambda: sample(batch, [params] * size, [None] * size),
@@ -209,9 +216,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--decode-batch-sizes", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--data", type=Path, default=GSM8K_DIR, help="directory of GSM8K train.jsonl")
+    parser.add_argument("--without-amx", action="store_true",
+                        help="build w8a8 layers and attention as on a CPU without AMX (VNNI, vdpbf16ps), on a CPU "
+                             "that has it")
     args = parser.parse_args(argv)
     if not (args.data / "train.jsonl").exists():
         raise SystemExit(f"GSM8K train.jsonl not found in {args.data}: pass its directory with --data")
+    if args.without_amx:
+        run_without_amx()
     engine = LLMEngine(tier_spec(args.model, args.model).engine_config())
     logits = real_logits(engine, args.data, max(args.batch_sizes))
     alone = sampler_alone(logits, args.batch_sizes)
@@ -238,6 +250,7 @@ def main(argv: list[str] | None = None) -> None:
                   r["greedy_logprobs_tokens_per_s"], r["greedy_logprobs_vs_greedy"], r["sampled_logprobs_tokens_per_s"],
                   r["sampled_logprobs_vs_sampled"]] for r in decoded])
     write_results("sampler", {"cpu": cpu_model(), "model": args.model, "precision": engine.precision(),
+                              "without_amx": args.without_amx,
                               "sampler_alone": alone, "penalties": penalties, "logprobs": logprobs,
                               "decode": decoded})
 

@@ -64,8 +64,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Every prompt token attends as a decode row, so a request's tokens and logprobs are the same bits whatever it
     # was batched with and however its prompt was chunked or found in the prefix cache (w8a8 on AMX or VNNI only:
-    # `ModelRunner.rows_are_batch_invariant`). Without it, a w8a8 token's logprob can move by ~0.1 nats with the
-    # prompt's chunking; with it, prefill takes longer (BENCHMARKS.md, "batch-invariant").
+    # `ModelRunner.rows_are_batch_invariant`). Without it, a w8a8 token's logprob moves a little with the prompt's
+    # chunking; with it, prefill takes longer (BENCHMARKS.md, "batch-invariant").
     batch_invariant: bool = False
     num_threads: int | None = None  # torch intra-op threads; None: physical cores
     seed: int = 0
