@@ -9,14 +9,15 @@ questions as one chat message, cut to exactly `--prompt-tokens` tokens; a reques
 token (`max_tokens=1`). Configurations, alternated repeat by repeat so that the machine's drift weighs on each alike:
 
   shipped            the engine as `make run` builds it: on CPUs without int8 dot products (AVX2), int8
-                     weight-only layers whose prefill chunks go through `int8_gemv` (int16 activations,
-                     exact integer sums); elsewhere w8a8 (unchanged by this path);
-  dequantised_sgemm  the same engine with its int8 weight-only layers' prefill chunks through float32 sgemm
-                     over the weight dequantised per call: the path before 2026-12-05 (only where the model
-                     has such layers: `RowDispatchLinear`, on AVX2 CPUs);
+                     weight-only layers, every prompt token a decode row through the native layers (one C call
+                     a layer for up to 48 rows, `ModelRunner.native_prefill`); elsewhere w8a8, prompts in
+                     prefill chunks through the modules;
+  prefill_chunks     the same engine with its prompts in prefill chunks through the modules (`int8_gemv`
+                     products, SDPA attention): the path before 2026-12-07 (only where the shipped engine
+                     prefills through the native layers);
   batch_invariant    the same engine with every prompt token attending as a decode row
                      (`EngineConfig.batch_invariant`: a request's bits whatever its batch, chunking or cache; only
-                     where it applies: w8a8 on AMX or VNNI);
+                     where that differs from shipped: w8a8 on AMX or VNNI);
   float32            float32 weights throughout (another engine of the same checkpoint; `--no-float32`
                      skips it): what the time is without quantisation.
 
@@ -43,7 +44,6 @@ import torch
 from bench.common import cpu_model, print_table, write_results
 from bench.engine import GSM8K_DIR, engine_config
 from engines.llm_engine import LLMEngine
-from engines.quantization import Int8Linear, RowDispatchLinear
 from engines.sampling_params import SamplingParams
 from engines.tiers import tier_spec
 from gateway.config import default_tiers
@@ -67,23 +67,14 @@ def time_to_first_token(engine: LLMEngine, prompt: list[int], request_id: str) -
     return time.perf_counter() - started
 
 
-def kernel_prefill_layers(engine: LLMEngine) -> list[Int8Linear]:
-    """The int8 weight-only layers whose prefill chunks go through `int8_gemv` (none on CPUs with int8 dot
-    products, where `auto` builds w8a8 layers)."""
-    return [m.packed for m in engine.model.modules() if isinstance(m, RowDispatchLinear) and m.packed.gemv is not None]
-
-
 @contextmanager
-def dequantised_sgemm(engine: LLMEngine) -> Iterator[None]:
-    """The engine with those layers' prefill chunks on sgemm over the dequantised weight (their kernel detached)."""
-    layers = [(packed, packed.gemv) for packed in kernel_prefill_layers(engine)]
-    for packed, _ in layers:
-        packed.gemv = None
+def prefill_chunks(engine: LLMEngine) -> Iterator[None]:
+    """The engine with its prompts in prefill chunks through the modules, not as decode rows of the native layers."""
+    engine.runner.native_prefill = False
     try:
         yield
     finally:
-        for packed, gemv in layers:
-            packed.gemv = gemv
+        engine.runner.native_prefill = True
 
 
 # Each configuration a bench run takes, by name: a context manager around the run.
@@ -103,9 +94,9 @@ def batch_invariant(engine: LLMEngine) -> Iterator[None]:
 def configurations(engine: LLMEngine) -> Configurations:
     """The configurations that apply to this engine, each as a context manager around a run."""
     ways: Configurations = {"shipped": lambda _: nullcontext()}
-    if kernel_prefill_layers(engine):
-        ways["dequantised_sgemm"] = dequantised_sgemm
-    if engine.runner.rows_are_batch_invariant():
+    if engine.runner.native_prefill:
+        ways["prefill_chunks"] = prefill_chunks
+    elif engine.runner.rows_are_batch_invariant():
         ways["batch_invariant"] = batch_invariant
     return ways
 
@@ -129,7 +120,7 @@ def model_figures(model: str, args: argparse.Namespace, questions: list[str], sl
     ways = configurations(engine)
     times = measure(engine, ways, prompts, args.repeats)
     figures: dict[str, Any] = {"precision": engine.precision(), "slo_ttft_p99_ms": slo_ms,
-                               "previous_path_applies": "dequantised_sgemm" in ways,
+                               "previous_path_applies": "prefill_chunks" in ways,
                                "batch_invariant_applies": "batch_invariant" in ways, "prompts": {}}
     del engine
     gc.collect()
@@ -147,9 +138,9 @@ def model_figures(model: str, args: argparse.Namespace, questions: list[str], sl
             if values:
                 entry[f"{name}_ttft_ms_median"] = 1000 * statistics.median(values)
                 entry[f"{name}_ttft_ms_best"] = 1000 * min(values)
-        if "dequantised_sgemm_ttft_ms_median" in entry:
-            entry["speedup_vs_dequantised_sgemm"] = (entry["dequantised_sgemm_ttft_ms_median"]
-                                                     / entry["shipped_ttft_ms_median"])
+        if "prefill_chunks_ttft_ms_median" in entry:
+            entry["speedup_vs_prefill_chunks"] = (entry["prefill_chunks_ttft_ms_median"]
+                                                  / entry["shipped_ttft_ms_median"])
         if "batch_invariant_ttft_ms_median" in entry:
             entry["batch_invariant_vs_shipped"] = (entry["batch_invariant_ttft_ms_median"]
                                                    / entry["shipped_ttft_ms_median"])
@@ -183,12 +174,12 @@ def main() -> None:
         figures["models"][model] = result
         for n, entry in result["prompts"].items():
             others = [entry.get(key, "–") for key in (
-                "dequantised_sgemm_ttft_ms_median", "speedup_vs_dequantised_sgemm", "batch_invariant_ttft_ms_median",
+                "prefill_chunks_ttft_ms_median", "speedup_vs_prefill_chunks", "batch_invariant_ttft_ms_median",
                 "batch_invariant_vs_shipped", "float32_ttft_ms_median")]
             rows.append([model, n, entry["shipped_ttft_ms_median"], *others, slo_ms,
                          "yes" if entry["shipped_within_slo"] else "NO"])
     print_table(f"Prefill: TTFT of a request alone, median of {args.repeats} (ms); CPU: {cpu_model()}",
-                ["tier", "prompt tokens", "shipped", "dequantised sgemm (before)", "ratio", "batch-invariant",
+                ["tier", "prompt tokens", "shipped", "prefill chunks (before)", "ratio", "batch-invariant",
                  "batch-invariant / shipped", "float32", "SLO p99", "within SLO"], rows)
     write_results("prefill", figures)
 

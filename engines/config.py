@@ -63,9 +63,10 @@ class EngineConfig:
     max_model_len: int = 4096
     enable_prefix_caching: bool = True
     # Every prompt token attends as a decode row, so a request's tokens and logprobs are the same bits whatever it
-    # was batched with and however its prompt was chunked or found in the prefix cache (w8a8 on AMX or VNNI only:
-    # `ModelRunner.rows_are_batch_invariant`). Without it, a w8a8 token's logprob moves a little with the prompt's
-    # chunking; with it, prefill takes longer (BENCHMARKS.md, "batch-invariant").
+    # was batched with and however its prompt was chunked or found in the prefix cache (CPU engines whose decode
+    # layers run natively, w8a8 or int8: `ModelRunner.rows_are_batch_invariant`). Without it, a quantised token's
+    # logprob moves a little with the prompt's chunking; with it, prefill takes longer (BENCHMARKS.md,
+    # "batch-invariant").
     batch_invariant: bool = False
     num_threads: int | None = None  # torch intra-op threads; None: physical cores
     seed: int = 0

@@ -58,6 +58,15 @@ def _split_scored(logits: torch.Tensor, batch: ScheduledBatch, spans: list[Token
 
 
 
+def _joined(parts: list[torch.Tensor] | list[GreedyTokens]) -> torch.Tensor | GreedyTokens:
+    """The outputs of consecutive forwards as one forward's."""
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(parts)  # type: ignore[arg-type]
+    logprobs = [part.logprobs for part in parts]  # type: ignore[union-attr]
+    return GreedyTokens(torch.cat([part.token_ids for part in parts]),  # type: ignore[union-attr]
+                        None if logprobs[0] is None else torch.cat(logprobs))  # type: ignore[arg-type]
+
+
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one KV block takes across all layers (K and V)."""
     element_size = torch.empty((), dtype=dtype).element_size()
@@ -120,19 +129,23 @@ class ModelRunner:
         # Every token attends as a decode row (`TokenSpan.as_decode_rows`), prompt chunks too: where decode rows
         # are the same bits alone or beside any others (`rows_are_batch_invariant`), a token's logits then do not
         # depend on what it was batched with or how its prompt was chunked or cached (EngineConfig.batch_invariant).
+        # Where the native layers compute a row to other bits than the modules (int8 weight-only), prompt tokens go
+        # through them so always (`native_prefill`): on AVX2 that prefills faster than the modules (BENCHMARKS.md,
+        # "prompts through the native layers"), and no row's bits depend on its step.
+        native = self.native_decoder
+        self.native_prefill = native is not None and not native.modules_match and self.decode_attention is not None
         if batch_invariant and not self.rows_are_batch_invariant():
-            raise ValueError("batch_invariant needs a CPU engine whose decode layers run natively on w8a8 products in "
-                             "tile order (quantization w8a8 or auto on a CPU with AMX or AVX-512 VNNI): elsewhere a "
-                             "row's bits depend on the rows beside it")
+            raise ValueError("batch_invariant needs a CPU engine whose decode layers run natively (quantization "
+                             "w8a8, int8 or auto on a CPU with AVX2): elsewhere a row's bits depend on the rows "
+                             "beside it")
         self.batch_invariant = batch_invariant
 
     def rows_are_batch_invariant(self) -> bool:
         """Whether a decode row's logits are the same bits alone, beside other rows and beside a prefill chunk: the
-        native layers' w8a8 products in tile order, which the modules compute to the same bits (`modules_match`),
-        per-row activation scales, and the decode attention kernel taking each row alone."""
-        native = self.native_decoder
-        return (self.device.type == "cpu" and native is not None and native.modules_match
-                and self.decode_attention is not None)
+        native layers (exact integer sums, per-row activation scales, the decode attention kernel taking each row
+        alone). Where the modules compute a row to other bits (int8 weight-only, `modules_match` false), a step of
+        more rows than the native layers take runs as several forwards (`_native_forwards`)."""
+        return self.device.type == "cpu" and self.native_decoder is not None and self.decode_attention is not None
 
     @property
     def forward_cost(self) -> ForwardCost:
@@ -167,6 +180,38 @@ class ModelRunner:
         for, span by span in the order given: [sum of each span's 0, 1 or len(token_ids) rows, V]; with `greedy`
         each such row's argmax token id instead, and with `with_logprobs` its logprob (from the LM head's own pass
         where the model can: no logits)."""
+        if (groups := self._native_forwards(spans)) is not None:
+            return _joined([self._forward(group, should_yield, greedy, with_logprobs) for group in groups])
+        return self._forward(spans, should_yield, greedy, with_logprobs)
+
+    def _native_forwards(self, spans: list[TokenSpan]) -> list[list[TokenSpan]] | None:
+        """A step's spans cut into forwards of at most the native layers' rows, in order, where every token is a decode
+        row and the modules would compute more rows to other bits; None where one forward keeps every row's bits. A
+        later forward's rows attend to the K/V an earlier one wrote, as a later decode step's would."""
+        native = self.native_decoder
+        if native is None or native.modules_match or not (self.batch_invariant or self.native_prefill):
+            return None
+        limit = native.max_rows
+        if sum(len(span.token_ids) for span in spans) <= limit:
+            return None
+        groups: list[list[TokenSpan]] = [[]]
+        room = limit
+        for span in spans:
+            begin = 0
+            while begin < len(span.token_ids):
+                if not room:
+                    groups.append([])
+                    room = limit
+                end = min(len(span.token_ids), begin + room)
+                last = end == len(span.token_ids)
+                logits = span.logits if span.logits != "last" or last else "none"
+                groups[-1].append(TokenSpan(span.token_ids[begin:end], span.start + begin, span.block_table, logits))
+                room -= end - begin
+                begin = end
+        return groups
+
+    def _forward(self, spans: list[TokenSpan], should_yield: Callable[[], bool] | None, greedy: bool,
+                 with_logprobs: bool) -> torch.Tensor | GreedyTokens:
         order = sorted(range(len(spans)), key=lambda i: not self._decodes(spans[i]))  # decode rows first
         input_ids: list[int] = []
         positions: list[int] = []
@@ -240,8 +285,8 @@ class ModelRunner:
 
     def _decodes(self, span: TokenSpan) -> bool:
         """Whether the span's tokens attend as decode rows: one token, a verification, or any in a batch-invariant
-        engine."""
-        return len(span.token_ids) == 1 or span.as_decode_rows or self.batch_invariant
+        engine or through native layers that are other bits than the modules."""
+        return len(span.token_ids) == 1 or span.as_decode_rows or self.batch_invariant or self.native_prefill
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         """A step's int64 index tensor on the runner's device."""

@@ -525,7 +525,7 @@ class RowDispatchLinear(nn.Module):
     the packed kernel, many (prefill) through `int8_gemv` where this machine runs it, else on sgemm.
 
     `int8_gemv` gives a row the same bits in a prefill chunk as in a decode step, and cut the time to first
-    token against sgemm over the dequantised weight (`make bench-prefill`, BENCHMARKS.md). Without it,
+    token against sgemm over the dequantised weight (BENCHMARKS.md, 2026-12-05). Without it,
     the int8 weight is dequantised to the activation dtype for that one call: sgemm over a transient copy
     beats the packed kernel there, and no float copy of the weight stays resident. Every path computes with
     the same quantised weight; which one runs depends only on the number of rows.

@@ -152,7 +152,8 @@ class TierConfig(_Section):
     max_model_len: int | None = None
     num_threads: int | None = None
     # true: a request's tokens and logprobs are the same bits whatever it is batched with and however its prompt is
-    # chunked or cached (w8a8 on AMX or VNNI only; prefill takes longer: BENCHMARKS.md, "batch-invariant").
+    # chunked or cached (CPU engines with native decode layers: w8a8 or int8; prefill takes longer: BENCHMARKS.md,
+    # "batch-invariant").
     batch_invariant: bool | None = None
     # Speculative decoding: a drafter model sharing this tier's tokenizer (demo name or path; "" = off)
     # proposes up to num_speculative_tokens tokens per decode step, the tier's model verifies them.

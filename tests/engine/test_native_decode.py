@@ -154,14 +154,16 @@ def test_beside_a_prefill_chunk_decode_rows_join_the_modules_only_where_they_giv
     tiny_qwen2: TinyModel, products: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A step with a prefill chunk reads each layer's weights once for all its rows where the modules compute a
-    decode row to the native layers' bits (w8a8 in tile order); with int8 weight-only the rows stay native."""
+    decode row to the native layers' bits (w8a8 in tile order); with int8 weight-only every row goes through the
+    native layers, the chunk's as decode rows too (a prompt alone as well)."""
     runner = native_engine(tiny_qwen2, products).runner
     layers_run = native_layers_run(monkeypatch)
     first, = prefill(runner, 0)
     third_prompt, third_table = SEQUENCES[2]
     runner.forward([first, TokenSpan(third_prompt, 0, third_table, "last")])
     assert runner.native_decoder is not None and runner.native_decoder.modules_match == (products != "int8")
-    assert layers_run == ([] if products != "int8" else list(range(tiny_qwen2.checkpoint.config.num_hidden_layers)))
+    every_layer = list(range(tiny_qwen2.checkpoint.config.num_hidden_layers))
+    assert layers_run == ([] if products != "int8" else every_layer * 2)  # the first prompt, then the step
 
 
 @pytest.mark.skipif(w8a8_amx() is None and w8a8_vnni() is None, reason="w8a8 native layers need VNNI or AMX")
@@ -195,8 +197,9 @@ def test_decoding_through_native_layers_gives_the_modules_tokens(tiny_model: Tin
 
 def test_every_layer_of_a_step_runs_natively_once(tiny_llama: TinyModel, monkeypatch: pytest.MonkeyPatch) -> None:
     runner = native_engine(tiny_llama).runner
+    decode_rows = prefill(runner, 0)
     layers_run = native_layers_run(monkeypatch)
-    runner.forward(prefill(runner, 0))
+    runner.forward(decode_rows)
     assert layers_run == list(range(tiny_llama.checkpoint.config.num_hidden_layers))
 
 
@@ -223,30 +226,32 @@ def answers(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingPara
                    outputs[name][0].num_cached_tokens) for name in requests}
 
 
+@pytest.mark.parametrize("batch_invariant", [True, False], ids=["batch_invariant", "default"])
 def test_a_batch_invariant_engine_gives_a_request_the_same_bits_however_it_is_batched_chunked_or_cached(
-    tiny_qwen2: TinyModel, products: str
+    tiny_qwen2: TinyModel, products: str, batch_invariant: bool
 ) -> None:
     """With `batch_invariant`, a request's tokens and logprobs are the same bits alone with its prompt in one chunk,
     and in 5-token chunks beside another request decoding, after a request that left part of its prompt in the
-    prefix cache; seeded sampling too. Its prompt's tokens then attend as decode rows."""
-    if products == "int8":
-        with pytest.raises(ValueError, match="batch_invariant needs"):
-            native_engine(tiny_qwen2, products, batch_invariant=True)
-        return
-    prompt = list(range(60, 93))
+    prefix cache; seeded sampling too. Its prompt's tokens then attend as decode rows: alone, more of them than the
+    native layers take at once (int8 weight-only then runs them as several forwards, its modules being other bits).
+    An int8 weight-only engine prefills so by default: it is batch invariant without the option."""
+    if not batch_invariant and products != "int8":
+        pytest.skip("w8a8 prefills in chunks unless asked to be batch invariant")
+    prompt = list(range(60, 120))
+    assert len(prompt) > decode_layer().max_rows  # type: ignore[union-attr]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=True)
     sampled = SamplingParams(temperature=0.9, max_tokens=12, ignore_eos=True, logprobs=True, top_logprobs=2, seed=7)
-    alone = native_engine(tiny_qwen2, products, batch_invariant=True, max_num_batched_tokens=64,
+    alone = native_engine(tiny_qwen2, products, batch_invariant=batch_invariant, max_num_batched_tokens=64,
                           enable_prefix_caching=False)
     expected = answers(alone, {"greedy": (prompt, greedy)}) | answers(alone, {"sampled": (prompt, sampled)})
 
-    busy = native_engine(tiny_qwen2, products, batch_invariant=True, max_num_batched_tokens=5)
+    busy = native_engine(tiny_qwen2, products, batch_invariant=batch_invariant, max_num_batched_tokens=5)
     answers(busy, {"warm": ([*prompt[:17], 1, 2, 3], greedy)})  # leaves the prompt's first 16 tokens cached
     other = (list(range(200, 211)), dataclasses.replace(greedy, max_tokens=30))
     tokens, logprobs, cached = answers(busy, {"other": other, "greedy": (prompt, greedy)})["greedy"]
     assert (tokens, logprobs) == expected["greedy"][:2] and cached == 16
     tokens, logprobs, cached = answers(busy, {"sampled": (prompt, sampled), "other": other})["sampled"]
-    assert (tokens, logprobs) == expected["sampled"][:2] and cached == 32  # the greedy run's blocks too
+    assert (tokens, logprobs) == expected["sampled"][:2] and cached == 56  # the greedy run's blocks too
     beside_sampled = answers(busy, {"greedy": (prompt, greedy), "sampled": (list(range(300, 320)), sampled)})
     assert beside_sampled["greedy"][:2] == expected["greedy"][:2]  # its logprobs from the same pass either way
 
