@@ -56,8 +56,6 @@ def _split_scored(logits: torch.Tensor, batch: ScheduledBatch, spans: list[Token
     return logits[sampled_rows], batch.sampled, scored
 
 
-
-
 def _joined(parts: list[torch.Tensor] | list[GreedyTokens]) -> torch.Tensor | GreedyTokens:
     """The outputs of consecutive forwards as one forward's."""
     if isinstance(parts[0], torch.Tensor):
@@ -129,9 +127,9 @@ class ModelRunner:
         # Every token attends as a decode row (`TokenSpan.as_decode_rows`), prompt chunks too: where decode rows
         # are the same bits alone or beside any others (`rows_are_batch_invariant`), a token's logits then do not
         # depend on what it was batched with or how its prompt was chunked or cached (EngineConfig.batch_invariant).
-        # Where the native layers compute a row to other bits than the modules (int8 weight-only), prompt tokens go
-        # through them so always (`native_prefill`): on AVX2 that prefills faster than the modules (BENCHMARKS.md,
-        # "prompts through the native layers"), and no row's bits depend on its step.
+        # Where the native layers compute a row to other bits than the modules (int8 weight-only), prompt tokens always
+        # go through them as decode rows (`native_prefill`): on AVX2 no slower than the modules' chunks (BENCHMARKS.md,
+        # "prompts through the native layers"), and no row's bits then depend on its step.
         native = self.native_decoder
         self.native_prefill = native is not None and not native.modules_match and self.decode_attention is not None
         if batch_invariant and not self.rows_are_batch_invariant():
