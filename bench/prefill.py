@@ -67,37 +67,32 @@ def time_to_first_token(engine: LLMEngine, prompt: list[int], request_id: str) -
     return time.perf_counter() - started
 
 
-@contextmanager
-def prefill_chunks(engine: LLMEngine) -> Iterator[None]:
-    """The engine with its prompts in prefill chunks through the modules, not as decode rows of the native layers."""
-    engine.runner.native_prefill = False
-    try:
-        yield
-    finally:
-        engine.runner.native_prefill = True
-
-
 # Each configuration a bench run takes, by name: a context manager around the run.
 Configurations = dict[str, Callable[[LLMEngine], AbstractContextManager[None]]]
 
 
-@contextmanager
-def batch_invariant(engine: LLMEngine) -> Iterator[None]:
-    """The engine with every prompt token attending as a decode row (`EngineConfig.batch_invariant`)."""
-    engine.runner.batch_invariant = True
-    try:
-        yield
-    finally:
-        engine.runner.batch_invariant = False
+def runner_flag(name: str, value: bool) -> Callable[[LLMEngine], AbstractContextManager[None]]:
+    """A configuration: the engine's model runner with its flag `name` set to `value` for the run, then as it was."""
+
+    @contextmanager
+    def configured(engine: LLMEngine) -> Iterator[None]:
+        before = getattr(engine.runner, name)
+        setattr(engine.runner, name, value)
+        try:
+            yield
+        finally:
+            setattr(engine.runner, name, before)
+
+    return configured
 
 
 def configurations(engine: LLMEngine) -> Configurations:
     """The configurations that apply to this engine, each as a context manager around a run."""
     ways: Configurations = {"shipped": lambda _: nullcontext()}
-    if engine.runner.native_prefill:
-        ways["prefill_chunks"] = prefill_chunks
-    elif engine.runner.rows_are_batch_invariant():
-        ways["batch_invariant"] = batch_invariant
+    if engine.runner.native_prefill:  # prompts in prefill chunks through the modules, not as native decode rows
+        ways["prefill_chunks"] = runner_flag("native_prefill", False)
+    elif engine.runner.rows_are_batch_invariant():  # every prompt token a decode row (EngineConfig.batch_invariant)
+        ways["batch_invariant"] = runner_flag("batch_invariant", True)
     return ways
 
 

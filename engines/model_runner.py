@@ -187,7 +187,7 @@ class ModelRunner:
         row and the modules would compute more rows to other bits; None where one forward keeps every row's bits. A
         later forward's rows attend to the K/V an earlier one wrote, as a later decode step's would."""
         native = self.native_decoder
-        if native is None or native.modules_match or not (self.batch_invariant or self.native_prefill):
+        if native is None or native.modules_match or not self.prompts_as_decode_rows:
             return None
         limit = native.max_rows
         if sum(len(span.token_ids) for span in spans) <= limit:
@@ -281,10 +281,15 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden).float()
         return greedy_tokens(logits, with_logprobs) if greedy else logits
 
+    @property
+    def prompts_as_decode_rows(self) -> bool:
+        """Whether every token attends as a decode row, prompt chunks too: in a batch-invariant engine, and through
+        native layers that are other bits than the modules (`native_prefill`)."""
+        return self.batch_invariant or self.native_prefill
+
     def _decodes(self, span: TokenSpan) -> bool:
-        """Whether the span's tokens attend as decode rows: one token, a verification, or any in a batch-invariant
-        engine or through native layers that are other bits than the modules."""
-        return len(span.token_ids) == 1 or span.as_decode_rows or self.batch_invariant or self.native_prefill
+        """Whether the span's tokens attend as decode rows: one token, a verification, or any where prompts do."""
+        return len(span.token_ids) == 1 or span.as_decode_rows or self.prompts_as_decode_rows
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         """A step's int64 index tensor on the runner's device."""
