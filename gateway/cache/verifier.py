@@ -8,7 +8,6 @@ reaches the threshold chosen on held-out data for a false-hit rate of at most 1%
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -105,7 +104,6 @@ class Matcher:
         tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
         tok.enable_truncation(max_length=int(meta.get("max_length", 64)))
         tok.enable_padding(pad_id=0, pad_token="[PAD]")
-        threads = int(os.environ.get("SLUICE_MATCHER_THREADS", threads))
         session = open_bert_session(directory / "model.onnx", threads, _providers(ort))
         chosen = threshold if threshold is not None else float(meta["threshold"])
         version = str(meta.get("version", "unversioned"))
