@@ -13,9 +13,26 @@ from typing import Any
 
 import numpy as np
 
+# PyTorch's own cap on the instructions its CPU kernels use (`ATEN_CPU_CAPABILITY`), honoured by ours too: with
+# "avx2" an AVX-512 machine chooses and runs what an AVX2-only CPU would (`auto` settings, the native kernels'
+# AVX2 builds), so those paths are tested and measured on any x86 host (`make test` runs the kernel tests so).
+ISA_CAP_ENV = "ATEN_CPU_CAPABILITY"
+FLAGS_BEYOND_CAP = {
+    "default": ("avx", "fma", "f16c", "amx"),  # SSE only: every native kernel off, PyTorch ops alone
+    "avx2": ("avx512", "avx_vnni", "amx"),
+    "avx512": ("amx",),
+}
+
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags, less those beyond `ATEN_CPU_CAPABILITY` where that is set."""
+    flags = _proc_cpu_flags()
+    dropped = FLAGS_BEYOND_CAP.get(os.environ.get(ISA_CAP_ENV, "").strip().lower(), ())
+    return frozenset(flag for flag in flags if not flag.startswith(dropped))
+
+
+def _proc_cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
