@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import sys
@@ -75,12 +76,11 @@ def write_results(name: str, figures: dict[str, Any]) -> Path:
 
 
 def run_without_amx() -> None:
-    """From here on, w8a8 layers are built as on CPUs with VNNI and no AMX (`TiledW8A8Linear` on `w8a8_vnni`), and
-    attention takes the build such CPUs run (`vdpbf16ps`, not AMX tiles): for benchmarks that measure that path on
-    an AMX CPU, beside the one `auto` picks there."""
-    from engines import cpu_kernels, quantization
+    """From here on, choose and run what a CPU with VNNI and no AMX would (w8a8 on `w8a8_vnni`, attention by
+    `vdpbf16ps`): `ATEN_CPU_CAPABILITY=avx512` (`engines.cpu`), for benchmarks that measure that path on an AMX
+    CPU beside the one `auto` picks there. Call it before any engine is built."""
+    from engines.cpu import ISA_CAP_ENV, cpu_flags
 
-    quantization.w8a8_tiled = cpu_kernels.w8a8_vnni  # type: ignore[assignment]
-    cpu_kernels.AMX_BF16_FLAGS = cpu_kernels.AMX_BF16_FLAGS | {"a CPU without AMX"}  # never all present
-    cpu_kernels.paged_decode_attention.cache_clear()
+    os.environ[ISA_CAP_ENV] = "avx512"
+    cpu_flags.cache_clear()
 
