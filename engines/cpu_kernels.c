@@ -43,7 +43,8 @@ static inline void thread_share(const int64_t n, int64_t *begin, int64_t *end) {
  * the weights stream from memory once per pass (below). Each thread takes a contiguous share of the output
  * features, so at one row it reads one sequential stream, which the hardware prefetchers follow (reading
  * several weight rows interleaved was ~40 % slower on 896-wide rows). Where a group of rows outgrows L1d (the
- * down projections), weight rows go in pairs against groups of PAIR_ROWS instead (`int8_pair_dot`).
+ * down projections), the features go in slices whose copies of the group's rows fit it (`int8_kblock_share`),
+ * each weight row's slice fetched ahead while the one before is multiplied.
  *
  * Prefill chunks take the same path: rows pass in chunks whose int16 copies stay in L2 (X_CHUNK_BYTES) while
  * the weight streams once per chunk. A row's product is then the same bits in a prefill chunk as in a decode
@@ -62,7 +63,7 @@ static inline void thread_share(const int64_t n, int64_t *begin, int64_t *end) {
  * one-row product of the small model's weights 10 % slower (same-run A/B, BENCHMARKS.md, 2026-12-04). */
 #define PREFETCH_BYTES 1024
 #define BLOCK_BYTES 16384  /* weight rows per block: as many as fit in these bytes (half of L1d), at least one */
-#define PAIR_ROWS 4  /* int8_pair_dot: 8 accumulators + 2 weight vectors + an input vector */
+#define KBLOCK_ROWS 64  /* int8_kblock_share: weight rows whose sums a thread carries across the feature slices */
 #define L1D_BYTES (32 * 1024)  /* the L1d of the AVX2-only CPUs this kernel serves (Zen 2 and 3, Haswell to Skylake) */
 
 static inline int64_t hsum_epi32_exact(const __m256i v) {
@@ -120,75 +121,79 @@ static inline __attribute__((always_inline)) void int8_dot(
     }
 }
 
-/* out[m][n] and out[m][n + 1] for the `count` (1 to PAIR_ROWS) rows of xq: two weight rows against each input row
- * loaded, so a pass over the rows reads each of them once for two output features. Where a group of input rows
- * outgrows L1d (the down projections' K) `int8_dot` reads them from L2 once per feature, and that bounds it
- * (`int8_pair_takes`). The same integer sums as `int8_dot`: the same bits. */
-static inline __attribute__((always_inline)) void int8_pair_dot(
-    const int count, const int16_t *xq, const float *x_scale, const int64_t K, const int8_t *w_rows,
-    const float *w_scale, const float *bias, float *out, const int64_t N) {
-    __m256i acc0[PAIR_ROWS], acc1[PAIR_ROWS];
-    for (int m = 0; m < count; m++) acc0[m] = acc1[m] = _mm256_setzero_si256();
-    const int8_t *w0 = w_rows, *w1 = w_rows + K;
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        const __m256i v0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w0 + k)));
-        const __m256i v1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w1 + k)));
-        for (int m = 0; m < count; m++) {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + m * K + k));
-            acc0[m] = _mm256_add_epi32(acc0[m], _mm256_madd_epi16(v0, x));
-            acc1[m] = _mm256_add_epi32(acc1[m], _mm256_madd_epi16(v1, x));
-        }
-    }
-    for (; k < K; k += 8) {
-        const __m128i v0 = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(w0 + k)));
-        const __m128i v1 = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(w1 + k)));
-        for (int m = 0; m < count; m++) {
-            const __m128i x = _mm_loadu_si128((const __m128i *)(xq + m * K + k));
-            acc0[m] = _mm256_add_epi32(acc0[m], _mm256_zextsi128_si256(_mm_madd_epi16(v0, x)));
-            acc1[m] = _mm256_add_epi32(acc1[m], _mm256_zextsi128_si256(_mm_madd_epi16(v1, x)));
-        }
-    }
-    for (int m = 0; m < count; m++) {
-        const float y0 = ((float)hsum_epi32_exact(acc0[m]) * x_scale[m]) * w_scale[0];
-        const float y1 = ((float)hsum_epi32_exact(acc1[m]) * x_scale[m]) * w_scale[1];
-        out[m * N] = bias ? y0 + bias[0] : y0;
-        out[m * N + 1] = bias ? y1 + bias[1] : y1;
-    }
-}
-
-/* Whether `int8_gemv_share` takes weight rows in pairs: where a group of input rows (up to ROWS_TOGETHER of them)
- * does not fit L1d. On a Zen 3 the down projections (K 4,864 and 8,960) then ran 1.4-1.6x faster from 2-4 rows
- * on, while pairs lost up to 1.6x on K = 1,536 (BENCHMARKS.md, 2026-12-07). */
-static inline int int8_pair_takes(const int64_t rows, const int64_t K) {
+/* Whether `int8_gemv_share` takes the features in slices (`int8_kblock_share`): where a group of input rows (up to
+ * ROWS_TOGETHER of them) does not fit L1d. On a Zen 4 running the AVX2 build the down projections (K 4,864 and
+ * 8,960) then ran 1.1-1.4x faster at 3 to 48 rows than weight rows in pairs (the path before), the same bits. */
+static inline int int8_kblock_takes(const int64_t rows, const int64_t K) {
     const int64_t group = rows < ROWS_TOGETHER ? rows : ROWS_TOGETHER;
     return rows >= 2 && group * K * (int64_t)sizeof(int16_t) > L1D_BYTES;
 }
 
-/* This thread's share of the output features in pairs of weight rows (`int8_pair_dot`), an odd last one alone. */
-static void int8_pair_share(const int16_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
-                            const int8_t *w, const float *w_scale, const float *bias, float *out, const int64_t N) {
-    const int64_t n_block = BLOCK_BYTES / K >= 4 ? BLOCK_BYTES / K / 2 * 2 : 2;
+/* The integer sums of `count` (1 to ROWS_TOGETHER) rows of xq (row stride `x_stride`) with one weight row over `length`
+ * features (a multiple of 8), added to sums[m]; `w_next` (the next weight row's same features, or NULL) is fetched
+ * ahead meanwhile. Each lane sums fewer products than `int8_dot`'s, so it is exact too, and so is the int64 total. */
+static inline __attribute__((always_inline)) void int8_dot_partial(
+    const int count, const int16_t *xq, const int64_t x_stride, const int64_t length, const int8_t *w,
+    const int8_t *w_next, int64_t *sums) {
+    __m256i acc[ROWS_TOGETHER];
+    for (int m = 0; m < count; m++) acc[m] = _mm256_setzero_si256();
+    int64_t k = 0;
+    for (; k + 32 <= length; k += 32) {
+        if (w_next) _mm_prefetch((const char *)(w_next + k), _MM_HINT_T0);
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k)));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k + 16)));
+        for (int m = 0; m < count; m++) {
+            const int16_t *x_row = xq + m * x_stride + k;
+            const __m256i p0 = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x_row));
+            const __m256i p1 = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x_row + 16)));
+            acc[m] = _mm256_add_epi32(acc[m], _mm256_add_epi32(p0, p1));
+        }
+    }
+    for (; k < length; k += 8) {
+        const __m128i w_part = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(w + k)));
+        for (int m = 0; m < count; m++) {
+            const __m128i p = _mm_madd_epi16(w_part, _mm_loadu_si128((const __m128i *)(xq + m * x_stride + k)));
+            acc[m] = _mm256_add_epi32(acc[m], _mm256_zextsi128_si256(p));
+        }
+    }
+    for (int m = 0; m < count; m++) sums[m] += hsum_epi32_exact(acc[m]);
+}
+
+/* This thread's share of the output features where a group of input rows outgrows L1d (the down projections' K):
+ * the features in slices whose int16 copies for the group fill half of L1d, each slice against every weight row
+ * of a block of KBLOCK_ROWS, the integer sums carried from slice to slice. The group's slice is read from L1
+ * for every weight row, where `int8_dot` would read the whole rows from L2; the weight still streams from memory
+ * once, a slice of a row at a time. The same integer sums as `int8_dot`, so the same bits. */
+static void int8_kblock_share(const int16_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
+                              const int8_t *w, const float *w_scale, const float *bias, float *out, const int64_t N) {
+    const int64_t group = rows < ROWS_TOGETHER ? rows : ROWS_TOGETHER;
+    const int64_t fitting = L1D_BYTES / 2 / (group * (int64_t)sizeof(int16_t)) / 32 * 32;
+    const int64_t slice = fitting > 32 ? fitting : 32;
+    int64_t sums[KBLOCK_ROWS * ROWS_TOGETHER];
     int64_t begin, end;
     thread_share(N, &begin, &end);
-    for (int64_t block = begin; block < end; block += n_block) {
-        const int64_t block_end = block + n_block < end ? block + n_block : end;
-        for (int64_t m = 0; m < rows; m += PAIR_ROWS) {
-            const int count = rows - m < PAIR_ROWS ? (int)(rows - m) : PAIR_ROWS;
-            const int16_t *x_rows = xq + m * K;
-            int64_t n = block;
-            for (; n + 2 <= block_end; n += 2) {
-                const float *pair_bias = bias ? bias + n : NULL;
-                float *pair_out = out + m * N + n;
-                switch (count) {  /* constant counts: registers */
-#define ROWS(r) case r: int8_pair_dot(r, x_rows, x_scale + m, K, w + n * K, w_scale + n, pair_bias, pair_out, N); break;
-                    ROWS(1) ROWS(2) ROWS(3) ROWS(4)
+    for (int64_t block = begin; block < end; block += KBLOCK_ROWS) {
+        const int64_t block_end = block + KBLOCK_ROWS < end ? block + KBLOCK_ROWS : end;
+        for (int64_t m = 0; m < rows; m += ROWS_TOGETHER) {
+            const int count = rows - m < ROWS_TOGETHER ? (int)(rows - m) : ROWS_TOGETHER;
+            memset(sums, 0, sizeof(sums));
+            for (int64_t k = 0; k < K; k += slice) {
+                const int64_t length = K - k < slice ? K - k : slice;
+                for (int64_t n = block; n < block_end; n++) {
+                    const int8_t *next = n + 1 < block_end ? w + (n + 1) * K + k : NULL;
+                    int64_t *row_sums = sums + (n - block) * ROWS_TOGETHER;
+                    switch (count) {  /* constant counts: registers */
+#define ROWS(r) case r: int8_dot_partial(r, xq + m * K + k, K, length, w + n * K + k, next, row_sums); break;
+                        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
 #undef ROWS
+                    }
                 }
             }
-            if (n < block_end)  /* the odd last feature: the group's rows in one pass over its weight row */
-                int8_dot(count, x_rows, x_scale + m, K, w + n * K, w_scale[n], bias ? bias + n : NULL,
-                         out + m * N + n, N);
+            for (int64_t n = block; n < block_end; n++)
+                for (int r = 0; r < count; r++) {
+                    const float y = ((float)sums[(n - block) * ROWS_TOGETHER + r] * x_scale[m + r]) * w_scale[n];
+                    out[(m + r) * N + n] = bias ? y + bias[n] : y;
+                }
         }
     }
 }
@@ -203,8 +208,8 @@ static void quantize_rows_int16(const float *x, const int64_t rows, const int64_
 /* This thread's share of the output features of q(x) · wᵀ: called by every thread of a team, no barrier. */
 static void int8_gemv_share(const int16_t *xq, const float *x_scale, const int64_t rows, const int64_t K,
                             const int8_t *w, const float *w_scale, const float *bias, float *out, const int64_t N) {
-    if (int8_pair_takes(rows, K)) {
-        int8_pair_share(xq, x_scale, rows, K, w, w_scale, bias, out, N);
+    if (int8_kblock_takes(rows, K)) {
+        int8_kblock_share(xq, x_scale, rows, K, w, w_scale, bias, out, N);
         return;
     }
     const int64_t n_block = BLOCK_BYTES / K > 1 ? BLOCK_BYTES / K : 1;

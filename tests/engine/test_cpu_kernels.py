@@ -233,7 +233,7 @@ def int16_rows_product(layer: Int8Linear, x: torch.Tensor, x_levels: int) -> tor
 
 @needs_library
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 21])
-# 8,968 features: rows whose int16 copies outgrow L1d, where weight rows go in pairs (and an 8-wide tail)
+# 8,968 features: rows whose int16 copies outgrow L1d, where the features go in slices (and an 8-wide tail)
 @pytest.mark.parametrize(("in_features", "bias"), [(256, False), (200, True), (4864 // 8, True), (8968, True)])
 def test_the_int8_kernel_is_the_quantised_layer_on_int16_activations(rows: int, in_features: int, bias: bool) -> None:
     with_kernel, packed = layer_pair(Int8Linear, in_features, 37, bias)  # 37 outputs: the threads' shares end mid-way
@@ -253,6 +253,18 @@ def test_the_int8_kernel_is_the_quantised_layer_on_int16_activations(rows: int, 
     torch.testing.assert_close(packed(x), out, rtol=2e-2, atol=2e-2 * exact.abs().max().item())
 
 
+@needs_library
+@pytest.mark.parametrize("rows", [3, 21])
+def test_the_int8_kernel_carries_its_sums_across_feature_slices_for_every_block_of_weight_rows(rows: int) -> None:
+    """Rows outgrowing L1d go through the features in slices, 64 weight rows at a time: 150 outputs give each of two
+    threads more than one such block, 8,968 features several slices and a tail."""
+    with_kernel, _ = layer_pair(Int8Linear, 8968, 150, True)
+    x = torch.randn(rows, 8968) * torch.logspace(-2, 2, rows).unsqueeze(1)
+    out = with_kernel(x)
+    assert torch.equal(out, int16_rows_product(with_kernel, x, with_kernel.gemv.x_levels))  # type: ignore[union-attr]
+    assert torch.equal(out, torch.cat([with_kernel(x[i : i + 1]) for i in range(rows)]))
+
+
 @pytest.mark.parametrize("in_features", [200, 256])
 def test_the_int8_layer_without_its_kernel_is_right_at_any_width(in_features: int) -> None:
     """torch's packed int8 op misreads rows whose width is not a multiple of 16 on AVX-512 CPUs (wrong sums
@@ -266,7 +278,7 @@ def test_the_int8_layer_without_its_kernel_is_right_at_any_width(in_features: in
 
 
 @needs_library
-@pytest.mark.parametrize("rows", [1, 2])  # two rows of this width take the weight rows in pairs
+@pytest.mark.parametrize("rows", [1, 2])  # two rows of this width take the features in slices
 def test_the_int8_kernel_sums_exactly_at_its_largest_inputs(rows: int) -> None:
     """Every weight ±127 and every activation at its row's extreme: the int32 lanes must not wrap."""
     kernel = int8_gemv()
@@ -287,7 +299,7 @@ def test_the_int8_kernel_sums_exactly_at_its_largest_inputs(rows: int) -> None:
 
 
 @needs_library
-@pytest.mark.parametrize("in_features", [200, 8968])  # weight rows one at a time, and in pairs
+@pytest.mark.parametrize("in_features", [200, 8968])  # whole weight rows, and the features in slices
 def test_a_row_through_the_int8_kernel_is_the_same_bits_in_any_batch(in_features: int) -> None:
     """A speculative verification step (k + 1 rows a sequence) must give the logits plain decoding does."""
     with_kernel, _ = layer_pair(Int8Linear, in_features, 37, True)
