@@ -90,56 +90,17 @@ static void quantize_row_int16(const float *x, const int64_t K, int16_t *xq, flo
     *x_scale = scale;
 }
 
-/* out[m][n] for the `count` (1 to ROWS_TOGETHER) rows of xq from `xq`. */
-static inline __attribute__((always_inline)) void int8_dot(
-    const int count, const int16_t *xq, const float *x_scale, const int64_t K, const int8_t *w_row,
-    const float w_scale, const float *bias, float *out, const int64_t N) {
-    __m256i acc[ROWS_TOGETHER];
-    for (int m = 0; m < count; m++) acc[m] = _mm256_setzero_si256();
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-        _mm_prefetch((const char *)(w_row + k + PREFETCH_BYTES), _MM_HINT_T0);
-        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w_row + k)));
-        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w_row + k + 16)));
-        for (int m = 0; m < count; m++) {
-            const int16_t *x_row = xq + m * K + k;
-            const __m256i p0 = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x_row));
-            const __m256i p1 = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x_row + 16)));
-            acc[m] = _mm256_add_epi32(acc[m], _mm256_add_epi32(p0, p1));
-        }
-    }
-    for (; k < K; k += 8) {
-        const __m128i w_part = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(w_row + k)));
-        for (int m = 0; m < count; m++) {
-            const __m128i p = _mm_madd_epi16(w_part, _mm_loadu_si128((const __m128i *)(xq + m * K + k)));
-            acc[m] = _mm256_add_epi32(acc[m], _mm256_zextsi128_si256(p));
-        }
-    }
-    for (int m = 0; m < count; m++) {
-        const float y = ((float)hsum_epi32_exact(acc[m]) * x_scale[m]) * w_scale;
-        out[m * N] = bias ? y + *bias : y;
-    }
-}
-
-/* Whether `int8_gemv_share` takes the features in slices (`int8_kblock_share`): where a group of input rows (up to
- * ROWS_TOGETHER of them) does not fit L1d. On a Zen 4 running the AVX2 build the down projections (K 4,864 and
- * 8,960) then ran 1.1-1.4x faster at 3 to 48 rows than weight rows in pairs (the path before), the same bits. */
-static inline int int8_kblock_takes(const int64_t rows, const int64_t K) {
-    const int64_t group = rows < ROWS_TOGETHER ? rows : ROWS_TOGETHER;
-    return rows >= 2 && group * K * (int64_t)sizeof(int16_t) > L1D_BYTES;
-}
-
 /* The integer sums of `count` (1 to ROWS_TOGETHER) rows of xq (row stride `x_stride`) with one weight row over `length`
- * features (a multiple of 8), added to sums[m]; `w_next` (the next weight row's same features, or NULL) is fetched
- * ahead meanwhile. Each lane sums fewer products than `int8_dot`'s, so it is exact too, and so is the int64 total. */
+ * features (a multiple of 8), added to sums[m], exactly (see the bound above); `ahead[k]` (or nothing where NULL) is
+ * fetched while w[k] is multiplied. */
 static inline __attribute__((always_inline)) void int8_dot_partial(
     const int count, const int16_t *xq, const int64_t x_stride, const int64_t length, const int8_t *w,
-    const int8_t *w_next, int64_t *sums) {
+    const int8_t *ahead, int64_t *sums) {
     __m256i acc[ROWS_TOGETHER];
     for (int m = 0; m < count; m++) acc[m] = _mm256_setzero_si256();
     int64_t k = 0;
     for (; k + 32 <= length; k += 32) {
-        if (w_next) _mm_prefetch((const char *)(w_next + k), _MM_HINT_T0);
+        if (ahead) _mm_prefetch((const char *)(ahead + k), _MM_HINT_T0);
         const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k)));
         const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k + 16)));
         for (int m = 0; m < count; m++) {
@@ -157,6 +118,26 @@ static inline __attribute__((always_inline)) void int8_dot_partial(
         }
     }
     for (int m = 0; m < count; m++) sums[m] += hsum_epi32_exact(acc[m]);
+}
+
+/* out[m][n] for the `count` (1 to ROWS_TOGETHER) rows of xq from `xq`. */
+static inline __attribute__((always_inline)) void int8_dot(
+    const int count, const int16_t *xq, const float *x_scale, const int64_t K, const int8_t *w_row,
+    const float w_scale, const float *bias, float *out, const int64_t N) {
+    int64_t sums[ROWS_TOGETHER] = {0};
+    int8_dot_partial(count, xq, K, K, w_row, w_row + PREFETCH_BYTES, sums);
+    for (int m = 0; m < count; m++) {
+        const float y = ((float)sums[m] * x_scale[m]) * w_scale;
+        out[m * N] = bias ? y + *bias : y;
+    }
+}
+
+/* Whether `int8_gemv_share` takes the features in slices (`int8_kblock_share`): where a group of input rows (up to
+ * ROWS_TOGETHER of them) does not fit L1d. On a Zen 4 running the AVX2 build the down projections (K 4,864 and
+ * 8,960) then ran 1.1-1.4x faster at 3 to 48 rows than weight rows in pairs (the path before), the same bits. */
+static inline int int8_kblock_takes(const int64_t rows, const int64_t K) {
+    const int64_t group = rows < ROWS_TOGETHER ? rows : ROWS_TOGETHER;
+    return rows >= 2 && group * K * (int64_t)sizeof(int16_t) > L1D_BYTES;
 }
 
 /* This thread's share of the output features where a group of input rows outgrows L1d (the down projections' K):
