@@ -178,10 +178,13 @@ def chat_plan(request: ChatCompletionRequest, template_supports_tools: bool) -> 
         call = tool_calls.forced_call_grammar(forced)
         return ChatPlan(tool_calls.FORCED_PREFIX, call, ((call, "tools"),), "forced", parallel)
     names = frozenset(tool.function.name for tool in tools)
-    if schema is None:
+    # Strict function schemas promise valid arguments: the reply is then held to valid calls or text (as beside a
+    # format); without them it is free, and calls are read from it as the model wrote them.
+    if schema is None and not any(tool.function.strict for tool in tools):
         return ChatPlan(tools="auto", parallel_tool_calls=parallel, tool_names=names)
     grammar = tool_calls.calls_or_answer_grammar(tools, schema, parallel)
-    checks = ((tool_calls.forced_call_grammar(tools), "tools"), *answer_checks, (grammar, "response_format"))
+    checks = ((tool_calls.forced_call_grammar(tools), "tools"), *answer_checks,
+              (grammar, "tools" if schema is None else "response_format"))
     return ChatPlan(grammar=grammar, checks=checks, tools="auto", parallel_tool_calls=parallel, tool_names=names,
                     answer=answer)
 

@@ -13,7 +13,8 @@ else in the reply keeps it text.
 
 `tool_choice` "required" or a named function forces a call: the prompt ends with the block's
 opening `<tool_call>\n`, and constrained decoding allows only `{"name": <a tool>, "arguments":
-<its parameters' schema>}` (strict function schemas are honoured on this path).
+<its parameters' schema>}` (strict function schemas are honoured on this path). With "auto", a `strict` function
+holds the reply to such calls or to text that holds none (`calls_or_answer_grammar`), as a `response_format` does.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ WHOLE_REPLY_OPENERS = "{[`"  # how a reply written as JSON calls begins: an obje
 _CALL_KEYS = frozenset({"name", "arguments", "parameters"})
 # A reply's first key where it opens like JSON (after a fence or a list's bracket): a call's is one of _CALL_KEYS.
 _FIRST_KEY = re.compile(r'\s*(?:```(?:json)?\s*)?\[?\s*\{\s*"([^"\\]*)"')
+# A free-text answer beside strict tools (a lark terminal): empty, or opening with anything but a blank or what
+# opens a call (`WHOLE_REPLY_OPENERS`, or the `<` of a block), and holding no block.
+TEXT_ANSWER = r'/([^\s{\[`<][\s\S]*)?/ & ~/[\s\S]*<tool_call>[\s\S]*/'
 # Between the tokens of a constrained call's JSON: nothing, a space, or a new line indented (pretty-printed calls).
 CALL_WHITESPACE = r"(?: |\n {0,16})?"
 
@@ -56,15 +60,16 @@ def forced_call_grammar(tools: list[Tool]) -> GrammarSpec:
     return GrammarSpec("json_schema", json.dumps(_call_schema(tools)))
 
 
-def calls_or_answer_grammar(tools: list[Tool], answer: dict[str, Any], parallel: bool) -> GrammarSpec:
-    """What `tool_choice: "auto"` beside a `response_format` allows: tool calls, or an answer valid against the
-    `answer` schema — the model chooses. Calls as models write them: the template's blocks (one, or several on
+def calls_or_answer_grammar(tools: list[Tool], answer: dict[str, Any] | None, parallel: bool) -> GrammarSpec:
+    """What `tool_choice: "auto"` allows beside a `response_format`, or beside strict tools: tool calls, or an
+    answer — valid against the `answer` schema, or without one (None) free text that does not open like a call
+    (`TEXT_ANSWER`) — the model chooses. Calls as models write them: the template's blocks (one, or several on
     lines of their own when `parallel`), or one call as bare JSON or in a ```json fence (how the demo models
     call, `whole_reply_calls`), with the line breaks and indentation the model likes (bounded: a weak model
     cannot loop on blanks) and arguments valid against the function's parameters. A bare or fenced call may
     also name a function the request does not declare: that is how weak models answer beside tools, and such a
     reply is answered again under the answer's schema alone (`invented_call`), where forcing a declared name
-    would have made it a call to the wrong tool."""
+    would have made it a call to the wrong tool; beside strict tools alone it is text, as without them."""
     block = f'"{CALL_START}\\n" call "\\n{CALL_END}"'
     return GrammarSpec("lark", "\n".join([
         "start: blocks | any_call | fenced_call | answer",
@@ -72,7 +77,7 @@ def calls_or_answer_grammar(tools: list[Tool], answer: dict[str, Any], parallel:
         'fenced_call: "```json\\n" any_call "\\n```"',
         f"call: {inline_json(_call_schema(tools), whitespace=CALL_WHITESPACE)}",
         f"any_call: {inline_json(_any_call_schema(tools), whitespace=CALL_WHITESPACE)}",
-        f"answer: {inline_json(answer)}",
+        f"answer: {inline_json(answer)}" if answer is not None else f"answer: TEXT\nTEXT: {TEXT_ANSWER}",
     ]))
 
 

@@ -339,6 +339,28 @@ def test_beside_a_response_format_a_reply_is_calls_to_the_tools_or_an_answer_in_
     assert _follows_grammar(tool_serving, grammar, reply) is allowed
 
 
+@pytest.mark.parametrize(("reply", "allowed"), [
+    (f"<tool_call>\n{TIME_CALL}\n</tool_call>", True),
+    (TIME_CALL, True),
+    ('```json\n{\n  "name": "get_day",\n  "arguments": {\n    "zone": "CET"\n  }\n}\n```', True),
+    ("It is sunny in Oslo.", True),  # an answer in words
+    ("Oslo: {sunny} [today] <b>", True),  # what opens a call is anywhere but first
+    ("", True),
+    ('{"name": "get_weather", "arguments": {"city": "Oslo"}}', True),  # invented: text, as without strict tools
+    ('{"name": "get_time", "arguments": {"zone": "PST"}}', False),  # arguments outside the parameters
+    ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "PST"}}\n</tool_call>', False),
+    (f"Let me look.\n<tool_call>\n{TIME_CALL}\n</tool_call>", False),  # text holds no block: calls come first
+    ('{"zone": "UTC"}', False),  # JSON that is no call
+    (" It is sunny.", False),  # an answer starts with what it says
+])
+def test_beside_strict_tools_a_reply_is_valid_calls_or_text_that_holds_none(
+        tool_serving: OpenAIServing, reply: str, allowed: bool) -> None:
+    """Strict function schemas promise arguments that validate, whatever `tool_choice`: with "auto" the reply
+    is calls with valid arguments, or text that cannot be read as a call."""
+    grammar = tool_calls.calls_or_answer_grammar(SHORT_TOOLS, None, parallel=True)
+    assert _follows_grammar(tool_serving, grammar, reply) is allowed
+
+
 def test_without_parallel_calls_the_grammar_allows_one_block(tool_serving: OpenAIServing) -> None:
     grammar = tool_calls.calls_or_answer_grammar(SHORT_TOOLS, FORECAST, parallel=False)
     block = f"<tool_call>\n{TIME_CALL}\n</tool_call>"
@@ -409,6 +431,50 @@ async def test_a_streamed_answer_beside_tools_streams_as_it_is_written(tool_serv
     pieces = [c.delta.content for chunk in chunks for c in chunk.choices if c.delta.content]
     assert len(pieces) > 1 and not any(c.delta.tool_calls for chunk in chunks for c in chunk.choices)
     jsonschema.validate(json.loads("".join(pieces)), FORECAST)
+
+
+def _strict(tools: list[Tool]) -> list[Tool]:
+    return [Tool(type=t.type, function=FunctionDefinition(name=t.function.name, parameters=t.function.parameters,
+                                                          strict=True)) for t in tools]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_strict_tools_with_auto_choice_get_calls_whose_arguments_validate(tool_serving: OpenAIServing,
+                                                                                stream: bool) -> None:
+    """Steered to open with `<` (which no answer in words does), the random model calls in the template's block:
+    with strict schemas its arguments validate (unconstrained, it writes `<` after `<`, a reply of no call)."""
+    bias = _banning_openings(tool_serving, b"{", b"`")
+    bias.update({i: 100.0 for i in range(tool_serving.tokenizer.vocab_size)
+                 if not tool_serving.tokenizer.is_special(i) and tool_serving.tokenizer.token_bytes(i) == b"<"})
+    for seed in range(3):
+        request = ask(tools=_strict(SHORT_TOOLS), seed=seed, logit_bias=bias, stream=stream, parallel_tool_calls=False)
+        if stream:
+            chunks = [chunk async for chunk in tool_serving.chat_stream(request)]
+            deltas = [c.delta for chunk in chunks for c in chunk.choices]
+            finish = [c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason]
+            calls = {}
+            for delta in deltas:
+                for call in delta.tool_calls or []:
+                    calls.setdefault(call.index, ["", ""])
+                    calls[call.index][0] += call.function.name or "" if call.function else ""
+                    calls[call.index][1] += call.function.arguments or "" if call.function else ""
+            assert calls and finish == ["tool_calls"]
+            for name, arguments in calls.values():
+                _valid_call(ToolCall(id="x", type="function", function=FunctionCall(name=name, arguments=arguments)))
+        else:
+            (result,) = (await tool_serving.chat(request)).choices
+            assert _calls_or_answer_in_words(result) == "calls"
+
+
+def _calls_or_answer_in_words(result: ChatChoice) -> str:
+    """Like `_calls_or_answer`, for a reply beside strict tools alone: valid calls, or text that holds none."""
+    if result.message.tool_calls:
+        assert result.finish_reason == "tool_calls" and result.message.content is None
+        for call in result.message.tool_calls:
+            _valid_call(call)
+        return "calls"
+    assert "<tool_call>" not in (result.message.content or "")
+    return "text"
 
 
 def _invented_call_then_answer(serving: OpenAIServing) -> dict[int, float]:
