@@ -71,6 +71,12 @@ class FunctionTool(msgspec.Struct, kw_only=True):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
+    @property
+    def is_strict(self) -> bool:
+        """Responses function tools are strict unless `strict: false` says otherwise (OpenAI's function-calling
+        guide: omitted, Responses holds calls to the schema; Chat Completions does not)."""
+        return self.strict is not False
+
 
 class ToolChoiceFunction(msgspec.Struct, kw_only=True):
     type: str
@@ -248,7 +254,7 @@ def _tool(tool: FunctionTool, index: int) -> Tool:
         raise _refuse(f"tools of type `{tool.type}` are not supported (function tools with a name)",
                       f"tools[{index}]")
     return Tool(type="function", function=FunctionDefinition(name=tool.name, description=tool.description,
-                                                             parameters=tool.parameters, strict=tool.strict))
+                                                             parameters=tool.parameters, strict=tool.is_strict))
 
 
 def _tool_choice(choice: str | ToolChoiceFunction | None) -> str | NamedToolChoice | None:
@@ -331,7 +337,7 @@ class ResponseShell:
                incomplete: dict[str, str] | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
         request = self.request
         tools = [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
-                  "strict": t.strict} for t in request.tools or []]
+                  "strict": t.is_strict} for t in request.tools or []]
         choice = request.tool_choice
         text_format = request.text.format if request.text is not None and request.text.format else TextFormat()
         return {

@@ -94,6 +94,15 @@ def test_an_answer_passed_back_with_its_text_and_call_is_one_assistant_turn() ->
         ("user", "Weather in Oslo?", 0), ("assistant", "Checking.", 1), ("tool", "3 C", 0)]
 
 
+@pytest.mark.parametrize(("strict", "expected"), [(None, True), (True, True), (False, False)])
+def test_a_function_tool_is_strict_unless_it_says_otherwise(strict: bool | None, expected: bool) -> None:
+    """As on OpenAI: a Responses function tool without `strict` holds its calls to the schema; Chat Completions'
+    tools do not (their default stays non-strict)."""
+    tool = {**WEATHER} if strict is None else {**WEATHER, "strict": strict}
+    chat = to_chat(request(tools=[tool]))
+    assert chat.tools is not None and chat.tools[0].function.strict is expected
+
+
 def test_text_format_becomes_response_format_and_logprobs_come_from_include() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     chat = to_chat(request(text={"format": {"type": "json_schema", "name": "x", "schema": schema, "strict": True}},
