@@ -450,31 +450,15 @@ async def test_strict_tools_with_auto_choice_get_calls_whose_arguments_validate(
         request = ask(tools=_strict(SHORT_TOOLS), seed=seed, logit_bias=bias, stream=stream, parallel_tool_calls=False)
         if stream:
             chunks = [chunk async for chunk in tool_serving.chat_stream(request)]
-            deltas = [c.delta for chunk in chunks for c in chunk.choices]
+            deltas = [d for chunk in chunks for c in chunk.choices for d in (c.delta.tool_calls or [])]
             finish = [c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason]
-            calls = {}
-            for delta in deltas:
-                for call in delta.tool_calls or []:
-                    calls.setdefault(call.index, ["", ""])
-                    calls[call.index][0] += call.function.name or "" if call.function else ""
-                    calls[call.index][1] += call.function.arguments or "" if call.function else ""
-            assert calls and finish == ["tool_calls"]
-            for name, arguments in calls.values():
-                _valid_call(ToolCall(id="x", type="function", function=FunctionCall(name=name, arguments=arguments)))
+            (delta,) = deltas  # a call is sent whole, once it is
+            assert finish == ["tool_calls"] and delta.function is not None and delta.function.name is not None
+            _valid_call(ToolCall(id=delta.id, function=FunctionCall(name=delta.function.name,
+                                                                    arguments=delta.function.arguments or "")))
         else:
             (result,) = (await tool_serving.chat(request)).choices
-            assert _calls_or_answer_in_words(result) == "calls"
-
-
-def _calls_or_answer_in_words(result: ChatChoice) -> str:
-    """Like `_calls_or_answer`, for a reply beside strict tools alone: valid calls, or text that holds none."""
-    if result.message.tool_calls:
-        assert result.finish_reason == "tool_calls" and result.message.content is None
-        for call in result.message.tool_calls:
-            _valid_call(call)
-        return "calls"
-    assert "<tool_call>" not in (result.message.content or "")
-    return "text"
+            assert _calls_or_answer(result) == "calls"  # valid calls, no content
 
 
 def _invented_call_then_answer(serving: OpenAIServing) -> dict[int, float]:
